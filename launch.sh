@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Thin torchrun wrapper around trainer/main.py.
+#
+#   ./launch.sh                                   # the embedded default: +experiment=debug
+#   ./launch.sh +experiment=38m_ddp training.steps=50
+#   NPROC=4 ./launch.sh +experiment=debug parallelism.dp_replicate=2 parallelism.dp_shard=2
+#   NNODES=4 NODE_RANK=$i RDZV_ENDPOINT=host0:29500 ./launch.sh +experiment=7b_hsdp
+#
+# NPROC defaults to the number of visible GPUs, else 2 CPU ranks (gloo).
+set -euo pipefail
+cd "$(dirname "$0")"
+
+if [[ -z "${NPROC:-}" ]]; then
+  NPROC=0
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    NPROC=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  fi
+  [[ "$NPROC" -gt 0 ]] || NPROC=2
+fi
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+RDZV_ENDPOINT=${RDZV_ENDPOINT:-localhost:0}
+
+if [[ $# -eq 0 ]]; then
+  set -- +experiment=debug
+fi
+
+# CPU ranks share the cores: one thread each avoids oversubscription.
+if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
+  export OMP_NUM_THREADS=1
+fi
+
+if [[ "$NNODES" -gt 1 ]]; then
+  exec torchrun --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node="$NPROC" \
+    --rdzv_backend=c10d --rdzv_endpoint="$RDZV_ENDPOINT" --rdzv_id="${RDZV_ID:-meshwright}" \
+    ${TORCHRUN_ARGS:-} trainer/main.py "$@"
+fi
+exec torchrun --standalone --nproc_per_node="$NPROC" ${TORCHRUN_ARGS:-} trainer/main.py "$@"

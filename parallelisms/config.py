@@ -1,0 +1,45 @@
+"""Typed parallelism options (the ``parallelism`` config group's schema).
+
+They live here, not in ``trainer/``, so that ``parallelize()`` can take them directly
+while ``parallelisms/`` keeps never importing the trainer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class DDPConfig:
+    impl: str = "custom"  # custom (bucketed hooks, the seed's design) | torch
+    bucket_mb: float = 25.0
+    sharded_optimizer: bool = False  # ZeRO-1: optimizer state sharded over dp_replicate
+    grad_dtype: Optional[str] = None  # None (= grad dtype) | bfloat16 | float16: compress buckets
+
+
+@dataclass
+class FSDPConfig:
+    reshard_after_forward: bool = True  # true = ZeRO-3, false = ZeRO-2
+    param_dtype: str = "float32"  # dtype of gathered parameters for compute
+    reduce_dtype: str = "float32"  # dtype of the gradient reduce-scatter
+    cpu_offload: bool = False
+
+
+@dataclass
+class ParallelismConfig:
+    dp_replicate: int = 1
+    dp_shard: int = -1  # -1 = whatever is left of the world
+    cp: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    sequence_parallel: bool = True
+    loss_parallel: bool = True
+    async_tp: bool = False
+    pp_schedule: str = "1F1B"
+    pp_microbatches: Optional[int] = None
+    pp_layers_per_stage: Optional[int] = None
+    pp_stages_per_rank: int = 1

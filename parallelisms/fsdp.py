@@ -1,0 +1,41 @@
+"""FSDP2 (ZeRO-2/3) and HSDP via ``torch.distributed.fsdp.fully_shard``.
+
+Each transformer block is its own FSDP unit (one all-gather / reduce-scatter per block,
+overlapped with the neighbouring blocks' compute), and the root wraps what is left
+(embedding, final norm, output head). Apply on the meta device: parameters become
+sharded DTensors before anything is allocated, so no rank ever holds the whole model;
+the caller then runs ``to_empty`` + ``init_weights`` (see parallelize.py).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from models.errors import ConfigError
+from parallelisms.config import FSDPConfig
+from parallelisms.utils import to_dtype
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: FSDPConfig, *, device_type: str) -> nn.Module:
+    """Shard ``model`` over ``mesh``: 1-D = FSDP on dp_shard(_cp); 2-D (replicate, shard) = HSDP.
+
+    ``reshard_after_forward=True`` frees gathered parameters after each block's forward and
+    gathers them again in backward (ZeRO-3); ``False`` keeps them until backward (ZeRO-2:
+    less communication, more memory). The last block never reshards after forward since
+    backward needs it immediately.
+    """
+    if cfg.cpu_offload and device_type != "cuda":
+        raise ConfigError(
+            "parallelism.fsdp.cpu_offload=true offloads GPU memory to the host; on a CPU run the "
+            "parameters already live there. Set parallelism.fsdp.cpu_offload=false."
+        )
+    mp_policy = MixedPrecisionPolicy(param_dtype=to_dtype(cfg.param_dtype), reduce_dtype=to_dtype(cfg.reduce_dtype))
+    offload: OffloadPolicy = CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy()
+    blocks = list(model.layers.values()) if hasattr(model, "layers") else []
+    for i, block in enumerate(blocks):
+        reshard = cfg.reshard_after_forward and i < len(blocks) - 1
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=cfg.reshard_after_forward)
+    return model

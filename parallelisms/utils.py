@@ -1,0 +1,77 @@
+"""Small layout-aware helpers shared by the strategies and the trainer."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from models.errors import ConfigError
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def to_dtype(name: str) -> torch.dtype:
+    """Map a config dtype name to a torch dtype."""
+    if name not in _DTYPES:
+        raise ConfigError(f"dtype {name!r} is not one of {sorted(_DTYPES)}.")
+    return _DTYPES[name]
+
+
+@torch.no_grad()
+def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Write the part of a full (unsharded) tensor that this rank holds into ``param``.
+
+    For a DTensor parameter (FSDP shard, TP shard, or both) only the local slice of
+    ``full`` is copied, so every layout gets exactly the single-process values.
+    """
+    if isinstance(param, DTensor):
+        local_shape, offset = compute_local_shape_and_global_offset(full.shape, param.device_mesh, param.placements)
+        index = tuple(slice(o, o + s) for o, s in zip(offset, local_shape))
+        local = param.to_local()
+        local.copy_(full[index].to(local.device, local.dtype))
+    else:
+        param.copy_(full.to(param.device, param.dtype))
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: Iterable[nn.Parameter],
+    max_norm: float,
+    *,
+    foreach: bool | None = None,
+    pp_mesh: DeviceMesh | None = None,
+) -> torch.Tensor:
+    """Clip gradients by their global 2-norm; return the norm (same value on every rank).
+
+    Works for plain tensors (replicated by DDP), DTensors (FSDP/TP shards: the per-tensor
+    norms come back as Partial DTensors and ``full_tensor()`` reduces them over the mesh)
+    and pipeline stages (squared norms of the stages are summed over ``pp_mesh``).
+    ``max_norm <= 0`` only measures.
+    """
+    params = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in params]
+    if not grads:
+        total_norm = torch.zeros(())
+    else:
+        total_norm = torch.nn.utils.get_total_norm(grads, 2.0, False, foreach)
+        if isinstance(total_norm, DTensor):
+            total_norm = total_norm.full_tensor()
+    if pp_mesh is not None and pp_mesh.size() > 1:
+        total_norm = total_norm**2
+        dist.all_reduce(total_norm, group=pp_mesh.get_group())
+        total_norm = total_norm.sqrt()
+    if max_norm > 0 and grads:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm, foreach)
+    return total_norm
+
+
+def is_finite(x: torch.Tensor) -> bool:
+    """Host-side finiteness check (one device sync)."""
+    return math.isfinite(float(x))

@@ -1,0 +1,239 @@
+"""Typed configuration: the dataclass schemas behind every Hydra config group.
+
+Hydra composes ``configs/train.yaml`` with the overrides; every group file extends the
+schema registered here (``defaults: [base_<group>, _self_]``) and the whole tree extends
+``base_train``, so unknown keys and wrong types fail at composition time with OmegaConf's
+own message. ``to_train_config`` then converts the composed tree once into these
+dataclasses and ``validate`` checks the cross-field rules, raising ``ConfigError``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from models.errors import ConfigError
+from models.llama import LlamaArgs
+from parallelisms.config import DDPConfig, FSDPConfig, ParallelismConfig
+
+__all__ = [
+    "CheckpointConfig",
+    "ConfigError",
+    "DataConfig",
+    "DDPConfig",
+    "FSDPConfig",
+    "JobConfig",
+    "LRSchedulerConfig",
+    "MetricsConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "ParallelismConfig",
+    "TrainConfig",
+    "TrainingConfig",
+    "register_configs",
+    "to_train_config",
+]
+
+
+@dataclass
+class ModelConfig(LlamaArgs):
+    """A model preset: the architecture arguments plus the preset's name."""
+
+    name: str = "debug"
+
+
+@dataclass
+class DataConfig:
+    source: str = "builtin"  # builtin | text | json | parquet | hub
+    path: Optional[str] = None  # local file, glob or directory; dataset name for hub
+    name: Optional[str] = None  # hub dataset config name
+    split: str = "train"  # split to read (local files and hub)
+    text_field: str = "text"  # column holding the document text
+    tokenizer: str = "byte"  # "byte" or a path to a HF tokenizer.json
+    val_fraction: float = 0.01  # share of documents held out for validation
+    max_documents: Optional[int] = None  # cap on documents read; None = all
+    shuffle: bool = True  # shuffle training windows each epoch (seeded)
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adamw"  # adamw
+    lr: float = 3e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    implementation: str = "auto"  # auto | fused | foreach | for-loop
+
+
+@dataclass
+class LRSchedulerConfig:
+    warmup_steps: int = 10
+    decay_type: str = "cosine"  # cosine | linear | constant
+    min_lr_ratio: float = 0.1  # floor of the decay, as a fraction of optimizer.lr
+
+
+@dataclass
+class CheckpointConfig:
+    enable: bool = False
+    folder: str = "checkpoints"  # relative to job.dump_folder
+    interval: int = 500  # steps between saves
+    keep_latest: int = 0  # 0 = keep all, else >= 2
+    async_mode: str = "disabled"  # disabled | async
+    load_step: int = -1  # -1 = newest complete checkpoint
+    save_final: bool = True
+
+
+@dataclass
+class MetricsConfig:
+    log_freq: int = 10
+    tensorboard: bool = True
+    jsonl: bool = True
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 100
+    seed: int = 0
+    seq_len: int = 256
+    global_batch_size: int = 16  # sequences per optimizer step across all dp ranks
+    micro_batch_size: int = 4  # sequences per forward/backward per dp rank
+    grad_clip: float = 1.0  # max global grad norm; <= 0 disables clipping
+    mixed_precision: str = "fp32"  # fp32 | bf16 (autocast)
+    compile: bool = False
+    activation_checkpoint: str = "none"  # none | full | selective
+    ac_selective: str = "layer"  # selective: layer (every k-th block) | op (save matmul outputs)
+    ac_layer_interval: int = 2  # selective layer: checkpoint every k-th block
+    deterministic: bool = False
+    device: str = "auto"  # auto | cpu | cuda
+    eval_freq: int = 0  # steps between evaluations; 0 = never
+    eval_steps: int = 4  # validation batches per evaluation
+
+
+@dataclass
+class JobConfig:
+    name: str = "run"
+    dump_folder: str = "outputs/${job.name}"  # identical on every rank: no timestamps
+
+
+@dataclass
+class TrainConfig:
+    job: JobConfig = field(default_factory=JobConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+
+
+_GROUPS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "optimizer": OptimizerConfig,
+    "lr_scheduler": LRSchedulerConfig,
+    "parallelism": ParallelismConfig,
+    "checkpoint": CheckpointConfig,
+    "metrics": MetricsConfig,
+}
+
+
+def register_configs() -> None:
+    """Register the schemas in Hydra's ConfigStore (idempotent)."""
+    cs = ConfigStore.instance()
+    cs.store(name="base_train", node=TrainConfig)
+    for group, schema in _GROUPS.items():
+        cs.store(group=group, name=f"base_{group}", node=schema)
+
+
+def _choices(value: str, allowed: tuple[str, ...], key: str) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}; set {key} to one of them.")
+
+
+def _positive(value: float, key: str) -> None:
+    if value <= 0:
+        raise ConfigError(f"{key}={value} must be positive; set {key} to a value > 0.")
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Cross-field checks that do not need the world size (``ParallelDims`` does the rest)."""
+    cfg.model.validate()
+    t = cfg.training
+    for key in ("steps", "seq_len", "global_batch_size", "micro_batch_size", "eval_steps", "ac_layer_interval"):
+        _positive(getattr(t, key), f"training.{key}")
+    if t.eval_freq < 0:
+        raise ConfigError(f"training.eval_freq={t.eval_freq} must be >= 0 (0 disables evaluation).")
+    if t.seq_len > cfg.model.max_seq_len:
+        raise ConfigError(
+            f"training.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}; "
+            f"lower training.seq_len or raise model.max_seq_len."
+        )
+    _choices(t.mixed_precision, ("fp32", "bf16"), "training.mixed_precision")
+    _choices(t.activation_checkpoint, ("none", "full", "selective"), "training.activation_checkpoint")
+    _choices(t.device, ("auto", "cpu", "cuda"), "training.device")
+    _choices(t.ac_selective, ("layer", "op"), "training.ac_selective")
+    if t.grad_clip < 0 or math.isnan(t.grad_clip):
+        raise ConfigError(f"training.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping).")
+
+    o = cfg.optimizer
+    _choices(o.name, ("adamw",), "optimizer.name")
+    _choices(o.implementation, ("auto", "fused", "foreach", "for-loop"), "optimizer.implementation")
+    _positive(o.lr, "optimizer.lr")
+    if not all(0.0 <= b < 1.0 for b in o.betas):
+        raise ConfigError(f"optimizer.betas={list(o.betas)} must lie in [0, 1).")
+
+    s = cfg.lr_scheduler
+    _choices(s.decay_type, ("cosine", "linear", "constant"), "lr_scheduler.decay_type")
+    if s.warmup_steps < 0:
+        raise ConfigError(f"lr_scheduler.warmup_steps={s.warmup_steps} must be >= 0.")
+    if not 0.0 <= s.min_lr_ratio <= 1.0:
+        raise ConfigError(f"lr_scheduler.min_lr_ratio={s.min_lr_ratio} must lie in [0, 1].")
+
+    p = cfg.parallelism
+    _choices(p.ddp.impl, ("custom", "torch"), "parallelism.ddp.impl")
+    _positive(p.ddp.bucket_mb, "parallelism.ddp.bucket_mb")
+    if p.ddp.grad_dtype is not None:
+        _choices(p.ddp.grad_dtype, ("float32", "bfloat16", "float16"), "parallelism.ddp.grad_dtype")
+    for key in ("param_dtype", "reduce_dtype"):
+        _choices(getattr(p.fsdp, key), ("float32", "bfloat16", "float16"), f"parallelism.fsdp.{key}")
+
+    c = cfg.checkpoint
+    _choices(c.async_mode, ("disabled", "async"), "checkpoint.async_mode")
+    _positive(c.interval, "checkpoint.interval")
+    if c.keep_latest == 1 or c.keep_latest < 0:
+        raise ConfigError(
+            f"checkpoint.keep_latest={c.keep_latest}: use 0 (keep all) or >= 2, so that the newest "
+            f"complete checkpoint survives while the next one is written."
+        )
+    _positive(cfg.metrics.log_freq, "metrics.log_freq")
+    _choices(cfg.data.source, ("builtin", "text", "json", "parquet", "hub"), "data.source")
+    if not 0.0 <= cfg.data.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must lie in [0, 1).")
+
+
+def to_train_config(dcfg: DictConfig | dict[str, Any]) -> TrainConfig:
+    """Convert a composed Hydra config into typed dataclasses and validate it."""
+    if not isinstance(dcfg, DictConfig):
+        dcfg = OmegaConf.create(dcfg)
+    merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), dcfg)
+    missing = sorted(OmegaConf.missing_keys(merged))
+    if missing:
+        raise ConfigError(
+            f"mandatory config value(s) {missing} not set; pass them on the command line, "
+            f"e.g. {missing[0]}=..."
+        )
+    cfg = OmegaConf.to_object(merged)
+    assert isinstance(cfg, TrainConfig)  # guaranteed by the structured merge, not user input
+    validate(cfg)
+    return cfg
+
+
+def to_yaml(cfg: TrainConfig) -> str:
+    """The resolved config as YAML (written to ``<dump_folder>/config.yaml``)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
