@@ -52,14 +52,15 @@ class ParallelDims:
             if self.world_size % others != 0:
                 raise ConfigError(
                     f"world size {self.world_size} is not divisible by dp_replicate*cp*tp*pp = {others} "
-                    f"(dp_replicate={self.dp_replicate}, cp={self.cp}, tp={self.tp}, pp={self.pp}); "
-                    f"change the degrees or launch a multiple of {others} processes."
+                    f"(parallelism.dp_replicate={self.dp_replicate}, parallelism.cp={self.cp}, "
+                    f"parallelism.tp={self.tp}, parallelism.pp={self.pp}); change these degrees so that their "
+                    f"product divides {self.world_size}, or launch a multiple of {others} processes."
                 )
             self.dp_shard = self.world_size // others
         product = others * self.dp_shard
         if product != self.world_size:
             raise ConfigError(
-                f"parallel degrees multiply to {product} (dp_replicate={self.dp_replicate} x "
+                f"parallel degrees multiply to {product} (parallelism.dp_replicate={self.dp_replicate} x "
                 f"dp_shard={self.dp_shard} x cp={self.cp} x tp={self.tp} x pp={self.pp}) but the world "
                 f"size is {self.world_size}; make the product equal the number of processes "
                 f"(e.g. set parallelism.dp_shard=-1 to fill it, or launch {product} processes)."

@@ -1,0 +1,49 @@
+"""Every experiment preset composes and validates at its intended world size."""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+
+import pytest
+import torch
+
+from models.llama import Transformer, num_params
+from parallelisms.parallel_dims import ParallelDims
+from tests.configs import CONFIG_DIR, make_config
+
+EXPERIMENTS = sorted(os.path.basename(p)[:-5] for p in glob.glob(os.path.join(CONFIG_DIR, "experiment", "*.yaml")))
+
+# Published parameter counts of the model presets (billions).
+PUBLISHED = {"1b": 1.24e9, "llama2_7b": 6.74e9, "llama3_8b": 8.03e9, "llama3_70b": 70.6e9, "llama3_405b": 405.9e9}
+
+
+def intended_world_size(name: str) -> int:
+    with open(os.path.join(CONFIG_DIR, "experiment", f"{name}.yaml"), encoding="utf-8") as f:
+        match = re.search(r"intended world size:\s*(\d+)", f.read())
+    assert match, f"experiment/{name}.yaml must state '# intended world size: N'"
+    return int(match.group(1))
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_experiment_composes_and_validates(name: str) -> None:
+    cfg = make_config(f"+experiment={name}")
+    world = intended_world_size(name)
+    p = cfg.parallelism
+    dims = ParallelDims(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp, p.ep, world)
+    dims.validate_model(cfg.model, seq_len=cfg.training.seq_len, sequence_parallel=p.sequence_parallel)
+    accum = dims.grad_accum_steps(cfg.training.global_batch_size, cfg.training.micro_batch_size)
+    assert accum >= 1
+    assert dims.dp * dims.cp * dims.tp * dims.pp == world
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    n = num_params(model)
+    if cfg.model.name in PUBLISHED:
+        assert abs(n - PUBLISHED[cfg.model.name]) / PUBLISHED[cfg.model.name] < 0.02
+    if cfg.model.name == "38m":
+        assert abs(n - 38e6) / 38e6 < 0.03
+
+
+def test_experiment_list_is_not_empty() -> None:
+    assert {"debug", "38m_ddp", "7b_fsdp", "7b_hsdp"} <= set(EXPERIMENTS)
