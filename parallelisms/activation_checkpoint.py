@@ -13,7 +13,6 @@ Modes (``training.activation_checkpoint``):
 
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper

@@ -31,11 +31,21 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: FSDPConfig, *, device_ty
             "parallelism.fsdp.cpu_offload=true offloads GPU memory to the host; on a CPU run the "
             "parameters already live there. Set parallelism.fsdp.cpu_offload=false."
         )
-    mp_policy = MixedPrecisionPolicy(param_dtype=to_dtype(cfg.param_dtype), reduce_dtype=to_dtype(cfg.reduce_dtype))
+    mp_policy = MixedPrecisionPolicy(
+        param_dtype=to_dtype(cfg.param_dtype), reduce_dtype=to_dtype(cfg.reduce_dtype)
+    )
     offload: OffloadPolicy = CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy()
     blocks = list(model.layers.values()) if hasattr(model, "layers") else []
     for i, block in enumerate(blocks):
         reshard = cfg.reshard_after_forward and i < len(blocks) - 1
-        fully_shard(block, mesh=mesh, mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=cfg.reshard_after_forward)
+        fully_shard(
+            block, mesh=mesh, mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=reshard
+        )
+    fully_shard(
+        model,
+        mesh=mesh,
+        mp_policy=mp_policy,
+        offload_policy=offload,
+        reshard_after_forward=cfg.reshard_after_forward,
+    )
     return model

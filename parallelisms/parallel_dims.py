@@ -167,4 +167,3 @@ def mesh_view(mesh: DeviceMesh, *names: str) -> DeviceMesh:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Slicing a flattened dim")
         return mesh[names[0]] if len(names) == 1 else mesh[names]
-

@@ -53,7 +53,9 @@ def parallelize(
         from parallelisms.fsdp import apply_fsdp
 
         dp_mesh = (
-            mesh_view(mesh, "dp_replicate", "dp_shard_cp") if dims.dp_replicate > 1 else mesh_view(mesh, "dp_shard_cp")
+            mesh_view(mesh, "dp_replicate", "dp_shard_cp")
+            if dims.dp_replicate > 1
+            else mesh_view(mesh, "dp_shard_cp")
         )
         apply_fsdp(model, dp_mesh, cfg.fsdp, device_type=device.type)
 
@@ -66,5 +68,11 @@ def parallelize(
         from parallelisms.utils import to_dtype
 
         grad_dtype = to_dtype(cfg.ddp.grad_dtype) if cfg.ddp.grad_dtype else None
-        model = apply_ddp(model, mesh_view(mesh, "dp_replicate"), impl=cfg.ddp.impl, bucket_mb=cfg.ddp.bucket_mb, grad_dtype=grad_dtype)
+        model = apply_ddp(
+            model,
+            mesh_view(mesh, "dp_replicate"),
+            impl=cfg.ddp.impl,
+            bucket_mb=cfg.ddp.bucket_mb,
+            grad_dtype=grad_dtype,
+        )
     return model

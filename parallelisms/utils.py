@@ -32,7 +32,9 @@ def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
     ``full`` is copied, so every layout gets exactly the single-process values.
     """
     if isinstance(param, DTensor):
-        local_shape, offset = compute_local_shape_and_global_offset(full.shape, param.device_mesh, param.placements)
+        local_shape, offset = compute_local_shape_and_global_offset(
+            full.shape, param.device_mesh, param.placements
+        )
         index = tuple(slice(o, o + s) for o, s in zip(offset, local_shape))
         local = param.to_local()
         local.copy_(full[index].to(local.device, local.dtype))

@@ -13,10 +13,18 @@ from models.llama import Transformer, num_params
 from parallelisms.parallel_dims import ParallelDims
 from tests.configs import CONFIG_DIR, make_config
 
-EXPERIMENTS = sorted(os.path.basename(p)[:-5] for p in glob.glob(os.path.join(CONFIG_DIR, "experiment", "*.yaml")))
+EXPERIMENTS = sorted(
+    os.path.basename(p)[:-5] for p in glob.glob(os.path.join(CONFIG_DIR, "experiment", "*.yaml"))
+)
 
 # Published parameter counts of the model presets (billions).
-PUBLISHED = {"1b": 1.24e9, "llama2_7b": 6.74e9, "llama3_8b": 8.03e9, "llama3_70b": 70.6e9, "llama3_405b": 405.9e9}
+PUBLISHED = {
+    "1b": 1.24e9,
+    "llama2_7b": 6.74e9,
+    "llama3_8b": 8.03e9,
+    "llama3_70b": 70.6e9,
+    "llama3_405b": 405.9e9,
+}
 
 
 def intended_world_size(name: str) -> int:

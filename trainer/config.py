@@ -165,7 +165,14 @@ def validate(cfg: TrainConfig) -> None:
     """Cross-field checks that do not need the world size (``ParallelDims`` does the rest)."""
     cfg.model.validate()
     t = cfg.training
-    for key in ("steps", "seq_len", "global_batch_size", "micro_batch_size", "eval_steps", "ac_layer_interval"):
+    for key in (
+        "steps",
+        "seq_len",
+        "global_batch_size",
+        "micro_batch_size",
+        "eval_steps",
+        "ac_layer_interval",
+    ):
         _positive(getattr(t, key), f"training.{key}")
     if t.eval_freq < 0:
         raise ConfigError(f"training.eval_freq={t.eval_freq} must be >= 0 (0 disables evaluation).")

@@ -142,7 +142,12 @@ class MetricsLogger:
         """Log an evaluation on the validation split."""
         import math
 
-        record = {"step": step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)), "eval_tokens": num_tokens}
+        record = {
+            "step": step,
+            "eval_loss": loss,
+            "eval_perplexity": math.exp(min(loss, 50.0)),
+            "eval_tokens": num_tokens,
+        }
         logger.info(f"eval  step {step:>6}  loss {loss:8.4f}  ppl {record['eval_perplexity']:.2f}")
         self._write(record, step)
         return record

@@ -51,7 +51,9 @@ def build_optimizer(
     return torch.optim.AdamW(groups, **kwargs)
 
 
-def lr_factor(step: int, *, warmup_steps: int, total_steps: int, decay_type: str, min_lr_ratio: float) -> float:
+def lr_factor(
+    step: int, *, warmup_steps: int, total_steps: int, decay_type: str, min_lr_ratio: float
+) -> float:
     """Multiplier of the peak LR for the ``step``-th optimizer step (0-based).
 
     Linear warmup reaches the peak at step ``warmup_steps - 1``; then cosine or linear
@@ -70,7 +72,9 @@ def lr_factor(step: int, *, warmup_steps: int, total_steps: int, decay_type: str
     return min_lr_ratio + (1.0 - min_lr_ratio) * shape
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRSchedulerConfig, total_steps: int) -> LambdaLR:
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: LRSchedulerConfig, total_steps: int
+) -> LambdaLR:
     """Warmup + decay schedule; ``scheduler.step()`` once per optimizer step."""
 
     def fn(step: int) -> float:

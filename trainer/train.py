@@ -130,8 +130,14 @@ class Trainer:
         self.model.train()
 
         # 5. Optimizer, schedule, metrics.
-        shard_mesh = mesh_view(self.mesh, "dp_replicate") if (self.dims.ddp_enabled and p.ddp.sharded_optimizer) else None
-        self.optimizer = build_optimizer(self.model, cfg.optimizer, device_type=self.device.type, shard_mesh=shard_mesh)
+        shard_mesh = (
+            mesh_view(self.mesh, "dp_replicate")
+            if (self.dims.ddp_enabled and p.ddp.sharded_optimizer)
+            else None
+        )
+        self.optimizer = build_optimizer(
+            self.model, cfg.optimizer, device_type=self.device.type, shard_mesh=shard_mesh
+        )
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
         self.state = TrainState()
         self.autocast = (
@@ -264,4 +270,3 @@ class Trainer:
         """Tear down the process group if this trainer created it."""
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
-

@@ -50,15 +50,27 @@ def reference(tmp_path_factory) -> list[float]:
 LAYOUTS = {
     "custom_ddp_x2": (2, ["parallelism.dp_replicate=2", "parallelism.dp_shard=1"]),
     "custom_ddp_x4": (4, ["parallelism.dp_replicate=4", "parallelism.dp_shard=1"]),
-    "custom_ddp_zero1_x2": (2, ["parallelism.dp_replicate=2", "parallelism.dp_shard=1", "parallelism.ddp.sharded_optimizer=true"]),
-    "custom_ddp_zero1_x4": (4, ["parallelism.dp_replicate=4", "parallelism.dp_shard=1", "parallelism.ddp.sharded_optimizer=true"]),
-    "torch_ddp_x2": (2, ["parallelism.dp_replicate=2", "parallelism.dp_shard=1", "parallelism.ddp.impl=torch"]),
+    "custom_ddp_zero1_x2": (
+        2,
+        ["parallelism.dp_replicate=2", "parallelism.dp_shard=1", "parallelism.ddp.sharded_optimizer=true"],
+    ),
+    "custom_ddp_zero1_x4": (
+        4,
+        ["parallelism.dp_replicate=4", "parallelism.dp_shard=1", "parallelism.ddp.sharded_optimizer=true"],
+    ),
+    "torch_ddp_x2": (
+        2,
+        ["parallelism.dp_replicate=2", "parallelism.dp_shard=1", "parallelism.ddp.impl=torch"],
+    ),
     "fsdp_x2": (2, ["parallelism.dp_shard=2"]),
     "fsdp_x4": (4, ["parallelism.dp_shard=4"]),
     "fsdp_zero2_x2": (2, ["parallelism.dp_shard=2", "parallelism.fsdp.reshard_after_forward=false"]),
     "hsdp_2x2": (4, ["parallelism.dp_replicate=2", "parallelism.dp_shard=2"]),
     "fsdp_ac_full_x2": (2, ["parallelism.dp_shard=2", "training.activation_checkpoint=full"]),
-    "fsdp_ac_selective_op_x2": (2, ["parallelism.dp_shard=2", "training.activation_checkpoint=selective", "training.ac_selective=op"]),
+    "fsdp_ac_selective_op_x2": (
+        2,
+        ["parallelism.dp_shard=2", "training.activation_checkpoint=selective", "training.ac_selective=op"],
+    ),
 }
 
 
