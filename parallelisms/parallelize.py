@@ -41,6 +41,18 @@ def parallelize(
     compile: bool = False,
 ) -> nn.Module:
     """Apply every active parallelism to ``model`` (built on meta) and materialise it on ``device``."""
+    if dims.tp > 1:
+        from parallelisms.tensor_parallel import apply_tp
+
+        apply_tp(
+            model,
+            mesh_view(mesh, "tp"),
+            sequence_parallel=cfg.sequence_parallel,
+            loss_parallel=cfg.loss_parallel,
+            async_tp=cfg.async_tp,
+            compile=compile,
+            device_type=device.type,
+        )
     if activation_checkpoint != "none":
         from parallelisms.activation_checkpoint import apply_ac
 

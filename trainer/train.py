@@ -13,6 +13,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from models.errors import ConfigError
 from models.llama import Transformer, num_flops_per_token, param_count
@@ -128,6 +130,7 @@ class Trainer:
             compile=t.compile,
         )  # fmt: skip
         self.model.train()
+        self.loss_parallel = self.dims.tp > 1 and p.loss_parallel
 
         # 5. Optimizer, schedule, metrics.
         shard_mesh = (
@@ -169,12 +172,18 @@ class Trainer:
         return dp_rep_idx * d.dp_shard + dp_shard_idx
 
     def _loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Sum of token cross-entropies of one microbatch."""
+        """Sum of token cross-entropies of one microbatch (call under ``self._loss_context()``)."""
         with self.autocast:
-            logits = self.model(inputs)  # (b, S, V)
-        return F.cross_entropy(
+            logits = self.model(inputs)  # (b, S, V); a vocab-sharded DTensor under loss parallel
+        loss = F.cross_entropy(
             logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX, reduction="sum"
         )
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+    def _loss_context(self) -> contextlib.AbstractContextManager:
+        """Cross-entropy on vocab-sharded logits (TP loss parallel) must run, forward and
+        backward, inside torch's ``loss_parallel()`` context."""
+        return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
 
     def _global_count(self, local: torch.Tensor) -> torch.Tensor:
         """Sum a local count over the data/context-parallel ranks (no host sync)."""
@@ -200,7 +209,7 @@ class Trainer:
         for i, (mi, ml) in enumerate(zip(micro_inputs, micro_labels)):
             last = i == self.grad_accum_steps - 1
             ctx = no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
-            with ctx:
+            with ctx, self._loss_context():
                 micro_loss = self._loss_sum(mi, ml)
                 (micro_loss * scale).backward()
             loss_sum += micro_loss.detach()
@@ -231,7 +240,8 @@ class Trainer:
         for _ in range(self.cfg.training.eval_steps):
             batch = self.val_loader.next_batch()
             labels = batch.labels.to(self.device)
-            loss_sum += self._loss_sum(batch.inputs.to(self.device), labels)
+            with self._loss_context():
+                loss_sum += self._loss_sum(batch.inputs.to(self.device), labels)
             count += (labels != IGNORE_INDEX).sum()
         self.model.train()
         totals = torch.stack([loss_sum, count])
