@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from models.errors import ConfigError
 
@@ -47,6 +48,15 @@ from models.errors import ConfigError
 _BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
 
 _WRAPPED_PREFIX = "module."
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds: a DTensor's local shard (tensor-parallel parameters), else ``t``.
+
+    DDP replicates over an axis orthogonal to the DTensor's mesh (e.g. tp), so each rank
+    broadcasts and averages only its own shard with the ranks holding the same shard.
+    """
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def broadcast_tensors_coalesced(
@@ -148,9 +158,9 @@ class BucketedDDP(nn.Module):
         self._use_avg_op = dist.get_backend(process_group) == dist.Backend.NCCL
         self.require_backward_grad_sync = True  # False inside no_sync()
 
-        states = [p for p in module.parameters()]
+        states = [_local(p) for p in module.parameters()]
         if broadcast_buffers:
-            states += [b for b in module.buffers()]
+            states += [_local(b) for b in module.buffers()]
         broadcast_tensors_coalesced(states, process_group)
 
         self._buckets = self._build_buckets([p for p in module.parameters() if p.requires_grad])
@@ -185,7 +195,7 @@ class BucketedDDP(nn.Module):
             offsets, numel = [], 0
             for p in current:
                 offsets.append(numel)
-                numel += p.numel()
+                numel += _local(p).numel()
             buckets.append(_Bucket(params=list(current), offsets=offsets, numel=numel))
 
         for p in reversed(params):
@@ -193,7 +203,7 @@ class BucketedDDP(nn.Module):
                 close()
                 current, size = [], 0
             current.append(p)
-            size += p.numel() * p.element_size()
+            size += _local(p).numel() * p.element_size()
             if size >= self.bucket_bytes:
                 close()
                 current, size = [], 0
@@ -237,7 +247,10 @@ class BucketedDDP(nn.Module):
         buf = torch.zeros(bucket.numel, dtype=p0.dtype, device=p0.device)
         bucket.buffer = buf
         bucket.cast_for_wire = self.grad_dtype is not None and self.grad_dtype != buf.dtype
-        bucket.slots = [buf[o : o + p.numel()].view(p.shape) for p, o in zip(bucket.params, bucket.offsets)]
+        bucket.slots = []
+        for p, o in zip(bucket.params, bucket.offsets):
+            local = _local(p)
+            bucket.slots.append(buf[o : o + local.numel()].view(local.shape))
 
     def _copy_into_slot(self, bucket: _Bucket, i: int) -> None:
         """Move params[i]'s gradient into its bucket slot and point ``p.grad`` at the slot.
@@ -252,14 +265,22 @@ class BucketedDDP(nn.Module):
         if grad is None:
             slot.zero_()
             return
-        if grad.data_ptr() == slot.data_ptr() and grad.shape == slot.shape and grad.stride() == slot.stride():
+        if isinstance(grad, DTensor) and isinstance(p, DTensor) and grad.placements != p.placements:
+            grad = grad.redistribute(p.device_mesh, p.placements)  # e.g. Partial grads of SP norms
+        local = _local(grad)
+        if local.data_ptr() == slot.data_ptr() and local.shape == slot.shape and local.stride() == slot.stride():
             if scale:
                 slot.mul_(1.0 / self.world_size)  # accumulated in place (grad already is the slot)
         elif scale:
-            torch.mul(grad, 1.0 / self.world_size, out=slot)
+            torch.mul(local, 1.0 / self.world_size, out=slot)
         else:
-            slot.copy_(grad)
-        p.grad = slot
+            slot.copy_(local)
+        if isinstance(p, DTensor):
+            p.grad = DTensor.from_local(
+                slot, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+            )
+        else:
+            p.grad = slot
 
     def _on_grad_ready(self, bucket_index: int, i: int) -> None:
         if not self.require_backward_grad_sync:
