@@ -13,7 +13,9 @@ The module tree and parameter names match torchtitan's Llama 3 model, so tensor-
 Three properties let the parallelism code in ``parallelisms/`` work without touching this file:
 
 * ``Attention`` derives the number of heads from tensor shapes at runtime, so column-sharded
-  ``wq/wk/wv`` (tensor parallel) simply yield fewer local heads.
+  ``wq/wk/wv`` (tensor parallel) simply yield fewer local heads. It also slices the rotary
+  cache to the sequence length it sees, so a sequence-sharded residual stream (sequence
+  parallel) still gets the rotations of the full sequence.
 * ``Transformer.forward`` tolerates a missing ``tok_embeddings`` / ``norm`` / ``output`` and
   deleted entries of the ``layers`` ``ModuleDict``, so a pipeline stage is this same class
   with pieces removed.
@@ -243,7 +245,11 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
     def forward(self, x: Tensor, rope_cache: Tensor) -> Tensor:
+        """``x`` (B, S, H); ``rope_cache`` (>= S, D), the first S rows are used."""
         B, S, _ = x.shape  # (B, S, H)
+        # Sliced here, where the whole sequence is present: under sequence parallelism the
+        # residual stream outside attention holds only S / tp tokens per rank.
+        rope_cache = rope_cache[:S]  # (S, D)
         q = self.wq(x).view(B, S, -1, self.head_dim)  # (B, S, nh, D)   nh: local query heads
         k = self.wk(x).view(B, S, -1, self.head_dim)  # (B, S, nkv, D)  nkv: local kv heads
         v = self.wv(x).view(B, S, -1, self.head_dim)  # (B, S, nkv, D)
@@ -346,16 +352,17 @@ class Transformer(nn.Module):
         Stage-friendly: with ``tok_embeddings`` None the input is a hidden state (B, S, H);
         with ``output`` None the hidden state (B, S, H) is returned.
         """
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, S, H)
-        seq_len = h.shape[1]
+        seq_len = tokens.shape[1]  # ids (B, S) or hidden state (B, S, H)
         if seq_len > self.args.max_seq_len:
             raise ConfigError(
                 f"sequence length {seq_len} exceeds model.max_seq_len={self.args.max_seq_len}; "
                 "raise model.max_seq_len or lower training.seq_len."
             )
-        rope_cache = self.rope_cache[:seq_len]  # (S, D)
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, S, H)
+        # The whole cache is passed on: attention slices it to the sequence length it sees,
+        # which under sequence parallelism is larger than h's local S / tp.
         for layer in self.layers.values():
-            h = layer(h, rope_cache)  # (B, S, H)
+            h = layer(h, self.rope_cache)  # (B, S, H)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h  # (B, S, V) or (B, S, H)
 

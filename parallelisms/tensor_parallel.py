@@ -1,0 +1,229 @@
+"""Tensor parallel (Megatron-style), sequence parallel and loss parallel for the Llama model.
+
+The plan is data: ``llama_tp_plan`` returns a dict from module name to ``ParallelStyle``
+(seed article, section 5 "TP"), applied by ``parallelize_module`` on the 1-D ``tp`` mesh:
+
+=====================  ==========================  ================================================
+module                 style                       what it does
+=====================  ==========================  ================================================
+tok_embeddings         RowwiseParallel             weight sharded over the vocab; each rank looks up
+                                                   its ids, zeros elsewhere, then a sum over tp
+attention.wq/wk/wv     ColwiseParallel             n_heads / tp query and n_kv_heads / tp kv heads
+attention.wo           RowwiseParallel             partial sums -> all_reduce (or reduce_scatter)
+feed_forward.w1/w3     ColwiseParallel             hidden F / tp columns
+feed_forward.w2        RowwiseParallel             partial sums -> all_reduce (or reduce_scatter)
+output                 ColwiseParallel             logits sharded over the vocab
+=====================  ==========================  ================================================
+
+The local head counts need no bookkeeping: ``Attention`` reads them from the (local) shapes
+of ``wq/wk`` outputs, so column sharding leaves ``n_heads // tp`` and ``n_kv_heads // tp``
+heads per rank; ``repeat_kv`` keeps query head j on kv head j // n_rep inside any contiguous
+slice of heads, hence grouped-query attention stays correct.
+
+Sequence parallel (``sequence_parallel=True``) keeps the residual stream sharded along the
+sequence (``Shard(1)``) between the TP regions: the norms run on S / tp tokens
+(``SequenceParallel``), ``PrepareModuleInput`` all-gathers the sequence on entry to attention
+and the FFN (the article's f), and ``wo/w2`` reduce-scatter (g) instead of all-reducing. The
+communicated bytes are the same; the activations outside the TP regions shrink by tp.
+
+Loss parallel (``loss_parallel=True``) keeps the logits a DTensor sharded on the vocab; the
+trainer then computes cross-entropy inside ``torch.distributed.tensor.parallel.loss_parallel()``
+(one all-reduce of a (B, S) field instead of all-gathering (B, S, V) logits). Without it the
+head all-gathers and returns plain full logits.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from models.errors import ConfigError
+
+__all__ = ["ReplicateParallel", "llama_tp_plan", "apply_tp", "check_tp_fits_node"]
+
+
+class ReplicateParallel(ParallelStyle):
+    """Replicate a module's parameters over the tp mesh and run it on replicated inputs.
+
+    Used for the norms when sequence parallel is off: they compute on the full (replicated)
+    residual stream, the same on every rank. Making their weights ``Replicate`` DTensors keeps
+    every parameter of the model a DTensor on the same tp mesh, so FSDP turns all of them into
+    2-D DTensors and the gradient norm is one DTensor reduction (no mix of plain tensors and
+    DTensors). Input and output stay plain tensors for the caller.
+    """
+
+    @staticmethod
+    def _replicate_params(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for p_name, param in list(module.named_parameters(recurse=False)):
+            # Values are written later by init_weights (copy_full_into); from_local just wraps.
+            dparam = DTensor.from_local(param.data, mesh, [Replicate()], run_check=False)
+            module.register_parameter(p_name, nn.Parameter(dparam, param.requires_grad))
+
+    @staticmethod
+    def _prepare_input(module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+        x = inputs[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        return (x, *inputs[1:])
+
+    @staticmethod
+    def _prepare_output(module: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
+        return output.to_local() if isinstance(output, DTensor) else output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(
+            module, device_mesh, self._replicate_params, self._prepare_input, self._prepare_output
+        )
+
+
+def llama_tp_plan(
+    model: nn.Module, *, sequence_parallel: bool = True, loss_parallel: bool = True
+) -> dict[str, ParallelStyle]:
+    """The TP plan of a (possibly pipeline-split) Llama ``Transformer``: module name -> style.
+
+    Only modules present in ``model`` get an entry (a pipeline stage may lack the embedding,
+    the final norm, the head or some blocks).
+    """
+    # Layout of the residual stream between TP regions: sequence-sharded under SP.
+    stream: Placement = Shard(1) if sequence_parallel else Replicate()
+    logits: Placement = Shard(-1) if loss_parallel else Replicate()
+    norm_style: ParallelStyle = SequenceParallel() if sequence_parallel else ReplicateParallel()
+
+    plan: dict[str, ParallelStyle] = {}
+    if getattr(model, "tok_embeddings", None) is not None:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
+    for name in model.layers:
+        block = f"layers.{name}"
+        plan[f"{block}.attention_norm"] = norm_style
+        # Attention's inputs are (x, rope_cache): gather the sequence of x (f); the rotary
+        # cache is a plain full tensor, sliced inside attention to the full sequence length.
+        # Also without SP, x enters as ONE replicated DTensor shared by wq/wk/wv, so their
+        # partial input gradients add up first and f costs one backward all_reduce, not three.
+        plan[f"{block}.attention"] = PrepareModuleInput(
+            input_layouts=(stream, None), desired_input_layouts=(Replicate(), None)
+        )
+        plan[f"{block}.attention.wq"] = ColwiseParallel()
+        plan[f"{block}.attention.wk"] = ColwiseParallel()
+        plan[f"{block}.attention.wv"] = ColwiseParallel()
+        plan[f"{block}.attention.wo"] = RowwiseParallel(output_layouts=stream)  # g
+        plan[f"{block}.ffn_norm"] = norm_style
+        plan[f"{block}.feed_forward"] = PrepareModuleInput(
+            input_layouts=(stream,), desired_input_layouts=(Replicate(),)
+        )
+        plan[f"{block}.feed_forward.w1"] = ColwiseParallel()
+        plan[f"{block}.feed_forward.w3"] = ColwiseParallel()
+        plan[f"{block}.feed_forward.w2"] = RowwiseParallel(output_layouts=stream)  # g
+    if getattr(model, "norm", None) is not None:
+        plan["norm"] = norm_style
+    if getattr(model, "output", None) is not None:
+        plan["output"] = ColwiseParallel(
+            input_layouts=stream, output_layouts=logits, use_local_output=not loss_parallel
+        )
+    return plan
+
+
+def apply_tp(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    *,
+    sequence_parallel: bool = True,
+    loss_parallel: bool = True,
+    async_tp: bool = False,
+    compile: bool = False,
+    device_type: str = "cpu",
+) -> nn.Module:
+    """Shard ``model`` (a Llama ``Transformer``, usually still on meta) over the 1-D ``tp_mesh``.
+
+    Parameters become DTensors on ``tp_mesh``; FSDP applied afterwards makes them 2-D
+    (``dp_shard_cp`` x ``tp``). ``async_tp`` turns on Inductor's micro-pipelined TP (CUDA,
+    ``torch.compile`` and sequence parallel required); a ``ConfigError`` says so otherwise.
+    """
+    tp = tp_mesh.size()
+    check_tp_fits_node(tp, device_type)
+    _validate(
+        model,
+        tp,
+        sequence_parallel=sequence_parallel,
+        async_tp=async_tp,
+        compile=compile,
+        device_type=device_type,
+    )
+    plan = llama_tp_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    parallelize_module(model, tp_mesh, plan)
+    # The embedding (Rowwise) and the head (Colwise) both shard the (V, H) weight on dim 0, so
+    # a tied weight keeps one placement; parallelize_module replaced each Parameter separately.
+    tie = getattr(model, "tie_weights", None)
+    if tie is not None:
+        tie()
+    if async_tp:
+        # Inductor rewrites the all_gather -> matmul and matmul -> reduce_scatter pairs of
+        # sequence parallel into chunked, overlapped ops over symmetric memory.
+        import torch._inductor.config as inductor_config
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+        inductor_config._micro_pipeline_tp = True
+        enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+    return model
+
+
+def _validate(
+    model: nn.Module, tp: int, *, sequence_parallel: bool, async_tp: bool, compile: bool, device_type: str
+) -> None:
+    args = getattr(model, "args", None)
+    if args is not None:
+        for key, value in (
+            ("model.n_heads", args.n_heads),
+            ("model.n_kv_heads", args.kv_heads),
+            ("model FFN hidden size", args.hidden_dim),
+            ("model.vocab_size", args.vocab_size),
+        ):
+            if value % tp != 0:
+                raise ConfigError(
+                    f"{key}={value} is not divisible by parallelism.tp={tp}; tensor parallelism splits it "
+                    f"evenly across ranks: choose a tp that divides {value}."
+                )
+    if async_tp:
+        if device_type != "cuda":
+            raise ConfigError(
+                f"parallelism.async_tp=true needs CUDA GPUs (symmetric memory between the tp ranks), "
+                f"but this run is on {device_type!r}. Set parallelism.async_tp=false."
+            )
+        if not compile:
+            raise ConfigError(
+                "parallelism.async_tp=true is an Inductor rewrite of the compiled graph; it needs "
+                "training.compile=true. Set training.compile=true or parallelism.async_tp=false."
+            )
+        if not sequence_parallel:
+            raise ConfigError(
+                "parallelism.async_tp=true overlaps sequence parallel's all_gather / reduce_scatter with "
+                "the matmuls; set parallelism.sequence_parallel=true or parallelism.async_tp=false."
+            )
+
+
+def check_tp_fits_node(tp: int, device_type: str) -> None:
+    """Warn when tp exceeds one node's GPUs: its collectives would then cross the network
+    on the critical path (article: "TP 只在 NVLink 范围内做"). GPU runs only."""
+    if device_type != "cuda" or tp <= 1:
+        return
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or torch.cuda.device_count()
+    if local and tp > local:
+        warnings.warn(
+            f"parallelism.tp={tp} exceeds the {local} GPUs of one node: tensor-parallel collectives "
+            f"(4 per layer per step, on the critical path) would cross nodes. Use tp <= {local} and "
+            f"put the remaining degree into dp_shard / dp_replicate / pp.",
+            stacklevel=2,
+        )
