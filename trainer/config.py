@@ -78,13 +78,17 @@ class LRSchedulerConfig:
 
 @dataclass
 class CheckpointConfig:
-    enable: bool = False
+    enable: bool = False  # save DCP checkpoints and resume from the newest one
     folder: str = "checkpoints"  # relative to job.dump_folder
     interval: int = 500  # steps between saves
     keep_latest: int = 0  # 0 = keep all, else >= 2
     async_mode: str = "disabled"  # disabled | async
     load_step: int = -1  # -1 = newest complete checkpoint
     save_final: bool = True
+    initial_load_path: Optional[str] = None  # DCP step-N folder to start from when the run has none
+    initial_load_model_only: bool = True  # with initial_load_path: weights only (fresh optimizer, step 0)
+    initial_load_hf: Optional[str] = None  # Hugging Face Llama folder to start from when the run has none
+    create_seed: bool = False  # write model-only step-0 (one process) and exit
 
 
 @dataclass
@@ -217,6 +221,20 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(
             f"checkpoint.keep_latest={c.keep_latest}: use 0 (keep all) or >= 2, so that the newest "
             f"complete checkpoint survives while the next one is written."
+        )
+    if c.load_step < -1:
+        raise ConfigError(
+            f"checkpoint.load_step={c.load_step}: use -1 (newest complete checkpoint) or a step >= 0."
+        )
+    if c.load_step >= 0 and not c.enable:
+        raise ConfigError(
+            f"checkpoint.load_step={c.load_step} resumes from a checkpoint, but checkpoint.enable=false; "
+            f"set checkpoint.enable=true (or drop checkpoint.load_step)."
+        )
+    if c.initial_load_path is not None and c.initial_load_hf is not None:
+        raise ConfigError(
+            f"checkpoint.initial_load_path={c.initial_load_path!r} and checkpoint.initial_load_hf="
+            f"{c.initial_load_hf!r} both set the starting weights; set only one of them."
         )
     _positive(cfg.metrics.log_freq, "metrics.log_freq")
     _choices(cfg.data.source, ("builtin", "text", "json", "parquet", "hub"), "data.source")

@@ -21,6 +21,13 @@ from models.llama import Transformer, num_flops_per_token, param_count
 from parallelisms.parallel_dims import ParallelDims, mesh_view
 from parallelisms.parallelize import parallelize
 from parallelisms.utils import clip_grad_norm_, copy_full_into
+from trainer.checkpoint import (
+    Checkpointer,
+    describe_layout,
+    model_info,
+    seed_parallelism,
+    validate_checkpoint_config,
+)
 from trainer.config import TrainConfig, to_yaml
 from trainer.data import DataLoader, build_dataloader
 from trainer.metrics import MetricsLogger, setup_logging
@@ -71,7 +78,8 @@ class Trainer:
         setup_logging(self.rank)
 
         # 1. Validate everything that needs no process group.
-        p = cfg.parallelism
+        validate_checkpoint_config(cfg.checkpoint, self.world_size)
+        p = seed_parallelism(cfg.parallelism) if cfg.checkpoint.create_seed else cfg.parallelism
         self.dims = ParallelDims(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp, p.ep, self.world_size)
         self.dims.validate_model(cfg.model, seq_len=t.seq_len, sequence_parallel=p.sequence_parallel)
         self.grad_accum_steps = self.dims.grad_accum_steps(t.global_batch_size, t.micro_batch_size)
@@ -143,6 +151,14 @@ class Trainer:
         )
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
         self.state = TrainState()
+
+        # 6. Checkpoints: resume from the newest complete one (or start from initial weights).
+        self.checkpointer = Checkpointer(
+            cfg.checkpoint, dump_folder=self.dump_folder, model=self.model, optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler, dataloader=self.train_loader, train_state=self.state, seed=t.seed,
+            device=self.device, info=model_info(cfg.model, cfg.data.tokenizer, describe_layout(self.dims, p)),
+        )  # fmt: skip
+        self.checkpointer.load()
         self.autocast = (
             torch.autocast(self.device.type, dtype=torch.bfloat16)
             if t.mixed_precision == "bf16"
@@ -249,14 +265,19 @@ class Trainer:
         return (totals[0] / totals[1].clamp(min=1)).item(), int(totals[1].item())
 
     # -- the loop -------------------------------------------------------------------
-    def train(self) -> list[dict[str, Any]]:
-        """Run until ``training.steps``; return the logged records (also written to disk)."""
+    def train(self, until_step: Optional[int] = None) -> list[dict[str, Any]]:
+        """Run until ``training.steps`` (or stop early after ``until_step``, saving a checkpoint
+        there if checkpoints are on); return the logged records (also written to disk)."""
         t = self.cfg.training
+        if self.cfg.checkpoint.create_seed:
+            self.checkpointer.save_seed()
+            return []
+        stop = t.steps if until_step is None else min(until_step, t.steps)
         log_freq = self.cfg.metrics.log_freq
         self.metrics.reset_timer(self.state.step)
         start = time.perf_counter()
         try:
-            while self.state.step < t.steps:
+            while self.state.step < stop:
                 loss, grad_norm = self.train_step()
                 self.state.step += 1
                 self.state.tokens_seen += self.tokens_per_step
@@ -271,12 +292,15 @@ class Trainer:
                 if self.val_loader is not None and (step % t.eval_freq == 0 or step == t.steps):
                     eval_loss, eval_tokens = self.evaluate()
                     self.state.history.append(self.metrics.log_eval(step, eval_loss, eval_tokens))
+                self.checkpointer.maybe_save(step, last=step == stop)
+            self.checkpointer.wait()
         finally:
             self.metrics.close()
         logger.info(f"training done: {self.state.step} steps in {time.perf_counter() - start:.1f}s")
         return self.state.history
 
     def close(self) -> None:
-        """Tear down the process group if this trainer created it."""
+        """Finish a pending checkpoint, then tear down the process group if this trainer created it."""
+        self.checkpointer.close()
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()

@@ -1,0 +1,125 @@
+"""Exact resume: 2N steps straight == N steps, stop, resume, N steps (bitwise, fp32 CPU, gloo).
+
+Each layout runs three real Trainers inside one spawned process group: the straight run, a
+run stopped after step 4 (it checkpoints there), and a fresh Trainer on the same folder that
+resumes. The async variant also resumes from a checkpoint that was written in the background
+while later steps ran, proving the saved values are those of the saved step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+import torch
+
+from tests.configs import REPO, TINY, tiny_config
+from tests.dist import run_distributed
+from trainer.config import TrainConfig
+
+pytestmark = pytest.mark.slow
+
+DETERMINISTIC = ("training.deterministic=true",)
+LAYOUTS = {
+    "single": (1, []),
+    "fsdp_x2_async": (2, ["parallelism.dp_shard=2", "checkpoint.async_mode=async"]),
+    "custom_ddp_zero1_x2": (
+        2,
+        ["parallelism.dp_replicate=2", "parallelism.dp_shard=1", "parallelism.ddp.sharded_optimizer=true"],
+    ),
+}
+
+
+def _losses(history: list[dict]) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in history if "loss" in r}
+
+
+def _run(cfg: TrainConfig, until: int | None = None) -> tuple[dict[int, float], torch.Tensor]:
+    from trainer.train import Trainer
+
+    trainer = Trainer(cfg)
+    try:
+        history = trainer.train(until_step=until)
+    finally:
+        trainer.close()
+    return _losses(history), torch.get_rng_state()
+
+
+def _resume_worker(rank: int, world_size: int, tmp: str, overrides: list[str]) -> dict:
+    ck = ["checkpoint.enable=true", "checkpoint.interval=2", *DETERMINISTIC, *overrides]
+    straight, _ = _run(tiny_config(os.path.join(tmp, "straight"), *ck))
+    first, rng_at_stop = _run(tiny_config(os.path.join(tmp, "resumed"), *ck), until=4)
+
+    from trainer.train import Trainer
+
+    trainer = Trainer(tiny_config(os.path.join(tmp, "resumed"), *ck))  # load_step=-1: the newest
+    resumed_step = trainer.state.step
+    rng_restored = torch.equal(torch.get_rng_state(), rng_at_stop)
+    second = _losses(trainer.train())
+    trainer.close()
+    # Resume again from step 2, written (async: in the background) while steps 3-4 ran.
+    from_two, _ = _run(tiny_config(os.path.join(tmp, "resumed"), *ck, "checkpoint.load_step=2"))
+    return {"straight": straight, "first": first, "second": second, "from_two": from_two,
+            "resumed_step": resumed_step, "rng_restored": rng_restored}  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_exact_resume(layout: str, tmp_path) -> None:
+    world, overrides = LAYOUTS[layout]
+    results = run_distributed(_resume_worker, world, str(tmp_path), overrides)
+    r = results[0]
+    assert sorted(r["straight"]) == list(range(1, 9))
+    assert r["resumed_step"] == 4 and r["rng_restored"]
+    assert sorted(r["first"]) == [1, 2, 3, 4] and sorted(r["second"]) == [5, 6, 7, 8]
+    # Bitwise: the resumed run continues with exactly the uninterrupted run's losses.
+    assert {**r["first"], **r["second"]} == r["straight"], layout
+    assert r["from_two"] == {s: r["straight"][s] for s in range(3, 9)}
+    for other in results[1:]:  # every rank reports the same (globally reduced) losses
+        assert other["straight"] == r["straight"] and other["second"] == r["second"]
+
+
+def test_torchrun_restart_after_crash_resumes_exactly(tmp_path) -> None:
+    """torchrun --max-restarts=1: a rank is SIGKILLed after step 5 in the first attempt; the
+    restart resumes from step 4 and logs the same losses as an uninterrupted run."""
+    common = [*TINY, *DETERMINISTIC, "parallelism.dp_shard=2", "checkpoint.enable=true", "checkpoint.interval=2",
+              "checkpoint.keep_latest=2"]  # fmt: skip
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with the store shared between torchrun's rendezvous
+    # and init_process_group, a restarted gloo group can read the dead attempt's addresses and
+    # fail to connect (pytorch/pytorch#135712).
+    env = dict(os.environ, OMP_NUM_THREADS="1", MESHWRIGHT_TEST_CRASH_AT="after_step@5",
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # fmt: skip
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+
+    def torchrun(dump: str, run_env: dict) -> subprocess.CompletedProcess:
+        cmd = ["torchrun", "--standalone", "--nproc_per_node=2", "--max-restarts=1", "trainer/main.py",
+               *common, f"job.dump_folder={dump}"]  # fmt: skip
+        # Own session: on a timeout the workers die with torchrun instead of lingering.
+        proc = subprocess.Popen(cmd, cwd=REPO, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)  # fmt: skip
+        try:
+            out, err = proc.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+    crashed = torchrun(str(tmp_path / "crash"), env)
+    assert crashed.returncode == 0, crashed.stderr[-3000:]
+    clean_env = {k: v for k, v in env.items() if k != "MESHWRIGHT_TEST_CRASH_AT"}
+    straight = torchrun(str(tmp_path / "straight"), clean_env)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+
+    def records(dump: str) -> list[tuple[int, float]]:
+        lines = (tmp_path / dump / "metrics.jsonl").read_text().splitlines()
+        return [(r["step"], r["loss"]) for r in map(json.loads, lines) if "loss" in r]
+
+    got, want = records("crash"), records("straight")
+    # First attempt logged 1..5 and died; the restart resumed at step 4 and logged 5..8.
+    assert [s for s, _ in got] == [1, 2, 3, 4, 5, 5, 6, 7, 8]
+    assert got[:5] + got[6:] == want and got[5] == want[4]
+    assert "loaded step 4" in crashed.stdout + crashed.stderr
+    assert sorted(os.listdir(tmp_path / "crash" / "checkpoints")) == ["step-6", "step-8"]

@@ -1,0 +1,495 @@
+"""Distributed checkpoints that never lose work: DCP, atomic commit, async save, resharding.
+
+What a checkpoint holds (DCP keys, identical whatever layout wrote them, so a checkpoint is
+one logical model: any layout loads what any other wrote):
+
+* ``model.<fqn>``: the weights, named as in ``models/llama.py`` (no ``module.`` / FSDP /
+  compile prefixes), via ``get_model_state_dict`` on the unwrapped module (pipeline stages
+  merged).
+* ``optimizer.state.<fqn>.<exp_avg|exp_avg_sq|step>`` and ``optimizer.param_groups.<fqn>.<key>``:
+  the flattened optimizer state (``flatten_optimizer_state_dict``), so FSDP/TP shards, ZeRO-1
+  owners and replicated optimizers all write the same logical keys.
+* ``lr_scheduler.*``, ``dataloader.*`` (the global sample count: reshards over any dp
+  degree), ``train_state.{step,tokens_seen}``, and ``rng.rank<R>.{cpu,cuda}`` per rank.
+
+Atomic commit (see ``checkpoint_io`` for the folder layout): every rank writes into
+``step-N.tmp-<id>``; DCP writes ``.metadata`` only after every rank's data is on disk; then
+rank 0 writes the marker ``checkpoint.json`` (sizes and CRC32 of every file, fsync), renames
+the folder to ``step-N`` and fsyncs the parent. Old checkpoints are purged oldest-first by
+renaming them to ``*.trash-*`` before deleting, never the newest complete one.
+
+Async (``checkpoint.async_mode=async``): ``dcp.async_save`` copies the state to host memory
+(staging; the only pause of the loop) and writes in a background thread, on its own gloo
+process group; rank 0 commits when the write finishes; a second save first waits for it.
+
+RNG on resume: restored per rank when the world size is unchanged. Under another world size
+the per-rank streams have no meaning, so every rank reseeds with ``seed + step`` (the model
+has no dropout; the RNG does not affect the losses).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import asdict
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from models.errors import ConfigError
+from trainer.checkpoint_io import (
+    CRC_SUFFIX,
+    FORMAT_VERSION,
+    MARKER,
+    CheckpointWriter,
+    check_model_shapes,
+    complete_steps,
+    corrupt_files,
+    corrupt_message,
+    crash_point,
+    file_crc32,
+    fsync_dir,
+    load_full_state,
+    make_dir,
+    read_marker,
+    read_metadata,
+    remove_leftovers,
+    step_dir,
+    verify_files,
+    write_json_durable,
+)
+
+__all__ = [  # the checkpoint_io names re-exported here are the ones other modules use
+    "MARKER",
+    "Checkpointer",
+    "ModelState",
+    "OptimizerState",
+    "TrainProgress",
+    "complete_steps",
+    "crash_point",
+    "describe_layout",
+    "load_full_state",
+    "model_info",
+    "seed_parallelism",
+    "read_marker",
+    "unwrap",
+    "validate_checkpoint_config",
+    "verify_files",
+]
+
+logger = logging.getLogger("meshwright")
+
+# Optimizer implementation switches describe this run's hardware, not training state.
+_IMPL_KEYS = ("foreach", "fused", "capturable", "differentiable")
+_OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+# -- small helpers -------------------------------------------------------------------
+
+
+def unwrap(model: Any) -> nn.Module:
+    """The module whose parameter names are the model's own: strips BucketedDDP / torch DDP, and
+    merges a pipeline's ``model_parts`` (stages keep global names) into one view module."""
+    parts = getattr(model, "model_parts", None)
+    if parts is None:
+        return getattr(model, "module", model)
+    parts = [getattr(p, "module", p) for p in parts]
+    if len(parts) == 1:
+        return parts[0]
+    view = nn.Module()  # registers the stages' children; it owns no parameters itself
+    for part in parts:
+        for name, child in part.named_children():
+            if isinstance(child, nn.ModuleDict):  # e.g. ``layers``: merge the stages' blocks
+                if name not in view._modules:
+                    view.add_module(name, nn.ModuleDict())
+                for key, block in child.items():
+                    view._modules[name].add_module(key, block)
+            elif child is not None:
+                view.add_module(name, child)
+    return view
+
+
+def describe_layout(dims: Any, parallelism: Any) -> dict[str, Any]:
+    """What wrote the checkpoint (informational; loading never depends on it)."""
+    layout = {k: getattr(dims, k) for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}
+    if dims.dp_replicate > 1 and dims.dp_shard == 1:
+        layout["ddp"] = parallelism.ddp.impl
+        layout["sharded_optimizer"] = parallelism.ddp.sharded_optimizer
+    return layout
+
+
+# -- Stateful adapters ---------------------------------------------------------------
+
+
+class ModelState:
+    """DCP Stateful over the unwrapped model: layout-independent, prefix-free keys."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.module)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_model_state_dict(self.module, state_dict)
+
+
+class OptimizerState:
+    """DCP Stateful over the optimizer, flattened to ``state.<fqn>.*`` / ``param_groups.<fqn>.*``.
+
+    Works for AdamW over plain, FSDP or TP parameters and for the ZeRO-1 ShardedOptimizer,
+    whose ``state`` holds only this rank's parameters: each rank contributes its own keys.
+    """
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.module = module
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.module, self.optimizer, options=_OPTIM_OPTIONS)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        current = self.optimizer.param_groups[0]
+        for key in state_dict:
+            name = key.rsplit(".", 1)[-1]
+            if key.startswith("param_groups.") and name in _IMPL_KEYS and name in current:
+                state_dict[key] = current[name]
+        set_optimizer_state_dict(self.module, self.optimizer, state_dict, options=_OPTIM_OPTIONS)
+
+
+class TrainProgress:
+    """DCP Stateful over the trainer's ``TrainState`` (step and tokens seen; not the log history)."""
+
+    def __init__(self, train_state: Any) -> None:
+        self.train_state = train_state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.train_state.step, "tokens_seen": self.train_state.tokens_seen}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.train_state.step = int(state_dict["step"])
+        self.train_state.tokens_seen = int(state_dict["tokens_seen"])
+
+
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+# -- the checkpointer ------------------------------------------------------------------
+
+
+def validate_checkpoint_config(cfg: Any, world_size: int) -> None:
+    """Checks that need the world size; run before any process group exists."""
+    if cfg.create_seed and world_size != 1:
+        raise ConfigError(
+            f"checkpoint.create_seed=true runs on one process, but the world size is {world_size}; "
+            "run it with `python trainer/main.py ... checkpoint.create_seed=true` (or --nproc_per_node=1)."
+        )
+
+
+def seed_parallelism(parallelism: Any) -> Any:
+    """The layout a seed checkpoint is built in: one process, nothing sharded (the preset's
+    degrees are for the real run, which then loads the seed under any layout)."""
+    return dataclasses.replace(parallelism, dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1)
+
+
+class Checkpointer:
+    """Saves and loads the whole training state with DCP; see the module docstring.
+
+    Collective: construct, ``load``, ``save`` and ``close`` on every rank in the same order.
+    """
+
+    def __init__(
+        self,
+        cfg: Any,
+        *,
+        dump_folder: str,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler: Any,
+        dataloader: Any,
+        train_state: Any,
+        seed: int,
+        device: torch.device,
+        info: dict[str, Any],
+    ) -> None:
+        self.cfg = cfg
+        self.folder = os.path.join(dump_folder, cfg.folder)
+        self.module = unwrap(model)
+        self.train_state = train_state
+        self.seed = seed
+        self.device = device
+        self.info = info  # model args, tokenizer, layout: written into every marker
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.states: dict[str, Any] = {
+            "model": ModelState(self.module),
+            "optimizer": OptimizerState(self.module, optimizer),
+            "lr_scheduler": lr_scheduler,
+            "dataloader": dataloader,
+            "train_state": TrainProgress(train_state),
+        }
+        self.async_mode = cfg.async_mode == "async"
+        # Background saves run their collectives on their own gloo group, never on the
+        # group the training step uses at the same time.
+        self._pg: Optional[dist.ProcessGroup] = dist.new_group(backend="gloo") if self.async_mode else None
+        self._pending: Optional[tuple[int, str, dict[str, Any], Future]] = None
+        self._last_saved_step: Optional[int] = None
+        self._token = ""
+        if cfg.enable or cfg.create_seed:
+            if self.rank == 0:
+                for name in remove_leftovers(self.folder):
+                    logger.warning(f"removed {name} from {self.folder}: an interrupted save or purge")
+            token = [uuid.uuid4().hex[:12]]
+            dist.broadcast_object_list(token, src=0, group=self._pg)  # also orders the cleanup first
+            self._token = token[0]
+
+    # -- loading ------------------------------------------------------------------------
+    def _expected_shapes(self) -> dict[str, torch.Size]:
+        return {k: v.shape for k, v in get_model_state_dict(self.module).items()}
+
+    def _resolve(self) -> Optional[tuple[str, bool]]:
+        """(path, model_only) of what to start from, or None for a fresh start. No collectives."""
+        cfg = self.cfg
+        if cfg.enable:
+            steps = complete_steps(self.folder)
+            if cfg.load_step >= 0:
+                if cfg.load_step not in steps:
+                    raise ConfigError(
+                        f"checkpoint.load_step={cfg.load_step}: {step_dir(self.folder, cfg.load_step)} does not "
+                        f"exist or is incomplete; complete checkpoints in {self.folder}: {steps or 'none'}. "
+                        "Pick one of them, or checkpoint.load_step=-1 for the newest."
+                    )
+                newer = [s for s in steps if s > cfg.load_step]
+                if newer:
+                    logger.warning(
+                        f"resuming from step {cfg.load_step} although newer checkpoints {newer} exist; "
+                        "they are replaced as this run reaches their steps"
+                    )
+                return step_dir(self.folder, cfg.load_step), False
+            if steps:
+                return step_dir(self.folder, steps[-1]), False
+        if cfg.initial_load_path:
+            return cfg.initial_load_path, cfg.initial_load_model_only
+        return None
+
+    def load(self) -> bool:
+        """Resume (or start from initial weights); True if anything was loaded. Raises ConfigError
+        on every rank, before any collective, for a missing, incomplete, corrupt or foreign checkpoint."""
+        if self.cfg.create_seed:
+            return False
+        target = self._resolve()
+        if target is None:
+            if self.cfg.initial_load_hf:
+                from trainer.hf import load_hf_into
+
+                load_hf_into(self.module, self.cfg.initial_load_hf)
+                logger.info(f"initial weights from Hugging Face folder {self.cfg.initial_load_hf}")
+                return True
+            return False
+        path, model_only = target
+        start = time.perf_counter()
+        info = read_marker(path)
+        verify_files(path, info)
+        metadata = read_metadata(path)
+        try:
+            check_model_shapes(metadata, self._expected_shapes(), path)
+        except ConfigError as e:
+            saved = {k: v for k, v in info.get("model", {}).items() if v is not None}
+            raise ConfigError(f"{e} It was saved with model: {saved}.") from None
+        # Each rank checksums a share of the files; the verdict is shared before DCP's collectives.
+        found: list[Any] = [None] * self.world_size
+        dist.all_gather_object(found, corrupt_files(path, info, self.rank, self.world_size), group=self._pg)
+        bad = sorted(n for part in found for n in part)
+        if bad:
+            raise ConfigError(corrupt_message(path, bad))
+        model_only = model_only or bool(info.get("model_only", False))
+        state: dict[str, Any] = {"model": self.states["model"]}
+        rng_keys = {f"rng.rank{self.rank}.{k}" for k in _rng_state(self.device)}
+        restore_rng = False
+        if not model_only:
+            state.update({k: v for k, v in self.states.items() if k != "model"})
+            restore_rng = info.get("world_size") == self.world_size and rng_keys <= set(
+                metadata.state_dict_metadata
+            )
+            if restore_rng:
+                state["rng"] = {f"rank{self.rank}": _rng_state(self.device)}
+        try:
+            dcp.load(state, storage_reader=FileSystemReader(path), process_group=self._pg)
+        except ConfigError:
+            raise
+        except Exception as e:
+            raise ConfigError(
+                f"checkpoint {path} could not be read ({type(e).__name__}: {str(e).strip()[:400]}); its "
+                "files are corrupt or from an incompatible run. Delete it to resume from the previous "
+                "checkpoint, or set checkpoint.load_step to another step."
+            ) from e
+        if restore_rng:
+            rng = state["rng"][f"rank{self.rank}"]
+            torch.set_rng_state(rng["cpu"])
+            if "cuda" in rng:
+                torch.cuda.set_rng_state(rng["cuda"], self.device)
+        elif not model_only:
+            torch.manual_seed(self.seed + self.train_state.step)
+        what = "weights" if model_only else f"step {self.train_state.step}"
+        self._last_saved_step = None if model_only else self.train_state.step
+        logger.info(f"loaded {what} from {path} in {time.perf_counter() - start:.2f}s")
+        return True
+
+    # -- saving -------------------------------------------------------------------------
+    def _marker(self, step: int, model_only: bool) -> dict[str, Any]:
+        return {
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "tokens_seen": self.train_state.tokens_seen,
+            "model_only": model_only,
+            "world_size": self.world_size,
+            "time": time.time(),
+            **self.info,
+        }
+
+    def _commit(self, step: int, tmp: str, marker: dict[str, Any]) -> None:
+        """Rank 0, after every rank's data and DCP's .metadata are on disk: marker, rename, purge."""
+        crash_point("before_commit", step)
+        crcs: dict[str, str] = {}
+        for name in sorted(os.listdir(tmp)):
+            if name.endswith(CRC_SUFFIX):
+                with open(os.path.join(tmp, name), encoding="utf-8") as f:
+                    crcs.update(json.load(f))
+                os.remove(os.path.join(tmp, name))
+        crcs[".metadata"] = file_crc32(os.path.join(tmp, ".metadata"))
+        marker["crc32"] = crcs
+        marker["files"] = {n: os.path.getsize(os.path.join(tmp, n)) for n in sorted(os.listdir(tmp))}
+        write_json_durable(os.path.join(tmp, MARKER), marker)
+        final = step_dir(self.folder, step)
+        trash = None
+        if os.path.exists(final):  # resumed from an older step: replace the stale one
+            trash = f"{final}.trash-{self._token}"
+            os.rename(final, trash)
+        os.rename(tmp, final)
+        fsync_dir(self.folder)
+        if trash:
+            shutil.rmtree(trash, ignore_errors=True)
+        crash_point("after_commit", step)
+        self._purge(step)
+
+    def _purge(self, newest: int) -> None:
+        keep = self.cfg.keep_latest
+        if keep <= 0:
+            return
+        steps = complete_steps(self.folder)
+        for old in [s for s in steps[:-keep] if s < newest]:
+            path = step_dir(self.folder, old)
+            trash = f"{path}.trash-{self._token}"
+            os.rename(path, trash)  # atomic: never a half-deleted folder that looks complete
+            crash_point("during_purge", newest)
+            shutil.rmtree(trash, ignore_errors=True)
+
+    def _begin(self, step: int) -> str:
+        tmp = f"{step_dir(self.folder, step)}.tmp-{self._token}"
+        make_dir(self.folder)
+        make_dir(tmp)
+        crash_point("before_write", step)
+        return tmp
+
+    def maybe_save(self, step: int, *, last: bool) -> None:
+        """Called after every step: commit a finished async save; save at the interval and the end."""
+        crash_point("after_step", step)
+        if not self.cfg.enable:
+            return
+        self._poll()
+        if step % self.cfg.interval == 0 or (last and self.cfg.save_final):
+            self.save(step, final=last)
+
+    def save(self, step: int, *, final: bool = False) -> None:
+        """Checkpoint ``step`` (async unless ``final``); a second save first waits for the first."""
+        if step == self._last_saved_step:
+            return
+        self.wait()
+        self._last_saved_step = step
+        tmp = self._begin(step)
+        marker = self._marker(step, model_only=False)
+        state = dict(self.states)
+        state["rng"] = {f"rank{self.rank}": _rng_state(self.device)}
+        start = time.perf_counter()
+        if self.async_mode and not final:
+            # Returns once the state is copied (staged) to host memory; the write runs in a thread.
+            fut = dcp.async_save(state, storage_writer=CheckpointWriter(tmp, step), process_group=self._pg)
+            self._pending = (step, tmp, marker, fut)
+            logger.info(
+                f"checkpoint step {step}: staged in {time.perf_counter() - start:.2f}s, writing async"
+            )
+            return
+        dcp.save(state, storage_writer=CheckpointWriter(tmp, step), process_group=self._pg)
+        if self.rank == 0:
+            self._commit(step, tmp, marker)
+        dist.barrier(group=self._pg)  # the checkpoint is visible once save() returns anywhere
+        logger.info(f"checkpoint step {step} saved in {time.perf_counter() - start:.2f}s")
+
+    def _poll(self) -> None:
+        if self._pending is not None and self._pending[3].done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Finish the pending async save (rank 0 commits it). Collective-free."""
+        if self._pending is None:
+            return
+        step, tmp, marker, fut = self._pending
+        self._pending = None
+        fut.result()  # re-raises a failed background write
+        if self.rank == 0:
+            self._commit(step, tmp, marker)
+        logger.info(f"checkpoint step {step} committed")
+
+    def save_seed(self) -> str:
+        """Write the model-only seed checkpoint ``step-0`` (one process); return its path."""
+        if complete_steps(self.folder):
+            raise ConfigError(
+                f"checkpoint.create_seed=true but {self.folder} already holds checkpoints "
+                f"{complete_steps(self.folder)}; use a fresh job.dump_folder (or checkpoint.folder)."
+            )
+        tmp = self._begin(0)
+        dcp.save(
+            {"model": self.states["model"]}, storage_writer=CheckpointWriter(tmp, 0), process_group=self._pg
+        )
+        if self.rank == 0:
+            self._commit(0, tmp, self._marker(0, model_only=True))
+        dist.barrier(group=self._pg)
+        logger.info(f"seed checkpoint written to {step_dir(self.folder, 0)}")
+        return step_dir(self.folder, 0)
+
+    def close(self) -> None:
+        """Wait for the pending save, then release the checkpoint process group."""
+        try:
+            self.wait()
+            if self.async_mode and self.world_size > 1:
+                dist.barrier(group=self._pg)  # every rank's background write is done before teardown
+        finally:
+            if self._pg is not None:
+                dist.destroy_process_group(self._pg)
+                self._pg = None
+
+
+def model_info(model_cfg: Any, tokenizer: str, layout: dict[str, Any]) -> dict[str, Any]:
+    """The marker fields that let export and generation rebuild the model without the config."""
+    return {"model": asdict(model_cfg), "tokenizer": tokenizer, "layout": layout}
