@@ -30,6 +30,12 @@ if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
   export OMP_NUM_THREADS=1
 fi
 
+# With torchrun restarts (TORCHRUN_ARGS="--max-restarts=N"), restarted gloo workers can fail to
+# reconnect to the shared rendezvous store (pytorch/pytorch#135712): give them their own.
+if [[ "${TORCHRUN_ARGS:-}" == *max[-_]restarts* ]]; then
+  export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
+fi
+
 if [[ "$NNODES" -gt 1 ]]; then
   exec torchrun --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node="$NPROC" \
     --rdzv_backend=c10d --rdzv_endpoint="$RDZV_ENDPOINT" --rdzv_id="${RDZV_ID:-meshwright}" \

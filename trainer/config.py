@@ -208,6 +208,18 @@ def validate(cfg: TrainConfig) -> None:
 
     p = cfg.parallelism
     _choices(p.ddp.impl, ("custom", "torch"), "parallelism.ddp.impl")
+    if p.ddp.sharded_optimizer and p.tp > 1:
+        raise ConfigError(
+            f"parallelism.ddp.sharded_optimizer=true with parallelism.tp={p.tp} is not supported (the ZeRO-1 "
+            f"optimizer flattens plain tensors, not tensor-parallel shards); with TP use FSDP "
+            f"(parallelism.dp_shard > 1), which shards the optimizer state too, or set sharded_optimizer=false."
+        )
+    if p.ddp.impl == "torch" and p.tp > 1:
+        raise ConfigError(
+            f"parallelism.ddp.impl=torch with parallelism.tp={p.tp}: torch's DistributedDataParallel does not "
+            f"accept tensor-parallel (DTensor) parameters; use parallelism.ddp.impl=custom, or FSDP "
+            f"(parallelism.dp_shard > 1)."
+        )
     _positive(p.ddp.bucket_mb, "parallelism.ddp.bucket_mb")
     if p.ddp.grad_dtype is not None:
         _choices(p.ddp.grad_dtype, ("float32", "bfloat16", "float16"), "parallelism.ddp.grad_dtype")

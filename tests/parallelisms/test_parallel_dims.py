@@ -62,3 +62,17 @@ def test_model_checks(kw: dict, args: LlamaArgs, seq_len: int, needle: str) -> N
     d = dims(8, **kw)
     with pytest.raises(ConfigError, match=needle):
         d.validate_model(args, seq_len=seq_len, sequence_parallel=True)
+
+
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (("parallelism.tp=2", "parallelism.ddp.impl=torch"), "ddp.impl=torch with parallelism.tp=2"),
+        (("parallelism.tp=2", "parallelism.ddp.sharded_optimizer=true"), "sharded_optimizer=true with parallelism.tp=2"),
+    ],
+)
+def test_unsupported_tp_compositions_are_config_errors(overrides: tuple[str, ...], needle: str) -> None:
+    from tests.configs import make_config
+
+    with pytest.raises(ConfigError, match=needle):
+        make_config(*overrides)
