@@ -39,7 +39,10 @@ class ParallelismConfig:
     sequence_parallel: bool = True
     loss_parallel: bool = True
     async_tp: bool = False
-    pp_schedule: str = "1F1B"
-    pp_microbatches: Optional[int] = None
-    pp_layers_per_stage: Optional[int] = None
-    pp_stages_per_rank: int = 1
+    pp_schedule: str = (
+        "1F1B"  # GPipe | 1F1B | Interleaved1F1B | LoopedBFS | InterleavedZeroBubble | ZBVZeroBubble
+    )
+    pp_microbatches: Optional[int] = None  # None = local batch / training.micro_batch_size
+    pp_layers_per_stage: Optional[int] = None  # None = balanced, one block fewer on the first/last stage
+    pp_stages_per_rank: int = 1  # virtual stages per rank (interleaved: >= 2, ZBV: 2)
+    pp_module_names: Optional[list[list[str]]] = None  # explicit module names per stage (overrides the above)

@@ -1,9 +1,10 @@
 """FSDP2 (ZeRO-2/3) and HSDP via ``torch.distributed.fsdp.fully_shard``.
 
 Each transformer block is its own FSDP unit (one all-gather / reduce-scatter per block,
-overlapped with the neighbouring blocks' compute), and the root wraps what is left
-(embedding, final norm, output head). Apply on the meta device: parameters become
-sharded DTensors before anything is allocated, so no rank ever holds the whole model;
+overlapped with the neighbouring blocks' compute), the final norm and output head form one
+unit (as in torchtitan; not with tied embeddings, whose shared weight stays in the root), and
+the root wraps what is left. Apply on the meta device: parameters become sharded DTensors
+before anything is allocated, so no rank ever holds the whole model;
 the caller then runs ``to_empty`` + ``init_weights`` (see parallelize.py).
 """
 
@@ -41,6 +42,15 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: FSDPConfig, *, device_ty
         fully_shard(
             block, mesh=mesh, mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=reshard
         )
+    # The head as its own unit: kept gathered after forward (backward needs it at once), and
+    # needed by pipeline zero-bubble schedules, whose split weight-gradient pass (W after B)
+    # loses the gradients of parameters held by the FSDP root of the last stage (torch 2.13).
+    head = [m for m in (getattr(model, "norm", None), getattr(model, "output", None)) if m is not None]
+    embedding = getattr(model, "tok_embeddings", None)
+    output = getattr(model, "output", None)
+    tied = embedding is not None and output is not None and output.weight is embedding.weight
+    if head and not tied:
+        fully_shard(head, mesh=mesh, mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=False)
     fully_shard(
         model,
         mesh=mesh,

@@ -13,11 +13,17 @@ Order (DESIGN.md section 2), each step applied only when its axis is active:
 
 Steps 1-6 run on the meta device so no rank ever holds the whole model; DDP comes last
 because it broadcasts real weights from the replicate group's first rank.
+
+Steps 2-8 are ``parallelize_part``: ``parallelize`` applies it to the whole model, and
+``parallelize_pipeline`` (pp > 1) to each pipeline stage this rank owns, so a stage is
+tensor-parallel, sharded and replicated exactly like a whole model would be (3-D / 4-D:
+pp x dp x tp, with FSDP on this pp rank's dp_shard_cp sub-mesh).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -25,6 +31,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from parallelisms.config import ParallelismConfig
 from parallelisms.parallel_dims import ParallelDims, mesh_view
+
+if TYPE_CHECKING:
+    from parallelisms.pipeline_parallel import Pipeline
 
 
 def parallelize(
@@ -40,7 +49,35 @@ def parallelize(
     ac_layer_interval: int = 2,
     compile: bool = False,
 ) -> nn.Module:
-    """Apply every active parallelism to ``model`` (built on meta) and materialise it on ``device``."""
+    """Apply every active parallelism to ``model`` (built on meta) and materialise it on ``device``.
+
+    Without pipeline parallelism this is ``parallelize_part`` on the whole model; with pp > 1
+    use ``parallelize_pipeline``.
+    """
+    if dims.pp > 1:
+        raise ValueError("parallelize() handles pp == 1; call parallelize_pipeline() for parallelism.pp > 1")
+    return parallelize_part(
+        model, dims, mesh, cfg, device=device, init_weights=init_weights,
+        activation_checkpoint=activation_checkpoint, ac_selective=ac_selective,
+        ac_layer_interval=ac_layer_interval, compile=compile,
+    )  # fmt: skip
+
+
+def parallelize_part(
+    model: nn.Module,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    cfg: ParallelismConfig,
+    *,
+    device: torch.device,
+    init_weights: Callable[[nn.Module], None],
+    activation_checkpoint: str = "none",
+    ac_selective: str = "layer",
+    ac_layer_interval: int = 2,
+    compile: bool = False,
+) -> nn.Module:
+    """Steps 2-8 on one module (a whole model or a pipeline stage, on meta): TP -> AC -> compile
+    -> FSDP -> to_empty + init_weights -> DDP. Mesh views are this rank's sub-meshes."""
     if dims.tp > 1:
         from parallelisms.tensor_parallel import apply_tp
 
@@ -88,3 +125,45 @@ def parallelize(
             grad_dtype=grad_dtype,
         )
     return model
+
+
+def parallelize_pipeline(
+    model: nn.Module,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    cfg: ParallelismConfig,
+    *,
+    device: torch.device,
+    init_weights: Callable[[nn.Module], None],
+    micro_batch_size: int,
+    local_batch_size: int,
+    activation_checkpoint: str = "none",
+    ac_selective: str = "layer",
+    ac_layer_interval: int = 2,
+    compile: bool = False,
+) -> Pipeline:
+    """Step 1 (pp > 1): split ``model`` (on meta) into this rank's stages, ``parallelize_part``
+    each, and build the schedule. ``local_batch_size`` = global batch / dp sequences per step.
+
+    FSDP keeps ``cfg.fsdp.reshard_after_forward`` as configured: ``true`` re-gathers a stage's
+    parameters for every microbatch's backward (less memory, M times the all-gathers; torchtitan
+    turns it off under PP), ``false`` keeps them gathered from forward to backward.
+    """
+    from parallelisms.pipeline_parallel import apply_pp, validate_pp
+
+    validate_pp(
+        model.args, cfg, pp=dims.pp, local_batch_size=local_batch_size, micro_batch_size=micro_batch_size,
+        compile=compile,
+    )  # fmt: skip
+
+    def part_fn(part: nn.Module) -> nn.Module:
+        return parallelize_part(
+            part, dims, mesh, cfg, device=device, init_weights=init_weights,
+            activation_checkpoint=activation_checkpoint, ac_selective=ac_selective,
+            ac_layer_interval=ac_layer_interval, compile=compile,
+        )  # fmt: skip
+
+    return apply_pp(
+        model, mesh_view(mesh, "pp"), cfg, device=device, micro_batch_size=micro_batch_size,
+        local_batch_size=local_batch_size, parallelize_part=part_fn,
+    )  # fmt: skip
