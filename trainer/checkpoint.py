@@ -232,8 +232,12 @@ class Checkpointer:
         seed: int,
         device: torch.device,
         info: dict[str, Any],
+        full_shapes: Optional[dict[str, torch.Size]] = None,
     ) -> None:
         self.cfg = cfg
+        # Names and global shapes of the WHOLE model (a pipeline rank holds only its stages, so
+        # its own state dict cannot tell a foreign checkpoint from the other stages' tensors).
+        self.full_shapes = full_shapes
         self.folder = os.path.join(dump_folder, cfg.folder)
         self.module = unwrap(model)
         self.train_state = train_state
@@ -266,6 +270,8 @@ class Checkpointer:
 
     # -- loading ------------------------------------------------------------------------
     def _expected_shapes(self) -> dict[str, torch.Size]:
+        if self.full_shapes is not None:
+            return self.full_shapes
         return {k: v.shape for k, v in get_model_state_dict(self.module).items()}
 
     def _resolve(self) -> Optional[tuple[str, bool]]:

@@ -19,7 +19,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 from models.errors import ConfigError
 from models.llama import Transformer, num_flops_per_token, param_count
 from parallelisms.parallel_dims import ParallelDims, mesh_view
-from parallelisms.parallelize import parallelize
+from parallelisms.parallelize import parallelize, parallelize_pipeline
+from parallelisms.pipeline_parallel import Pipeline, validate_pp
 from parallelisms.utils import clip_grad_norm_, copy_full_into
 from trainer.checkpoint import (
     Checkpointer,
@@ -83,6 +84,12 @@ class Trainer:
         self.dims = ParallelDims(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp, p.ep, self.world_size)
         self.dims.validate_model(cfg.model, seq_len=t.seq_len, sequence_parallel=p.sequence_parallel)
         self.grad_accum_steps = self.dims.grad_accum_steps(t.global_batch_size, t.micro_batch_size)
+        self.local_batch_size = t.global_batch_size // self.dims.dp
+        if self.dims.pp > 1:
+            validate_pp(
+                cfg.model, p, pp=self.dims.pp, local_batch_size=self.local_batch_size,
+                micro_batch_size=t.micro_batch_size, compile=t.compile,
+            )  # fmt: skip
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
         if self.tokenizer.vocab_size > cfg.model.vocab_size:
             raise ConfigError(
@@ -130,13 +137,30 @@ class Trainer:
         # 4. Model on meta -> parallelize -> materialise with deterministic weights.
         with torch.device("meta"):
             model = Transformer(cfg.model)
-        self.model = parallelize(
-            model, self.dims, self.mesh, p, device=self.device,
-            init_weights=lambda m: m.init_weights(seed=t.seed, copy_fn=copy_full_into),
-            activation_checkpoint=t.activation_checkpoint, ac_selective=t.ac_selective,
-            ac_layer_interval=t.ac_layer_interval,
-            compile=t.compile,
-        )  # fmt: skip
+        full_shapes = {k: v.shape for k, v in model.state_dict().items()}  # before any wrapper renames
+        part_options = {
+            "device": self.device,
+            "init_weights": lambda m: m.init_weights(seed=t.seed, copy_fn=copy_full_into),
+            "activation_checkpoint": t.activation_checkpoint,
+            "ac_selective": t.ac_selective,
+            "ac_layer_interval": t.ac_layer_interval,
+            "compile": t.compile,
+        }
+        # Under PP the "model" is this rank's Pipeline (its stages' parts + the schedule); it
+        # offers parameters()/train()/eval() and the Checkpointer merges its parts' names.
+        self.pipeline: Optional[Pipeline] = None
+        self.pp_mesh = None
+        if self.dims.pp > 1:
+            self.pipeline = parallelize_pipeline(
+                model, self.dims, self.mesh, p, micro_batch_size=t.micro_batch_size,
+                local_batch_size=self.local_batch_size, **part_options,
+            )  # fmt: skip
+            if t.mixed_precision == "bf16":
+                self.pipeline.autocast_dtype = torch.bfloat16
+            self.pp_mesh = self.pipeline.pp_mesh
+            self.model = self.pipeline
+        else:
+            self.model = parallelize(model, self.dims, self.mesh, p, **part_options)
         self.model.train()
         self.loss_parallel = self.dims.tp > 1 and p.loss_parallel
 
@@ -157,6 +181,7 @@ class Trainer:
             cfg.checkpoint, dump_folder=self.dump_folder, model=self.model, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, dataloader=self.train_loader, train_state=self.state, seed=t.seed,
             device=self.device, info=model_info(cfg.model, cfg.data.tokenizer, describe_layout(self.dims, p)),
+            full_shapes=full_shapes,
         )  # fmt: skip
         self.checkpointer.load()
         self.autocast = (
@@ -171,11 +196,16 @@ class Trainer:
             world_size=self.world_size, total_steps=t.steps,
         )  # fmt: skip
         n_params = param_count(cfg.model)
+        accumulation = (
+            f"{self.pipeline.n_microbatches} pipeline microbatches ({p.pp_schedule})"
+            if self.pipeline is not None
+            else f"grad accumulation {self.grad_accum_steps}"
+        )
         logger.info(
             f"model {cfg.model.name}: {n_params / 1e6:.2f}M params | world {self.world_size} = "
             f"pp {self.dims.pp} x dp_replicate {self.dims.dp_replicate} x dp_shard {self.dims.dp_shard} x "
             f"cp {self.dims.cp} x tp {self.dims.tp} | global batch {t.global_batch_size} x {t.seq_len} tokens, "
-            f"micro batch {t.micro_batch_size}, grad accumulation {self.grad_accum_steps} | device {self.device}"
+            f"micro batch {t.micro_batch_size}, {accumulation} | device {self.device}"
         )
 
     # -- helpers --------------------------------------------------------------------
@@ -208,6 +238,27 @@ class Trainer:
         return total
 
     # -- the step -------------------------------------------------------------------
+    def _accumulate_gradients(
+        self, inputs: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor
+    ) -> torch.Tensor:
+        """Forward/backward over ``grad_accum_steps`` microbatches; DDP communicates only on the
+        last one and is waited for here. Returns the summed (unscaled) token loss."""
+        loss_sum = torch.zeros((), device=self.device)
+        no_sync = getattr(self.model, "no_sync", None)
+        for i, (mi, ml) in enumerate(
+            zip(inputs.chunk(self.grad_accum_steps), labels.chunk(self.grad_accum_steps))
+        ):
+            last = i == self.grad_accum_steps - 1
+            ctx = no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
+            with ctx, self._loss_context():
+                micro_loss = self._loss_sum(mi, ml)
+                (micro_loss * scale).backward()
+            loss_sum += micro_loss.detach()
+        finish = getattr(self.model, "finish_gradient_sync", None)
+        if finish is not None:
+            finish()
+        return loss_sum
+
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over ``grad_accum_steps`` microbatches; returns (loss, grad_norm) tensors."""
         batch = self.train_loader.next_batch()
@@ -218,21 +269,16 @@ class Trainer:
         # result equals the single-process mean over the whole global batch.
         num_tokens = self._global_count((labels != IGNORE_INDEX).sum())
         scale = self.dims.dp_cp / num_tokens.clamp(min=1)
-        loss_sum = torch.zeros((), device=self.device)
-        micro_inputs = inputs.chunk(self.grad_accum_steps)
-        micro_labels = labels.chunk(self.grad_accum_steps)
-        no_sync = getattr(self.model, "no_sync", None)
-        for i, (mi, ml) in enumerate(zip(micro_inputs, micro_labels)):
-            last = i == self.grad_accum_steps - 1
-            ctx = no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
-            with ctx, self._loss_context():
-                micro_loss = self._loss_sum(mi, ml)
-                (micro_loss * scale).backward()
-            loss_sum += micro_loss.detach()
-        finish = getattr(self.model, "finish_gradient_sync", None)
-        if finish is not None:
-            finish()
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.grad_clip)
+        if self.pipeline is not None:
+            # The schedule splits the local batch into its microbatches (they replace the
+            # accumulation loop), runs the loss on the last stage and reports it everywhere.
+            self.pipeline.loss_scale = scale
+            loss_sum = self.pipeline.step(inputs, labels)
+        else:
+            loss_sum = self._accumulate_gradients(inputs, labels, scale)
+        grad_norm = clip_grad_norm_(
+            self.model.parameters(), self.cfg.training.grad_clip, pp_mesh=self.pp_mesh
+        )
         # Every rank sees the same global grad norm, so all stop together, before the step.
         if not torch.isfinite(grad_norm):
             raise TrainingError(
@@ -255,9 +301,12 @@ class Trainer:
         count = torch.zeros((), device=self.device)
         for _ in range(self.cfg.training.eval_steps):
             batch = self.val_loader.next_batch()
-            labels = batch.labels.to(self.device)
-            with self._loss_context():
-                loss_sum += self._loss_sum(batch.inputs.to(self.device), labels)
+            inputs, labels = batch.inputs.to(self.device), batch.labels.to(self.device)
+            if self.pipeline is not None:
+                loss_sum += self.pipeline.forward_loss_sum(inputs, labels)
+            else:
+                with self._loss_context():
+                    loss_sum += self._loss_sum(inputs, labels)
             count += (labels != IGNORE_INDEX).sum()
         self.model.train()
         totals = torch.stack([loss_sum, count])

@@ -29,9 +29,10 @@ def _train(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     trainer = Trainer(cfg)
     history = trainer.train()
     model = trainer.model
-    module = getattr(model, "module", model)
+    parts = getattr(model, "model_parts", [getattr(model, "module", model)])
+    state = {k: v for part in parts for k, v in part.state_dict().items()}
     digest = hashlib.sha256()
-    for _, p in sorted(module.state_dict().items()):
+    for _, p in sorted(state.items()):
         t = p.full_tensor() if hasattr(p, "full_tensor") else p
         digest.update(t.detach().cpu().contiguous().numpy().tobytes())
     trainer.close()
@@ -71,6 +72,20 @@ LAYOUTS = {
         2,
         ["parallelism.dp_shard=2", "training.activation_checkpoint=selective", "training.ac_selective=op"],
     ),
+    # Pipeline parallel through the Trainer (every schedule is also covered at the stage level
+    # in test_pipeline_parallel.py).
+    "pp2_1f1b": (2, ["parallelism.pp=2", "parallelism.dp_shard=1"]),
+    "pp2_zbv": (
+        2,
+        [
+            "parallelism.pp=2",
+            "parallelism.dp_shard=1",
+            "parallelism.pp_schedule=ZBVZeroBubble",
+            "parallelism.pp_stages_per_rank=2",
+        ],
+    ),
+    "pp2_x_fsdp2": (4, ["parallelism.pp=2", "parallelism.dp_shard=2"]),
+    "pp2_x_tp2": (4, ["parallelism.pp=2", "parallelism.dp_shard=1", "parallelism.tp=2"]),
 }
 
 

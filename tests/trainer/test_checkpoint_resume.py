@@ -30,6 +30,7 @@ LAYOUTS = {
         2,
         ["parallelism.dp_replicate=2", "parallelism.dp_shard=1", "parallelism.ddp.sharded_optimizer=true"],
     ),
+    "pp_x2": (2, ["parallelism.pp=2", "parallelism.dp_shard=1"]),
 }
 
 
