@@ -233,6 +233,8 @@ class Trainer:
 
     def _global_count(self, local: torch.Tensor) -> torch.Tensor:
         """Sum a local count over the data/context-parallel ranks (no host sync)."""
+        if self.dims.dp_cp == 1:
+            return local
         total = local.clone()
         dist.all_reduce(total, group=self.dp_cp_mesh.get_group())
         return total
