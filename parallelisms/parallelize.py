@@ -23,6 +23,7 @@ pp x dp x tp, with FSDP on this pp rank's dp_shard_cp sub-mesh).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,48 +37,37 @@ if TYPE_CHECKING:
     from parallelisms.pipeline_parallel import Pipeline
 
 
+@dataclass
+class PartOptions:
+    """How to build each part: device, deterministic init, and the per-block steps (AC, compile)."""
+
+    device: torch.device
+    init_weights: Callable[[nn.Module], None]
+    activation_checkpoint: str = "none"  # none | full | selective
+    ac_selective: str = "layer"  # layer | op
+    ac_layer_interval: int = 2
+    compile: bool = False
+
+
 def parallelize(
-    model: nn.Module,
-    dims: ParallelDims,
-    mesh: DeviceMesh,
-    cfg: ParallelismConfig,
-    *,
-    device: torch.device,
-    init_weights: Callable[[nn.Module], None],
-    activation_checkpoint: str = "none",
-    ac_selective: str = "layer",
-    ac_layer_interval: int = 2,
-    compile: bool = False,
+    model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, cfg: ParallelismConfig, options: PartOptions
 ) -> nn.Module:
-    """Apply every active parallelism to ``model`` (built on meta) and materialise it on ``device``.
+    """Apply every active parallelism to ``model`` (built on meta) and materialise it on ``options.device``.
 
     Without pipeline parallelism this is ``parallelize_part`` on the whole model; with pp > 1
     use ``parallelize_pipeline``.
     """
     if dims.pp > 1:
         raise ValueError("parallelize() handles pp == 1; call parallelize_pipeline() for parallelism.pp > 1")
-    return parallelize_part(
-        model, dims, mesh, cfg, device=device, init_weights=init_weights,
-        activation_checkpoint=activation_checkpoint, ac_selective=ac_selective,
-        ac_layer_interval=ac_layer_interval, compile=compile,
-    )  # fmt: skip
+    return parallelize_part(model, dims, mesh, cfg, options)
 
 
 def parallelize_part(
-    model: nn.Module,
-    dims: ParallelDims,
-    mesh: DeviceMesh,
-    cfg: ParallelismConfig,
-    *,
-    device: torch.device,
-    init_weights: Callable[[nn.Module], None],
-    activation_checkpoint: str = "none",
-    ac_selective: str = "layer",
-    ac_layer_interval: int = 2,
-    compile: bool = False,
+    model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, cfg: ParallelismConfig, options: PartOptions
 ) -> nn.Module:
     """Steps 2-8 on one module (a whole model or a pipeline stage, on meta): TP -> AC -> compile
     -> FSDP -> to_empty + init_weights -> DDP. Mesh views are this rank's sub-meshes."""
+    device = options.device
     if dims.tp > 1:
         from parallelisms.tensor_parallel import apply_tp
 
@@ -87,14 +77,19 @@ def parallelize_part(
             sequence_parallel=cfg.sequence_parallel,
             loss_parallel=cfg.loss_parallel,
             async_tp=cfg.async_tp,
-            compile=compile,
+            compile=options.compile,
             device_type=device.type,
         )
-    if activation_checkpoint != "none":
+    if options.activation_checkpoint != "none":
         from parallelisms.activation_checkpoint import apply_ac
 
-        apply_ac(model, activation_checkpoint, selective=ac_selective, layer_interval=ac_layer_interval)
-    if compile:
+        apply_ac(
+            model,
+            options.activation_checkpoint,
+            selective=options.ac_selective,
+            layer_interval=options.ac_layer_interval,
+        )
+    if options.compile:
         from parallelisms.compile import apply_compile
 
         apply_compile(model)
@@ -110,7 +105,7 @@ def parallelize_part(
 
     # With CPU offload FSDP keeps the sharded parameters on the host.
     model.to_empty(device="cpu" if (dims.fsdp_enabled and cfg.fsdp.cpu_offload) else device)
-    init_weights(model)
+    options.init_weights(model)
 
     if dims.ddp_enabled:
         from parallelisms.ddp import apply_ddp
@@ -132,15 +127,10 @@ def parallelize_pipeline(
     dims: ParallelDims,
     mesh: DeviceMesh,
     cfg: ParallelismConfig,
+    options: PartOptions,
     *,
-    device: torch.device,
-    init_weights: Callable[[nn.Module], None],
     micro_batch_size: int,
     local_batch_size: int,
-    activation_checkpoint: str = "none",
-    ac_selective: str = "layer",
-    ac_layer_interval: int = 2,
-    compile: bool = False,
 ) -> Pipeline:
     """Step 1 (pp > 1): split ``model`` (on meta) into this rank's stages, ``parallelize_part``
     each, and build the schedule. ``local_batch_size`` = global batch / dp sequences per step.
@@ -153,17 +143,13 @@ def parallelize_pipeline(
 
     validate_pp(
         model.args, cfg, pp=dims.pp, local_batch_size=local_batch_size, micro_batch_size=micro_batch_size,
-        compile=compile,
+        compile=options.compile,
     )  # fmt: skip
 
     def part_fn(part: nn.Module) -> nn.Module:
-        return parallelize_part(
-            part, dims, mesh, cfg, device=device, init_weights=init_weights,
-            activation_checkpoint=activation_checkpoint, ac_selective=ac_selective,
-            ac_layer_interval=ac_layer_interval, compile=compile,
-        )  # fmt: skip
+        return parallelize_part(part, dims, mesh, cfg, options)
 
     return apply_pp(
-        model, mesh_view(mesh, "pp"), cfg, device=device, micro_batch_size=micro_batch_size,
+        model, mesh_view(mesh, "pp"), cfg, device=options.device, micro_batch_size=micro_batch_size,
         local_batch_size=local_batch_size, parallelize_part=part_fn,
     )  # fmt: skip

@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from models.errors import ConfigError
 from models.llama import Transformer, num_flops_per_token, param_count
 from parallelisms.parallel_dims import ParallelDims, mesh_view
-from parallelisms.parallelize import parallelize, parallelize_pipeline
+from parallelisms.parallelize import PartOptions, parallelize, parallelize_pipeline
 from parallelisms.pipeline_parallel import Pipeline, validate_pp
 from parallelisms.utils import clip_grad_norm_, copy_full_into
 from trainer.checkpoint import (
@@ -138,29 +138,29 @@ class Trainer:
         with torch.device("meta"):
             model = Transformer(cfg.model)
         full_shapes = {k: v.shape for k, v in model.state_dict().items()}  # before any wrapper renames
-        part_options = {
-            "device": self.device,
-            "init_weights": lambda m: m.init_weights(seed=t.seed, copy_fn=copy_full_into),
-            "activation_checkpoint": t.activation_checkpoint,
-            "ac_selective": t.ac_selective,
-            "ac_layer_interval": t.ac_layer_interval,
-            "compile": t.compile,
-        }
+        part_options = PartOptions(
+            device=self.device,
+            init_weights=lambda m: m.init_weights(seed=t.seed, copy_fn=copy_full_into),
+            activation_checkpoint=t.activation_checkpoint,
+            ac_selective=t.ac_selective,
+            ac_layer_interval=t.ac_layer_interval,
+            compile=t.compile,
+        )
         # Under PP the "model" is this rank's Pipeline (its stages' parts + the schedule); it
         # offers parameters()/train()/eval() and the Checkpointer merges its parts' names.
         self.pipeline: Optional[Pipeline] = None
         self.pp_mesh = None
         if self.dims.pp > 1:
             self.pipeline = parallelize_pipeline(
-                model, self.dims, self.mesh, p, micro_batch_size=t.micro_batch_size,
-                local_batch_size=self.local_batch_size, **part_options,
+                model, self.dims, self.mesh, p, part_options, micro_batch_size=t.micro_batch_size,
+                local_batch_size=self.local_batch_size,
             )  # fmt: skip
             if t.mixed_precision == "bf16":
                 self.pipeline.autocast_dtype = torch.bfloat16
             self.pp_mesh = self.pipeline.pp_mesh
             self.model = self.pipeline
         else:
-            self.model = parallelize(model, self.dims, self.mesh, p, **part_options)
+            self.model = parallelize(model, self.dims, self.mesh, p, part_options)
         self.model.train()
         self.loss_parallel = self.dims.tp > 1 and p.loss_parallel
 

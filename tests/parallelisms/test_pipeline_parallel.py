@@ -56,7 +56,7 @@ def _train(cfg: TrainConfig, world_size: int, name: str) -> dict:
     from torch.distributed.tensor import DTensor
 
     from parallelisms.parallel_dims import ParallelDims, mesh_view
-    from parallelisms.parallelize import parallelize, parallelize_pipeline
+    from parallelisms.parallelize import PartOptions, parallelize, parallelize_pipeline
     from parallelisms.pipeline_parallel import validate_pp
     from parallelisms.utils import clip_grad_norm_, copy_full_into
     from trainer.data import build_dataloader
@@ -82,7 +82,7 @@ def _train(cfg: TrainConfig, world_size: int, name: str) -> dict:
     torch.manual_seed(t.seed)
     with torch.device("meta"):
         model = Transformer(cfg.model)
-    kw = dict(
+    options = PartOptions(
         device=torch.device("cpu"), init_weights=lambda m: m.init_weights(seed=t.seed, copy_fn=copy_full_into),
         activation_checkpoint=t.activation_checkpoint, ac_selective=t.ac_selective,
         ac_layer_interval=t.ac_layer_interval, compile=t.compile,
@@ -90,11 +90,11 @@ def _train(cfg: TrainConfig, world_size: int, name: str) -> dict:
     pipe, pp_mesh = None, None
     if dims.pp > 1:
         pipe = parallelize_pipeline(
-            model, dims, mesh, p, micro_batch_size=t.micro_batch_size, local_batch_size=local_batch, **kw
+            model, dims, mesh, p, options, micro_batch_size=t.micro_batch_size, local_batch_size=local_batch
         )
         parts, pp_mesh = pipe.model_parts, pipe.pp_mesh
     else:
-        parts = [parallelize(model, dims, mesh, p, **kw)]
+        parts = [parallelize(model, dims, mesh, p, options)]
     optimizer = build_optimizer(nn.ModuleList(parts), cfg.optimizer, device_type="cpu")
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
 

@@ -84,7 +84,7 @@ def _pp_source(tmp: str, name: str) -> float:
     from torch import nn
 
     from parallelisms.parallel_dims import ParallelDims, mesh_view
-    from parallelisms.parallelize import parallelize_pipeline
+    from parallelisms.parallelize import PartOptions, parallelize_pipeline
     from parallelisms.utils import clip_grad_norm_, copy_full_into
     from trainer.checkpoint import Checkpointer, model_info
     from trainer.data import build_dataloader
@@ -103,10 +103,18 @@ def _pp_source(tmp: str, name: str) -> float:
         from models.llama import Transformer
 
         model = Transformer(cfg.model)
+    options = PartOptions(
+        device=torch.device("cpu"), init_weights=lambda m: m.init_weights(seed=t.seed, copy_fn=copy_full_into)
+    )
     pipe = parallelize_pipeline(
-        model, dims, mesh, p, device=torch.device("cpu"), micro_batch_size=t.micro_batch_size,
-        local_batch_size=t.global_batch_size, init_weights=lambda m: m.init_weights(seed=t.seed, copy_fn=copy_full_into),
-    )  # fmt: skip
+        model,
+        dims,
+        mesh,
+        p,
+        options,
+        micro_batch_size=t.micro_batch_size,
+        local_batch_size=t.global_batch_size,
+    )
     optimizer = build_optimizer(nn.ModuleList(pipe.model_parts), cfg.optimizer, device_type="cpu")
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
     state = TrainState()
