@@ -68,3 +68,21 @@ def test_run_folder_config_and_eval(tmp_path) -> None:
     assert to_train_config(saved) == cfg
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [r["step"] for r in history]
+
+
+def test_bf16_training_tracks_fp32(tmp_path) -> None:
+    """bf16 autocast (single process) and FSDP bf16 parameters follow the fp32 loss curve."""
+    (fp32,) = run_distributed(_train, 1, tiny_config(str(tmp_path / "fp32")))
+    (amp,) = run_distributed(_train, 1, tiny_config(str(tmp_path / "amp"), "training.mixed_precision=bf16"))
+    fsdp = run_distributed(
+        _train,
+        2,
+        tiny_config(
+            str(tmp_path / "fsdp"), "parallelism.dp_shard=2", "parallelism.fsdp.param_dtype=bfloat16"
+        ),
+    )[0]
+    ref = [r["loss"] for r in fp32 if "loss" in r]
+    for run in (amp, fsdp):
+        losses = [r["loss"] for r in run if "loss" in r]
+        assert len(losses) == len(ref) and losses[-1] < losses[0]
+        assert max(abs(a - b) / b for a, b in zip(losses, ref)) < 0.02, (losses, ref)
