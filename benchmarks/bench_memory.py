@@ -50,7 +50,10 @@ def _measure(rank: int, world: int, overrides: list[str]) -> dict:
         "params": sum(_local_bytes(p) for p in params),
         "grads": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
         "optimizer": sum(
-            _local_bytes(v) for s in trainer.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.ndim > 0
+            _local_bytes(v)
+            for s in trainer.optimizer.state.values()
+            for v in s.values()
+            if torch.is_tensor(v) and v.ndim > 0
         ),
     }
     trainer.close()
@@ -74,12 +77,21 @@ def main() -> None:
     layouts = {
         "ddp": (["parallelism.dp_replicate=" + str(n), "parallelism.dp_shard=1"], 16 * num_params),
         "zero1": (
-            ["parallelism.dp_replicate=" + str(n), "parallelism.dp_shard=1", "parallelism.ddp.sharded_optimizer=true"],
+            [
+                "parallelism.dp_replicate=" + str(n),
+                "parallelism.dp_shard=1",
+                "parallelism.ddp.sharded_optimizer=true",
+            ],
             8 * num_params + 8 * num_params / n,
         ),
         "fsdp": ([f"parallelism.dp_shard={n}"], 16 * num_params / n),
     }
-    report: dict = {"model": args.model, "P": num_params, "world": n, "dtype": "fp32 params/grads + fp32 Adam m,v"}
+    report: dict = {
+        "model": args.model,
+        "P": num_params,
+        "world": n,
+        "dtype": "fp32 params/grads + fp32 Adam m,v",
+    }
     for name, (overrides, expected) in layouts.items():
         per_rank = run_distributed(_measure, n, base + overrides)
         totals = [r["params"] + r["grads"] + r["optimizer"] for r in per_rank]
