@@ -208,6 +208,11 @@ def validate(cfg: TrainConfig) -> None:
 
     p = cfg.parallelism
     _choices(p.ddp.impl, ("custom", "torch"), "parallelism.ddp.impl")
+    if p.cp > 1:
+        raise ConfigError(
+            f"parallelism.cp={p.cp}: context parallelism is not implemented yet (it would silently train "
+            f"without splitting the sequence); set parallelism.cp=1."
+        )
     if p.ddp.sharded_optimizer and p.tp > 1:
         raise ConfigError(
             f"parallelism.ddp.sharded_optimizer=true with parallelism.tp={p.tp} is not supported (the ZeRO-1 "

@@ -68,7 +68,11 @@ def test_model_checks(kw: dict, args: LlamaArgs, seq_len: int, needle: str) -> N
     "overrides,needle",
     [
         (("parallelism.tp=2", "parallelism.ddp.impl=torch"), "ddp.impl=torch with parallelism.tp=2"),
-        (("parallelism.tp=2", "parallelism.ddp.sharded_optimizer=true"), "sharded_optimizer=true with parallelism.tp=2"),
+        (
+            ("parallelism.tp=2", "parallelism.ddp.sharded_optimizer=true"),
+            "sharded_optimizer=true with parallelism.tp=2",
+        ),
+        (("parallelism.cp=2",), "context parallelism is not implemented"),
     ],
 )
 def test_unsupported_tp_compositions_are_config_errors(overrides: tuple[str, ...], needle: str) -> None:
