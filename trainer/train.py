@@ -33,7 +33,7 @@ from trainer.config import TrainConfig, to_yaml
 from trainer.data import DataLoader, build_dataloader
 from trainer.metrics import MetricsLogger, setup_logging
 from trainer.optim import build_lr_scheduler, build_optimizer
-from trainer.tokenizer import build_tokenizer
+from trainer.tokenizer import build_tokenizer, check_vocab_size
 
 logger = logging.getLogger("meshwright")
 
@@ -91,12 +91,7 @@ class Trainer:
                 micro_batch_size=t.micro_batch_size, compile=t.compile,
             )  # fmt: skip
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
-        if self.tokenizer.vocab_size > cfg.model.vocab_size:
-            raise ConfigError(
-                f"tokenizer {cfg.data.tokenizer!r} has {self.tokenizer.vocab_size} ids but "
-                f"model.vocab_size={cfg.model.vocab_size}; raise model.vocab_size to at least "
-                f"{self.tokenizer.vocab_size} (a multiple of 64 is fastest)."
-            )
+        check_vocab_size(self.tokenizer, cfg.model.vocab_size)
         self.device = resolve_device(t.device, self.local_rank)
         # Data is read and tokenized before any collective, so a bad path fails on every rank.
         dp_rank = self._dp_rank_from_global_rank()
