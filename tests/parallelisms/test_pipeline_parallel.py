@@ -229,16 +229,19 @@ def reference(tmp_path_factory) -> dict:
     return ref
 
 
+def _run_pp_cases(
+    tmp: str, cases: dict[str, list[str]], *, world_size: int, timeout: int
+) -> dict[str, list[dict]]:
+    """Run every PP×2 case (name -> overrides) in one process group; results per case, per rank."""
+    cfgs = {name: _cfg(tmp, "parallelism.pp=2", *ov) for name, ov in cases.items()}
+    per_rank = run_distributed(_run_cases, world_size, cfgs, timeout=timeout)
+    return {name: [r[name] for r in per_rank] for name in cfgs}
+
+
 @pytest.fixture(scope="module")
 def schedule_results(tmp_path_factory) -> dict[str, list[dict]]:
-    tmp = str(tmp_path_factory.mktemp("pp"))
-    cases = {
-        name: _cfg(tmp, "parallelism.pp=2", *ov)
-        for name, ov in SCHEDULE_CASES.items()
-        if name.split("_")[0] in SCHEDULES
-    }
-    per_rank = run_distributed(_run_cases, 2, cases, timeout=400)
-    return {name: [r[name] for r in per_rank] for name in cases}
+    cases = {name: ov for name, ov in SCHEDULE_CASES.items() if name.split("_")[0] in SCHEDULES}
+    return _run_pp_cases(str(tmp_path_factory.mktemp("pp")), cases, world_size=2, timeout=400)
 
 
 def _check(name: str, results: list[dict], reference: dict) -> None:
@@ -290,14 +293,12 @@ def test_schedule_matches_single_process(name: str, schedule_results: dict, refe
 
 @pytest.fixture(scope="module")
 def composed_results(tmp_path_factory) -> dict[str, list[dict]]:
-    tmp = str(tmp_path_factory.mktemp("pp_composed"))
     cases = {
-        name: _cfg(tmp, "parallelism.pp=2", *ov)
+        name: ov
         for name, ov in COMPOSED_CASES.items()
         if "ZBVZeroBubble" not in " ".join(ov) or "ZBVZeroBubble" in SCHEDULES
     }
-    per_rank = run_distributed(_run_cases, 4, cases, timeout=600)
-    return {name: [r[name] for r in per_rank] for name in cases}
+    return _run_pp_cases(str(tmp_path_factory.mktemp("pp_composed")), cases, world_size=4, timeout=600)
 
 
 @pytest.mark.slow
