@@ -28,8 +28,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.configs import make_config  # noqa: E402
 from tests.dist import run_distributed  # noqa: E402
+from trainer.config import compose_config as make_config  # noqa: E402
 
 
 def _local_bytes(t: torch.Tensor) -> int:
@@ -71,9 +71,10 @@ def main() -> None:
         "training.micro_batch_size=1", "metrics.tensorboard=false", "metrics.jsonl=false", "data.max_documents=200",
         "job.dump_folder=outputs/bench_memory",
     ]  # fmt: skip
-    from models.llama import param_count
+    from models import get_spec
 
-    num_params = param_count(make_config(f"model={args.model}").model)
+    model_cfg = make_config(f"model={args.model}").model
+    num_params = get_spec(model_cfg.family).param_counts(model_cfg).total
     layouts = {
         "ddp": (["parallelism.dp_replicate=" + str(n), "parallelism.dp_shard=1"], 16 * num_params),
         "zero1": (

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.configs import make_config  # noqa: E402
+from trainer.config import compose_config as make_config  # noqa: E402
 from trainer.train import Trainer  # noqa: E402
 
 

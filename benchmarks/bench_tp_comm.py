@@ -47,7 +47,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from models.llama import LlamaArgs, Transformer  # noqa: E402
+from models.llama import LLAMA_SPEC, LlamaArgs, Transformer  # noqa: E402
+from parallelisms.config import ParallelismConfig  # noqa: E402
 from parallelisms.tensor_parallel import apply_tp  # noqa: E402
 from parallelisms.utils import copy_full_into  # noqa: E402
 
@@ -104,7 +105,7 @@ def _measure(args: LlamaArgs, mesh: Any, batch: int, seq: int, sequence_parallel
     tp = mesh.size()
     with torch.device("meta"):
         model = Transformer(args)
-    apply_tp(model, mesh, sequence_parallel=sequence_parallel, loss_parallel=True)
+    apply_tp(model, LLAMA_SPEC, mesh, ParallelismConfig(tp=mesh.size(), sequence_parallel=sequence_parallel))
     model.to_empty(device="cpu")
     model.init_weights(seed=0, copy_fn=copy_full_into)
     gen = torch.Generator().manual_seed(0)

@@ -13,47 +13,54 @@ The module tree and parameter names match torchtitan's Llama 3 model, so tensor-
 Three properties let the parallelism code in ``parallelisms/`` work without touching this file:
 
 * ``Attention`` derives the number of heads from tensor shapes at runtime, so column-sharded
-  ``wq/wk/wv`` (tensor parallel) simply yield fewer local heads. It also slices the rotary
-  cache to the sequence length it sees, so a sequence-sharded residual stream (sequence
-  parallel) still gets the rotations of the full sequence.
+  ``wq/wk/wv`` (tensor parallel) simply yield fewer local heads. It picks its rotary rows by
+  each token's position where the whole (local) sequence is present, so a sequence-sharded
+  residual stream (sequence parallel) and a sequence shard (context parallel) both get the
+  right rotations.
 * ``Transformer.forward`` tolerates a missing ``tok_embeddings`` / ``norm`` / ``output`` and
   deleted entries of the ``layers`` ``ModuleDict``, so a pipeline stage is this same class
   with pieces removed.
-* ``Transformer.init_weights`` draws every parameter from its own generator seeded by
-  ``(seed, canonical name)`` and writes it through a caller-supplied ``copy_fn``, so a model
-  built on the meta device, sharded and materialised anywhere gets bit-identical weights to a
-  one-process CPU build.
+* ``init_weights(init)`` on every module draws each parameter from its own generator seeded by
+  ``(seed, canonical name)`` (``models.common.ParamInit``), so a model built on the meta device,
+  sharded and materialised anywhere gets bit-identical weights to a one-process CPU build.
+
+``LLAMA_SPEC`` at the bottom is what the rest of the stack sees (``models/spec.py``).
 """
 
 from __future__ import annotations
 
 import math
-import zlib
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Optional, Union
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from models.common import (
+    CopyFn,
+    ParamInit,
+    RMSNorm,
+    RopeScaling,
+    apply_rotary_emb,
+    precompute_rope_cache,
+    repeat_kv,
+)
 from models.errors import ConfigError
+from models.spec import ModelArgs, ModelSpec, ParamCounts
 
 __all__ = [
-    "LlamaArgs",
-    "RMSNorm",
+    "LLAMA_SPEC",
     "Attention",
     "FeedForward",
-    "TransformerBlock",
+    "LlamaArgs",
+    "LlamaHF",
     "Transformer",
-    "apply_rotary_emb",
-    "precompute_rope_cache",
-    "num_params",
+    "TransformerBlock",
     "num_flops_per_token",
-    "param_count",
+    "param_counts",
 ]
-
-CopyFn = Callable[[nn.Parameter, Tensor], None]
 
 
 # --------------------------------------------------------------------------------------------
@@ -62,9 +69,10 @@ CopyFn = Callable[[nn.Parameter, Tensor], None]
 
 
 @dataclass
-class LlamaArgs:
+class LlamaArgs(ModelArgs):
     """Shape and initialisation hyper-parameters of a dense Llama model."""
 
+    family: str = "llama"
     dim: int = 256
     n_layers: int = 4
     n_heads: int = 8
@@ -75,6 +83,7 @@ class LlamaArgs:
     ffn_hidden_dim: Optional[int] = None  # explicit FFN hidden size; overrides the Llama formula
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     max_seq_len: int = 2048
     tie_embeddings: bool = False
     init_std: float = 0.02
@@ -82,13 +91,11 @@ class LlamaArgs:
     def validate(self) -> None:
         """Raise ``ConfigError`` naming the bad value and the fix; return None when consistent."""
         for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"model.{name}={value!r} must be a positive integer.")
+            _positive_int(getattr(self, name), f"model.{name}")
         for name in ("n_kv_heads", "ffn_hidden_dim"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-                raise ConfigError(f"model.{name}={value!r} must be a positive integer or null (default).")
+            if value is not None:
+                _positive_int(value, f"model.{name}", "or null (default)")
         if self.ffn_dim_multiplier is not None and not self.ffn_dim_multiplier > 0:
             raise ConfigError(
                 f"model.ffn_dim_multiplier={self.ffn_dim_multiplier!r} must be > 0 or null (no multiplier)."
@@ -97,6 +104,7 @@ class LlamaArgs:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value > 0):
                 raise ConfigError(f"model.{name}={value!r} must be a positive number.")
+        self.rope_scaling.validate()
         if self.dim % self.n_heads != 0:
             raise ConfigError(
                 f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}; "
@@ -138,63 +146,11 @@ class LlamaArgs:
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
 
-# --------------------------------------------------------------------------------------------
-# Rotary position embedding
-# --------------------------------------------------------------------------------------------
-#
-# Layout: Hugging Face "rotate_half". A head vector x of size D is split into halves
-# x1 = x[..., :D/2] and x2 = x[..., D/2:]; frequency i in [0, D/2) rotates the pair
-# (x1[i], x2[i]) by the angle pos * theta^(-2i/D):
-#     out1 = x1 * cos - x2 * sin
-#     out2 = x2 * cos + x1 * sin
-# which equals HF's ``x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)``. Because it is the
-# same layout as HF Llama checkpoints, export/import need no permutation of wq/wk rows (Meta's
-# original checkpoints interleave pairs instead and would need one).
-#
-# The cache is one real float32 tensor of shape (max_seq_len, D) holding
-# [cos(angles) | sin(angles)], each (max_seq_len, D/2). Real, not complex: complex tensors
-# interact badly with DTensor and torch.compile. One tensor sharded along dim 0 is all that
-# context parallelism needs to split it by sequence.
-
-
-def precompute_rope_cache(head_dim: int, max_seq_len: int, theta: float = 10000.0) -> Tensor:
-    """The (max_seq_len, head_dim) float32 rotary cache ``[cos | sin]`` computed on CPU.
-
-    Angles are computed in float64 and rounded once, so the cache is identical on every device
-    and accurate at long positions.
-    """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))  # (D/2,)
-    positions = torch.arange(max_seq_len, dtype=torch.float64)  # (S,)
-    angles = torch.outer(positions, inv_freq)  # (S, D/2)
-    return torch.cat([angles.cos(), angles.sin()], dim=-1).to(torch.float32)  # (S, D)
-
-
-def apply_rotary_emb(xq: Tensor, xk: Tensor, rope_cache: Tensor) -> tuple[Tensor, Tensor]:
-    """Rotate queries and keys (B, S, n_heads, D) by the rotate_half layout; computed in fp32.
-
-    ``rope_cache`` is (S, D) as produced by ``precompute_rope_cache`` and already sliced to S.
-    """
-    cos, sin = rope_cache.chunk(2, dim=-1)  # (S, D/2) each
-    cos = cos[None, :, None, :]  # (1, S, 1, D/2), broadcasts over batch and heads
-    sin = sin[None, :, None, :]
-
-    def rotate(x: Tensor) -> Tensor:
-        x1, x2 = x.float().chunk(2, dim=-1)  # (B, S, nh, D/2) each
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)  # (B, S, nh, D)
-
-    return rotate(xq), rotate(xk)
-
-
-def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
-    """Repeat each key/value head ``n_rep`` times along dim 1: (B, n_kv, S, D) -> (B, n_kv*n_rep, S, D).
-
-    Same order as ``torch.repeat_interleave(x, n_rep, dim=1)``: query head j uses kv head
-    j // n_rep, which stays true for any contiguous (tensor-parallel) slice of the heads.
-    """
-    if n_rep == 1:
-        return x
-    B, n_kv, S, D = x.shape
-    return x[:, :, None, :, :].expand(B, n_kv, n_rep, S, D).reshape(B, n_kv * n_rep, S, D)
+def _positive_int(value: Any, key: str, alternative: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(
+            f"{key}={value!r} must be a positive integer{' ' + alternative if alternative else ''}."
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -202,30 +158,12 @@ def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
 # --------------------------------------------------------------------------------------------
 
 
-class RMSNorm(nn.Module):
-    """Root-mean-square layer norm (Zhang & Sennrich, 2019), normalised in fp32.
-
-    Parameter and attribute names follow ``torch.nn.RMSNorm`` (``weight``, ``eps``).
-    """
-
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.normalized_shape = (dim,)
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def reset_parameters(self) -> None:
-        """Set the gain to ones."""
-        nn.init.ones_(self.weight)
-
-    def forward(self, x: Tensor) -> Tensor:
-        # fp32 statistics: in bf16 the mean of squares over thousands of channels loses digits.
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)  # (..., H)
-        return normed.type_as(x) * self.weight
-
-    def extra_repr(self) -> str:
-        return f"{self.normalized_shape}, eps={self.eps}"
+def rope_rows(rope_cache: Tensor, seq_len: int, positions: Optional[Tensor]) -> Tensor:
+    """Rotary rows for the tokens at hand: (S, D) for positions 0..S-1, else ``rope_cache[positions]``
+    ((S, D) or (B, S, D) for positions (S,) or (B, S))."""
+    if positions is None:
+        return rope_cache[:seq_len]
+    return rope_cache[positions]
 
 
 class Attention(nn.Module):
@@ -244,16 +182,22 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
-    def forward(self, x: Tensor, rope_cache: Tensor) -> Tensor:
-        """``x`` (B, S, H); ``rope_cache`` (>= S, D), the first S rows are used."""
+    def init_weights(self, init: ParamInit, prefix: str, std: float, out_std: float) -> None:
+        """wq/wk/wv: truncated normal (std, cut at 2 std); wo: depth-scaled ``out_std``."""
+        for proj in ("wq", "wk", "wv"):
+            init.trunc_normal(f"{prefix}.{proj}.weight", getattr(self, proj).weight, std, 2.0)
+        init.trunc_normal(f"{prefix}.wo.weight", self.wo.weight, out_std, 2.0)
+
+    def forward(self, x: Tensor, *, rope_cache: Tensor, positions: Optional[Tensor] = None) -> Tensor:
+        """``x`` (B, S, H); ``rope_cache`` (max_seq_len, D); ``positions`` (S,) or (B, S) or None (0..S-1)."""
         B, S, _ = x.shape  # (B, S, H)
-        # Sliced here, where the whole sequence is present: under sequence parallelism the
-        # residual stream outside attention holds only S / tp tokens per rank.
-        rope_cache = rope_cache[:S]  # (S, D)
+        # Rows are picked here, where the whole (local) sequence is present: under sequence
+        # parallelism the residual stream outside attention holds only S / tp tokens per rank.
+        rope = rope_rows(rope_cache, S, positions)  # (S, D) or (B, S, D)
         q = self.wq(x).view(B, S, -1, self.head_dim)  # (B, S, nh, D)   nh: local query heads
         k = self.wk(x).view(B, S, -1, self.head_dim)  # (B, S, nkv, D)  nkv: local kv heads
         v = self.wv(x).view(B, S, -1, self.head_dim)  # (B, S, nkv, D)
-        q, k = apply_rotary_emb(q, k, rope_cache)
+        q, k = apply_rotary_emb(q, k, rope)
 
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, S, D)
         # Explicit repeat rather than SDPA's enable_gqa: works with every backend, under
@@ -275,6 +219,12 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
+    def init_weights(self, init: ParamInit, prefix: str, std: float, out_std: float) -> None:
+        """w1: truncated normal (std); w2/w3: depth-scaled ``out_std`` (torchtitan's scheme)."""
+        init.trunc_normal(f"{prefix}.w1.weight", self.w1.weight, std, 2.0)
+        init.trunc_normal(f"{prefix}.w2.weight", self.w2.weight, out_std, 2.0)
+        init.trunc_normal(f"{prefix}.w3.weight", self.w3.weight, out_std, 2.0)
+
     def forward(self, x: Tensor) -> Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))  # (B, S, H) -> (B, S, F) -> (B, S, H)
 
@@ -290,8 +240,18 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
-    def forward(self, x: Tensor, rope_cache: Tensor) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cache)  # (B, S, H)
+    def init_weights(self, init: ParamInit, prefix: str, init_std: float) -> None:
+        """Output projections get ``init_std / sqrt(2 (layer_id + 1))`` (depth scaling)."""
+        out_std = init_std / math.sqrt(2 * (self.layer_id + 1))
+        self.attention.init_weights(init, f"{prefix}.attention", init_std, out_std)
+        self.feed_forward.init_weights(init, f"{prefix}.feed_forward", init_std, out_std)
+        self.attention_norm.init_weights(init, f"{prefix}.attention_norm")
+        self.ffn_norm.init_weights(init, f"{prefix}.ffn_norm")
+
+    def forward(self, x: Tensor, *, rope_cache: Tensor, positions: Optional[Tensor] = None) -> Tensor:
+        h = x + self.attention(
+            self.attention_norm(x), rope_cache=rope_cache, positions=positions
+        )  # (B, S, H)
         return h + self.feed_forward(self.ffn_norm(h))  # (B, S, H)
 
 
@@ -308,7 +268,7 @@ class Transformer(nn.Module):
         args.validate()
         self.args = args
         self.tok_embeddings: Optional[nn.Embedding] = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): self.build_block(i, args) for i in range(args.n_layers)})
         self.norm: Optional[RMSNorm] = RMSNorm(args.dim, eps=args.norm_eps)
         self.output: Optional[nn.Linear] = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
@@ -316,6 +276,10 @@ class Transformer(nn.Module):
         # (meta under `with torch.device("meta")`) and filled unless that device is meta.
         self.register_buffer("rope_cache", torch.empty(args.max_seq_len, args.head_dim), persistent=False)
         self.reset_rope_cache()
+
+    def build_block(self, layer_id: int, args: Any) -> nn.Module:
+        """One repeated block; families with other blocks (MoE) override this."""
+        return TransformerBlock(layer_id, args)
 
     def tie_weights(self) -> None:
         """With ``tie_embeddings``, make ``output.weight`` the embedding's Parameter (if both exist)."""
@@ -338,19 +302,20 @@ class Transformer(nn.Module):
         are computed on CPU and moved, so they are identical on every device.
         """
         device = torch.device(device) if device is not None else self.rope_cache.device
-        shape = (self.args.max_seq_len, self.args.head_dim)
+        a = self.args
         if device.type == "meta":
-            cache = torch.empty(shape, device=device)
+            cache = torch.empty((a.max_seq_len, a.head_dim), device=device)
         else:
-            cache = precompute_rope_cache(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta)
-            cache = cache.to(device)
+            cache = precompute_rope_cache(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling).to(device)
         self.rope_cache = cache  # replaces the registered buffer (stays non-persistent)
 
-    def forward(self, tokens: Tensor) -> Tensor:
+    def forward(self, tokens: Tensor, positions: Optional[Tensor] = None) -> Tensor:
         """Token ids (B, S) -> logits (B, S, V).
 
-        Stage-friendly: with ``tok_embeddings`` None the input is a hidden state (B, S, H);
-        with ``output`` None the hidden state (B, S, H) is returned.
+        ``positions`` (S,) or (B, S) gives each token's position (a sequence shard, or packed
+        documents restarting at 0); None means 0..S-1. Stage-friendly: with ``tok_embeddings``
+        None the input is a hidden state (B, S, H); with ``output`` None the hidden state
+        (B, S, H) is returned.
         """
         seq_len = tokens.shape[1]  # ids (B, S) or hidden state (B, S, H)
         if seq_len > self.args.max_seq_len:
@@ -359,83 +324,53 @@ class Transformer(nn.Module):
                 "raise model.max_seq_len or lower training.seq_len."
             )
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, S, H)
-        # The whole cache is passed on: attention slices it to the sequence length it sees,
+        # The whole cache is passed on: attention picks the rows of the sequence it sees,
         # which under sequence parallelism is larger than h's local S / tp.
         for layer in self.layers.values():
-            h = layer(h, self.rope_cache)  # (B, S, H)
+            h = layer(h, rope_cache=self.rope_cache, positions=positions)  # (B, S, H)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h  # (B, S, V) or (B, S, H)
 
     @torch.no_grad()
-    def init_weights(self, seed: int = 0, copy_fn: Optional[CopyFn] = None) -> None:
+    def init_weights(
+        self, seed: int = 0, copy_fn: Optional[CopyFn] = None, *, init: Optional[ParamInit] = None
+    ) -> None:
         """Initialise every present parameter deterministically from ``(seed, name)``.
 
-        Each parameter gets its own CPU generator seeded by ``seed`` mixed with the CRC32 of its
-        canonical name, draws its FULL tensor in float32 on CPU, and is written with
-        ``copy_fn(param, full)`` (default: ``param.copy_(full.to(param.device, param.dtype))``).
-        Hence the values do not depend on the device, on which other parameters exist (pipeline
-        stages) nor on wrappers; a sharded caller passes a ``copy_fn`` that writes its shard.
-        ``param`` itself is only ever touched through ``copy_fn``.
-
-        Scheme (torchtitan-like): embedding N(0, 1); wq/wk/wv/w1 truncated normal
-        (std=init_std, cut at 2 std); wo/w2/w3 truncated normal with depth-scaled
-        std=init_std/sqrt(2*(layer_id+1)); output truncated normal (std=dim**-0.5, cut at 3 std);
-        norms ones. With ``tie_embeddings`` the shared weight is drawn once, under the name
-        ``tok_embeddings.weight``, with the output-head scheme: an N(0, 1) matrix used as the
-        head would give logits of std sqrt(dim) at step 0.
+        ``init`` (default ``ParamInit(seed, copy_fn)``) writes each parameter through its
+        ``copy_fn``; a sharded caller passes one that writes its shard. Scheme (torchtitan-like):
+        embedding N(0, 1); wq/wk/wv/w1 truncated normal (std=init_std, cut at 2 std); wo/w2/w3
+        depth-scaled std=init_std/sqrt(2*(layer_id+1)); output truncated normal (std=dim**-0.5,
+        cut at 3 std); norms ones. With ``tie_embeddings`` the shared weight is drawn once, under
+        the name ``tok_embeddings.weight``, with the output-head scheme: an N(0, 1) matrix used
+        as the head would give logits of std sqrt(dim) at step 0.
 
         Also recomputes the rotary cache, on the buffer's device (the parameters' device when
         the buffer is still on meta).
         """
-        copy_fn = copy_fn if copy_fn is not None else _default_copy
+        init = init if init is not None else ParamInit(seed, copy_fn)
         args = self.args
-        std = args.init_std
         head_std = args.dim**-0.5
 
-        def init(name: str, param: nn.Parameter, fill: Callable[[Tensor, torch.Generator], None]) -> None:
-            gen = torch.Generator(device="cpu").manual_seed(_param_seed(seed, name))
-            full = torch.empty(param.shape, dtype=torch.float32, device="cpu")
-            fill(full, gen)
-            copy_fn(param, full)
+        def embed_fill(name: str, param: nn.Parameter) -> None:
+            if args.tie_embeddings:
+                init.trunc_normal(name, param, head_std, 3.0)
+            else:
+                init.normal(name, param, 1.0)
 
-        def normal(s: float) -> Callable[[Tensor, torch.Generator], None]:
-            return lambda t, g: nn.init.normal_(t, mean=0.0, std=s, generator=g)
-
-        def trunc(s: float, cutoff: float) -> Callable[[Tensor, torch.Generator], None]:
-            return lambda t, g: nn.init.trunc_normal_(
-                t, mean=0.0, std=s, a=-cutoff * s, b=cutoff * s, generator=g
-            )
-
-        def ones(t: Tensor, g: torch.Generator) -> None:
-            t.fill_(1.0)
-
-        embed_fill = trunc(head_std, 3.0) if args.tie_embeddings else normal(1.0)
         if self.tok_embeddings is not None:
-            init("tok_embeddings.weight", self.tok_embeddings.weight, embed_fill)
-
+            embed_fill("tok_embeddings.weight", self.tok_embeddings.weight)
         for layer_id, block in self.layers.items():
-            prefix = f"layers.{layer_id}"
-            out_std = std / math.sqrt(2 * (int(layer_id) + 1))
-            attn, ffn = block.attention, block.feed_forward
-            for proj in ("wq", "wk", "wv"):
-                init(f"{prefix}.attention.{proj}.weight", getattr(attn, proj).weight, trunc(std, 2.0))
-            init(f"{prefix}.attention.wo.weight", attn.wo.weight, trunc(out_std, 2.0))
-            init(f"{prefix}.feed_forward.w1.weight", ffn.w1.weight, trunc(std, 2.0))
-            init(f"{prefix}.feed_forward.w2.weight", ffn.w2.weight, trunc(out_std, 2.0))
-            init(f"{prefix}.feed_forward.w3.weight", ffn.w3.weight, trunc(out_std, 2.0))
-            init(f"{prefix}.attention_norm.weight", block.attention_norm.weight, ones)
-            init(f"{prefix}.ffn_norm.weight", block.ffn_norm.weight, ones)
-
+            block.init_weights(init, f"layers.{layer_id}", args.init_std)
         if self.norm is not None:
-            init("norm.weight", self.norm.weight, ones)
-
+            self.norm.init_weights(init, "norm")
         if self.output is not None:
             if not args.tie_embeddings:
-                init("output.weight", self.output.weight, trunc(head_std, 3.0))
+                init.trunc_normal("output.weight", self.output.weight, head_std, 3.0)
             elif self.tok_embeddings is None:
                 # Tied, but this piece (e.g. the last pipeline stage) holds only the head: draw
                 # the same values the embedding gets in the full model.
-                init("tok_embeddings.weight", self.output.weight, embed_fill)
+                embed_fill("tok_embeddings.weight", self.output.weight)
 
         # The buffer's device wins (after to_empty it is the compute device, also when FSDP
         # offloads parameters to CPU); a buffer still on meta follows the parameters.
@@ -446,63 +381,271 @@ class Transformer(nn.Module):
         self.reset_rope_cache(device)
 
 
-def _param_seed(seed: int, name: str) -> int:
-    """Generator seed for one parameter: CRC32 of ``name`` xor a multiplicative hash of ``seed``.
-
-    Kept in 32 bits on purpose: the CPU generator seeds its Mersenne Twister from the low 32
-    bits only, so ``seed`` must change those bits. Multiplying by an odd constant is a bijection
-    modulo 2**32, so two seeds below 2**32 never give one parameter the same stream.
-    """
-    return (zlib.crc32(name.encode("utf-8")) ^ (seed * 0x9E3779B1)) & 0xFFFFFFFF
-
-
-def _default_copy(param: nn.Parameter, full: Tensor) -> None:
-    param.copy_(full.to(param.device, param.dtype))
-
-
 # --------------------------------------------------------------------------------------------
 # Counting
 # --------------------------------------------------------------------------------------------
 
 
-def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:
-    """Number of unique parameters of ``model`` (tied weights count once; works on meta).
+def _attention_params(args: LlamaArgs) -> int:
+    return 2 * args.dim * args.n_heads * args.head_dim + 2 * args.dim * args.kv_heads * args.head_dim
 
-    With ``exclude_embedding`` the weights of every ``nn.Embedding`` are left out (with tied
-    embeddings that includes the shared output head).
+
+def param_counts(args: LlamaArgs) -> ParamCounts:
+    """Parameters of ``Transformer(args)``, computed analytically (tied head counted once).
+
+    Dense, so ``active == total``.
     """
-    params = {id(p): p for p in model.parameters()}
-    if exclude_embedding:
-        for module in model.modules():
-            if isinstance(module, nn.Embedding):
-                for p in module.parameters():
-                    params.pop(id(p), None)
-    return sum(p.numel() for p in params.values())
-
-
-def _layer_param_count(args: LlamaArgs) -> int:
-    attention = 2 * args.dim * args.n_heads * args.head_dim + 2 * args.dim * args.kv_heads * args.head_dim
-    feed_forward = 3 * args.dim * args.hidden_dim
-    norms = 2 * args.dim
-    return attention + feed_forward + norms
-
-
-def param_count(args: LlamaArgs) -> int:
-    """Total parameters of ``Transformer(args)``, computed analytically (tied head counted once)."""
+    layer = _attention_params(args) + 3 * args.dim * args.hidden_dim + 2 * args.dim
     embedding = args.vocab_size * args.dim
     head = 0 if args.tie_embeddings else args.vocab_size * args.dim
-    return embedding + args.n_layers * _layer_param_count(args) + args.dim + head
+    total = embedding + args.n_layers * layer + args.dim + head
+    return ParamCounts(total=total, active=total, embedding=embedding)
 
 
-def num_flops_per_token(args: LlamaArgs, seq_len: int) -> int:
+def num_flops_per_token(args: Any, seq_len: int, counts: Optional[ParamCounts] = None) -> int:
     """Training FLOPs (forward + backward) per token, torchtitan / PaLM convention.
 
-    ``6 * N + 12 * n_layers * n_heads * head_dim * seq_len`` where ``N`` is every parameter
-    except the token embedding (a lookup, not a matmul); the output head is a matmul and
-    counts, once, also when tied to the embedding. The second term is the attention
+    ``6 * N + 12 * n_layers * n_heads * head_dim * seq_len`` where ``N`` is every *active*
+    parameter except the token embedding (a lookup, not a matmul); the output head is a matmul
+    and counts, once, also when tied to the embedding. The second term is the attention
     score and value matmuls (2 * 2 * L * H * S forward, times 3 with backward); causal masking
-    is not discounted. ``N`` is computed from ``args``; no model is needed.
+    is not discounted. Shared by every family with Llama attention (pass ``counts``).
     """
-    n_nonembedding = args.n_layers * _layer_param_count(args) + args.dim + args.vocab_size * args.dim
+    counts = counts if counts is not None else param_counts(args)
+    tied_head = args.vocab_size * args.dim if args.tie_embeddings else 0
+    n_matmul = counts.active - counts.embedding + tied_head
     attention = 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
-    return 6 * n_nonembedding + attention
+    return 6 * n_matmul + attention
+
+
+def tp_divisible(args: LlamaArgs) -> dict[str, int]:
+    """Sizes tensor parallelism splits evenly (key -> value)."""
+    return {
+        "model.n_heads": args.n_heads,
+        "model.n_kv_heads": args.kv_heads,
+        "model FFN hidden size": args.hidden_dim,
+        "model.vocab_size": args.vocab_size,
+    }
+
+
+# Module-name pattern -> abstract TP style (turned into torch ParallelStyles by
+# parallelisms/tensor_parallel.py). "*" matches a block key. The attention and FFN entries
+# gather the (sequence-sharded) residual stream on entry; wo/w2 reduce it back (Megatron f/g).
+TP_PLAN: dict[str, str] = {
+    "tok_embeddings": "embedding",
+    "layers.*.attention_norm": "norm",
+    "layers.*.attention": "gather_input",
+    "layers.*.attention.wq": "colwise",
+    "layers.*.attention.wk": "colwise",
+    "layers.*.attention.wv": "colwise",
+    "layers.*.attention.wo": "rowwise",
+    "layers.*.ffn_norm": "norm",
+    "layers.*.feed_forward": "gather_input",
+    "layers.*.feed_forward.w1": "colwise",
+    "layers.*.feed_forward.w3": "colwise",
+    "layers.*.feed_forward.w2": "rowwise",
+    "norm": "norm",
+    "output": "head",
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Hugging Face adapter (LlamaForCausalLM)
+# --------------------------------------------------------------------------------------------
+#
+# Our attention uses HF's rotate_half RoPE layout, so q/k projections need no row permutation.
+#
+#   tok_embeddings.weight              model.embed_tokens.weight
+#   layers.{i}.attention.wq/wk/wv/wo   model.layers.{i}.self_attn.q_proj/k_proj/v_proj/o_proj
+#   layers.{i}.feed_forward.w1/w3/w2   model.layers.{i}.mlp.gate_proj/up_proj/down_proj
+#   layers.{i}.attention_norm          model.layers.{i}.input_layernorm
+#   layers.{i}.ffn_norm                model.layers.{i}.post_attention_layernorm
+#   norm.weight                        model.norm.weight
+#   output.weight                      lm_head.weight (absent when tie_word_embeddings)
+
+LLAMA_HF_LAYER_NAMES = {
+    "attention.wq": "self_attn.q_proj",
+    "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj",
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w3": "mlp.up_proj",
+    "feed_forward.w2": "mlp.down_proj",
+    "attention_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+LLAMA_HF_TOP_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def rope_scaling_to_hf(scaling: RopeScaling, theta: float) -> Optional[dict[str, Any]]:
+    """``RopeScaling`` -> HF's ``rope_scaling`` dict (None for the default RoPE)."""
+    if scaling.type == "default":
+        return None
+    out: dict[str, Any] = {"rope_type": scaling.type, "type": scaling.type, "factor": scaling.factor}
+    if scaling.type == "llama3":
+        out.update(
+            low_freq_factor=scaling.low_freq_factor,
+            high_freq_factor=scaling.high_freq_factor,
+            original_max_position_embeddings=scaling.original_max_seq_len,
+        )
+    return out
+
+
+def rope_scaling_from_hf(cfg: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    """(rope_theta, our ``rope_scaling`` fields) from a HF config (``rope_parameters`` in
+    transformers >= 5, ``rope_scaling`` + ``rope_theta`` before)."""
+    rope = dict(cfg.get("rope_parameters") or {})
+    rope.update({k: v for k, v in (cfg.get("rope_scaling") or {}).items() if k not in rope})
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    kind = rope.get("rope_type", rope.get("type", "default")) or "default"
+    if kind == "default":
+        return theta, {"type": "default"}
+    if kind not in ("linear", "llama3"):
+        raise ConfigError(
+            f"config.json uses rope_type={kind!r}; meshwright supports default, linear and llama3 RoPE."
+        )
+    out: dict[str, Any] = {"type": kind, "factor": float(rope["factor"])}
+    if kind == "llama3":
+        out.update(
+            low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_seq_len=int(rope["original_max_position_embeddings"]),
+        )
+    return theta, out
+
+
+class LlamaHF:
+    """Hugging Face ``LlamaForCausalLM`` <-> meshwright Llama (config and tensor names)."""
+
+    architecture = "LlamaForCausalLM"
+    model_type = "llama"
+
+    def to_hf_config(
+        self, args: LlamaArgs, *, bos_id: Optional[int], eos_id: Optional[int], dtype: str
+    ) -> dict:
+        """A ``LlamaConfig`` dict for ``args``."""
+        scaling = rope_scaling_to_hf(args.rope_scaling, args.rope_theta)
+        return {
+            "architectures": [self.architecture],
+            "model_type": self.model_type,
+            "hidden_size": args.dim,
+            "intermediate_size": args.hidden_dim,
+            "num_hidden_layers": args.n_layers,
+            "num_attention_heads": args.n_heads,
+            "num_key_value_heads": args.kv_heads,
+            "head_dim": args.head_dim,
+            "vocab_size": args.vocab_size,
+            "max_position_embeddings": args.max_seq_len,
+            "rms_norm_eps": args.norm_eps,
+            "rope_theta": args.rope_theta,  # transformers < 5
+            "rope_scaling": scaling,  # transformers < 5
+            "rope_parameters": {
+                "rope_theta": args.rope_theta,
+                **(scaling or {"rope_type": "default"}),
+            },  # >= 5
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "mlp_bias": False,
+            "tie_word_embeddings": bool(args.tie_embeddings),
+            "initializer_range": args.init_std,
+            "bos_token_id": bos_id,
+            "eos_token_id": eos_id,
+            "torch_dtype": dtype,
+            "use_cache": True,
+        }
+
+    def args_from_hf_config(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        """Our ``LlamaArgs`` fields from a HF ``config.json`` (refuses what we cannot represent)."""
+        if cfg.get("model_type") not in (self.model_type, None):
+            raise ConfigError(
+                f"config.json has model_type={cfg.get('model_type')!r}; the llama family reads 'llama'."
+            )
+        for key in ("attention_bias", "mlp_bias"):
+            if cfg.get(key):
+                raise ConfigError(f"config.json has {key}=true; meshwright's Llama has no biases.")
+        dim, n_heads = cfg["hidden_size"], cfg["num_attention_heads"]
+        if cfg.get("head_dim") not in (None, dim // n_heads):
+            raise ConfigError(f"config.json head_dim={cfg['head_dim']} != hidden_size / num_attention_heads.")
+        theta, scaling = rope_scaling_from_hf(cfg)
+        return {
+            "family": "llama",
+            "dim": dim,
+            "n_layers": cfg["num_hidden_layers"],
+            "n_heads": n_heads,
+            "n_kv_heads": cfg.get("num_key_value_heads", n_heads),
+            "vocab_size": cfg["vocab_size"],
+            "ffn_hidden_dim": cfg["intermediate_size"],
+            "norm_eps": cfg.get("rms_norm_eps", 1e-6),
+            "rope_theta": theta,
+            "rope_scaling": scaling,
+            "max_seq_len": cfg.get("max_position_embeddings", 2048),
+            "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+        }
+
+    def hf_names_of(self, name: str, args: Any = None) -> list[str]:
+        """The HF tensor(s) holding our parameter ``name`` (one for Llama)."""
+        if name in LLAMA_HF_TOP_NAMES:
+            return [LLAMA_HF_TOP_NAMES[name]]
+        parts = name.split(".")
+        if len(parts) >= 4 and parts[0] == "layers" and parts[-1] == "weight":
+            local = ".".join(parts[2:-1])
+            if local in LLAMA_HF_LAYER_NAMES:
+                return [f"model.layers.{parts[1]}.{LLAMA_HF_LAYER_NAMES[local]}.weight"]
+        raise ConfigError(f"parameter {name!r} has no Hugging Face Llama equivalent.")
+
+    def from_hf_name(self, hf_name: str) -> str:
+        """HF tensor name -> ours."""
+        for ours, hf in LLAMA_HF_TOP_NAMES.items():
+            if hf_name == hf:
+                return ours
+        parts = hf_name.split(".")
+        if len(parts) >= 5 and parts[:2] == ["model", "layers"] and parts[-1] == "weight":
+            local = ".".join(parts[3:-1])
+            for ours, hf in LLAMA_HF_LAYER_NAMES.items():
+                if local == hf:
+                    return f"layers.{parts[2]}.{ours}.weight"
+        raise ConfigError(
+            f"Hugging Face tensor {hf_name!r} is not part of a Llama model meshwright supports "
+            "(biases and other architectures are not)."
+        )
+
+    def full_shape(self, name: str, hf_shapes: list[list[int]], args: Any = None) -> list[int]:
+        """Our full shape of ``name`` given the shapes of its HF tensors (one, unchanged)."""
+        return hf_shapes[0]
+
+    def read_slice(self, name: str, index: tuple[slice, ...], reader: Any, args: Any = None) -> Tensor:
+        """The ``index`` slice of our ``name``, read from the HF files through ``reader.read``."""
+        return reader.read(self.hf_names_of(name)[0], index)
+
+    def to_hf_state(self, state: dict[str, Tensor], args: LlamaArgs) -> Iterator[tuple[str, Tensor]]:
+        """Our full tensors -> (HF name, tensor); a tied head is written once, as the embedding."""
+        for name, tensor in state.items():
+            if args.tie_embeddings and name == "output.weight":
+                continue
+            yield self.hf_names_of(name)[0], tensor
+
+    def from_hf_state(self, hf_state: dict[str, Tensor], args: LlamaArgs) -> dict[str, Tensor]:
+        """HF tensors -> our names (derived buffers such as ``rotary_emb.inv_freq`` skipped)."""
+        state = {
+            self.from_hf_name(k): v for k, v in hf_state.items() if not k.endswith("rotary_emb.inv_freq")
+        }
+        if args.tie_embeddings and "output.weight" not in state and "tok_embeddings.weight" in state:
+            state["output.weight"] = state["tok_embeddings.weight"]
+        return state
+
+
+LLAMA_SPEC = ModelSpec(
+    family="llama",
+    args_cls=LlamaArgs,
+    model_cls=Transformer,
+    param_counts=param_counts,
+    flops_per_token=num_flops_per_token,
+    tp_plan=TP_PLAN,
+    tp_divisible=tp_divisible,
+    hf=LlamaHF(),
+)

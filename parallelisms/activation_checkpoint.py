@@ -19,6 +19,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from models.errors import ConfigError
+from models.spec import ModelSpec
 
 # Ops whose outputs are expensive to recompute: keep them.
 _SAVE_OPS = {
@@ -40,8 +41,10 @@ def _op_level_context():  # noqa: ANN202
     return create_selective_checkpoint_contexts(_save_matmuls)
 
 
-def apply_ac(model: nn.Module, mode: str, *, selective: str = "layer", layer_interval: int = 2) -> nn.Module:
-    """Wrap ``model.layers`` blocks in place according to ``mode`` (see the module docstring)."""
+def apply_ac(
+    model: nn.Module, spec: ModelSpec, mode: str, *, selective: str = "layer", layer_interval: int = 2
+) -> nn.Module:
+    """Wrap the spec's repeated blocks in place according to ``mode`` (see the module docstring)."""
     if mode == "none":
         return model
     if mode not in ("full", "selective"):
@@ -50,14 +53,14 @@ def apply_ac(model: nn.Module, mode: str, *, selective: str = "layer", layer_int
         raise ConfigError(f"training.ac_selective={selective!r} is not one of layer, op.")
     if layer_interval < 1:
         raise ConfigError(f"training.ac_layer_interval={layer_interval} must be >= 1.")
-    for i, (name, block) in enumerate(list(model.layers.items())):
+    for i, (name, block) in enumerate(spec.block_items(model)):
         if mode == "full" or (selective == "layer" and i % layer_interval == 0):
             wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
         elif selective == "op":
             wrapped = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=_op_level_context)
         else:
             continue
-        model.layers.register_module(name, wrapped)
+        spec.replace_block(model, name, wrapped)
     return model
 
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from models.spec import ModelSpec
 
-def apply_compile(model: nn.Module) -> nn.Module:
-    """Compile each transformer block in place (the blocks are identical, so Dynamo
-    reuses one graph for all of them)."""
-    for name, block in list(model.layers.items()):
-        model.layers.register_module(name, torch.compile(block, fullgraph=True))
+
+def apply_compile(model: nn.Module, spec: ModelSpec) -> nn.Module:
+    """Compile each of the spec's repeated blocks in place (identical blocks share one graph)."""
+    for name, block in spec.block_items(model):
+        spec.replace_block(model, name, torch.compile(block, fullgraph=True))
     return model

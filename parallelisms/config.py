@@ -20,7 +20,7 @@ class DDPConfig:
 
 @dataclass
 class FSDPConfig:
-    reshard_after_forward: bool = True  # true = ZeRO-3, false = ZeRO-2
+    reshard_after_forward: Optional[bool] = None  # true = ZeRO-3, false = ZeRO-2; None = true, false under PP
     param_dtype: str = "float32"  # dtype of gathered parameters for compute
     reduce_dtype: str = "float32"  # dtype of the gradient reduce-scatter
     cpu_offload: bool = False
@@ -44,5 +44,5 @@ class ParallelismConfig:
     )
     pp_microbatches: Optional[int] = None  # None = local batch / training.micro_batch_size
     pp_layers_per_stage: Optional[int] = None  # None = balanced, one block fewer on the first/last stage
-    pp_stages_per_rank: int = 1  # virtual stages per rank (interleaved: >= 2, ZBV: 2)
+    pp_stages_per_rank: Optional[int] = None  # virtual stages per rank; None = 1, or 2 for interleaved / ZBV
     pp_module_names: Optional[list[list[str]]] = None  # explicit module names per stage (overrides the above)

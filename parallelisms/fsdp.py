@@ -14,41 +14,39 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from models.errors import ConfigError
+from models.spec import ModelSpec
 from parallelisms.config import FSDPConfig
 from parallelisms.utils import to_dtype
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: FSDPConfig, *, device_type: str) -> nn.Module:
+def apply_fsdp(
+    model: nn.Module, spec: ModelSpec, mesh: DeviceMesh, cfg: FSDPConfig, *, reshard_after_forward: bool
+) -> nn.Module:
     """Shard ``model`` over ``mesh``: 1-D = FSDP on dp_shard(_cp); 2-D (replicate, shard) = HSDP.
 
     ``reshard_after_forward=True`` frees gathered parameters after each block's forward and
     gathers them again in backward (ZeRO-3); ``False`` keeps them until backward (ZeRO-2:
     less communication, more memory). The last block never reshards after forward since
-    backward needs it immediately.
+    backward needs it immediately. The units are the spec's repeated blocks, then its last
+    modules (final norm + head) together, then the root.
     """
-    if cfg.cpu_offload and device_type != "cuda":
-        raise ConfigError(
-            "parallelism.fsdp.cpu_offload=true offloads GPU memory to the host; on a CPU run the "
-            "parameters already live there. Set parallelism.fsdp.cpu_offload=false."
-        )
     mp_policy = MixedPrecisionPolicy(
         param_dtype=to_dtype(cfg.param_dtype), reduce_dtype=to_dtype(cfg.reduce_dtype)
     )
     offload: OffloadPolicy = CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy()
-    blocks = list(model.layers.values()) if hasattr(model, "layers") else []
+    blocks = [block for _, block in spec.block_items(model)]
     for i, block in enumerate(blocks):
-        reshard = cfg.reshard_after_forward and i < len(blocks) - 1
+        reshard = reshard_after_forward and i < len(blocks) - 1
         fully_shard(
             block, mesh=mesh, mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=reshard
         )
     # The head as its own unit: kept gathered after forward (backward needs it at once), and
     # needed by pipeline zero-bubble schedules, whose split weight-gradient pass (W after B)
     # loses the gradients of parameters held by the FSDP root of the last stage (torch 2.13).
-    head = [m for m in (getattr(model, "norm", None), getattr(model, "output", None)) if m is not None]
-    embedding = getattr(model, "tok_embeddings", None)
-    output = getattr(model, "output", None)
-    tied = embedding is not None and output is not None and output.weight is embedding.weight
+    head = [m for m in (getattr(model, name, None) for name in spec.last_modules) if m is not None]
+    first = {id(p) for name in spec.first_modules if getattr(model, name, None) is not None
+             for p in getattr(model, name).parameters()}  # fmt: skip
+    tied = any(id(p) in first for m in head for p in m.parameters())
     if head and not tied:
         fully_shard(head, mesh=mesh, mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=False)
     fully_shard(
@@ -56,6 +54,6 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: FSDPConfig, *, device_ty
         mesh=mesh,
         mp_policy=mp_policy,
         offload_policy=offload,
-        reshard_after_forward=cfg.reshard_after_forward,
+        reshard_after_forward=reshard_after_forward,
     )
     return model

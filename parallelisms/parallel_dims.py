@@ -1,46 +1,63 @@
-"""Parallel degrees, their validation, and the DeviceMesh they describe.
+"""Parallel degrees, all layout validation, and the DeviceMesh they describe.
 
-``ParallelDims`` is built from the config and the world size BEFORE any process group
-exists, so a bad layout fails fast on every rank with one ``ConfigError`` naming both
-numbers and the fix. ``build_mesh`` then creates the mesh in the fixed order
-``pp, dp_replicate, dp_shard, cp, tp`` (outermost first: TP innermost so it stays inside
-a node, since torchrun ranks are node-contiguous) plus the flattened views
+``ParallelDims.from_config`` is called once, from the config and the world size, BEFORE any
+process group exists: every parallelism check lives here (degrees, model divisibility,
+pipeline options, DDP / FSDP options, combinations not supported), so a bad layout fails
+fast on every rank with one ``ConfigError`` naming both numbers and the fix.
+
+``build_mesh`` then creates the mesh once, in the fixed order ``pp, dp_replicate, dp_shard,
+cp, tp`` (outermost first: TP innermost so it stays inside a node, since torchrun ranks are
+node-contiguous) plus the flattened views
 
 - ``dp``          = dp_replicate x dp_shard   (data loading: ranks that see different batches)
 - ``dp_shard_cp`` = dp_shard x cp             (FSDP parameter sharding)
 - ``dp_cp``       = dp_replicate x dp_shard x cp (loss and gradient-norm reductions)
+
+and answers sub-meshes by name (``get_mesh("dp_shard_cp")``) and this rank's coordinates
+(``dp_rank``, ``pp_rank``, ...). Nobody else slices the mesh or recomputes a rank by hand.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from models.errors import ConfigError
-from models.llama import LlamaArgs
+from models.spec import ModelSpec
+from parallelisms.config import ParallelismConfig
 
 MESH_DIM_NAMES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# Flattened views: name -> the mesh dims they merge.
+FLAT_VIEWS: dict[str, tuple[str, ...]] = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_shard_cp": ("dp_shard", "cp"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+}
+_FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass
 class ParallelDims:
-    """Degrees of every parallel axis for one run; validated on construction."""
+    """Degrees of every parallel axis for one run (keyword construction; validated on construction)."""
 
-    dp_replicate: int
-    dp_shard: int
-    cp: int
-    tp: int
-    pp: int
-    ep: int
-    world_size: int
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    cp: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    world_size: int = 1
+    _mesh: Optional[DeviceMesh] = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "cp", "tp", "pp", "ep"):
             value = getattr(self, name)
-            if value < 1:
-                raise ConfigError(f"parallelism.{name}={value} must be >= 1.")
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"parallelism.{name}={value!r} must be an integer >= 1.")
         if self.world_size < 1:
             raise ConfigError(f"world size {self.world_size} must be >= 1.")
         if self.dp_shard == 0 or self.dp_shard < -1:
@@ -65,13 +82,111 @@ class ParallelDims:
                 f"size is {self.world_size}; make the product equal the number of processes "
                 f"(e.g. set parallelism.dp_shard=-1 to fill it, or launch {product} processes)."
             )
-        if self.ep > 1:
-            dp_cp = self.dp_replicate * self.dp_shard * self.cp
-            if dp_cp % self.ep != 0:
+        if self.ep > 1 and self.dp_cp % self.ep != 0:
+            raise ConfigError(
+                f"parallelism.ep={self.ep} must divide dp_replicate*dp_shard*cp = {self.dp_cp} "
+                f"(experts are carved out of the data/context axes); choose an ep that divides {self.dp_cp}."
+            )
+
+    # -- construction from the config, with every check --------------------------------
+    @classmethod
+    def from_config(
+        cls,
+        cfg: ParallelismConfig,
+        world_size: int,
+        *,
+        spec: ModelSpec,
+        model_args: Any,
+        seq_len: int,
+        global_batch_size: int,
+        micro_batch_size: int,
+        compile: bool = False,
+        device_type: str = "cpu",
+    ) -> ParallelDims:
+        """Degrees from ``cfg`` and every layout check against the model, batch and device."""
+        dims = cls(
+            dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, cp=cfg.cp, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep,
+            world_size=world_size,
+        )  # fmt: skip
+        dims.validate_options(cfg, compile=compile, device_type=device_type)
+        dims.validate_model(spec, model_args, seq_len=seq_len, sequence_parallel=cfg.sequence_parallel)
+        dims.grad_accum_steps(global_batch_size, micro_batch_size)
+        if dims.pp > 1:
+            from parallelisms.pipeline_parallel import validate_pp
+
+            validate_pp(
+                spec, model_args, cfg, pp=dims.pp, local_batch_size=global_batch_size // dims.dp,
+                micro_batch_size=micro_batch_size, compile=compile,
+            )  # fmt: skip
+        return dims
+
+    def validate_options(self, cfg: ParallelismConfig, *, compile: bool, device_type: str) -> None:
+        """DDP / FSDP / TP options and the combinations that are not supported."""
+        _choices(cfg.ddp.impl, ("custom", "torch"), "parallelism.ddp.impl")
+        if not (math.isfinite(cfg.ddp.bucket_mb) and cfg.ddp.bucket_mb > 0):
+            raise ConfigError(
+                f"parallelism.ddp.bucket_mb={cfg.ddp.bucket_mb} must be a number > 0 (e.g. 25)."
+            )
+        if cfg.ddp.grad_dtype is not None:
+            _choices(cfg.ddp.grad_dtype, _FLOAT_DTYPES, "parallelism.ddp.grad_dtype")
+        for key in ("param_dtype", "reduce_dtype"):
+            _choices(getattr(cfg.fsdp, key), _FLOAT_DTYPES, f"parallelism.fsdp.{key}")
+        if cfg.fsdp.cpu_offload and device_type != "cuda":
+            raise ConfigError(
+                "parallelism.fsdp.cpu_offload=true offloads GPU memory to the host; on a CPU run the "
+                "parameters already live there. Set parallelism.fsdp.cpu_offload=false."
+            )
+        if self.cp > 1:
+            raise ConfigError(
+                f"parallelism.cp={self.cp}: context parallelism is not implemented yet (it would silently "
+                f"train without splitting the sequence); set parallelism.cp=1."
+            )
+        if cfg.ddp.sharded_optimizer and self.tp > 1:
+            raise ConfigError(
+                f"parallelism.ddp.sharded_optimizer=true with parallelism.tp={self.tp} is not supported (the "
+                f"ZeRO-1 optimizer flattens plain tensors, not tensor-parallel shards); with TP use FSDP "
+                f"(parallelism.dp_shard > 1), which shards the optimizer state too, or set sharded_optimizer=false."
+            )
+        if cfg.ddp.impl == "torch" and self.tp > 1:
+            raise ConfigError(
+                f"parallelism.ddp.impl=torch with parallelism.tp={self.tp}: torch's DistributedDataParallel "
+                f"does not accept tensor-parallel (DTensor) parameters; use parallelism.ddp.impl=custom, or "
+                f"FSDP (parallelism.dp_shard > 1)."
+            )
+        if self.tp > 1:
+            from parallelisms.tensor_parallel import validate_tp_options
+
+            validate_tp_options(cfg, compile=compile, device_type=device_type)
+
+    def validate_model(self, spec: ModelSpec, args: Any, *, seq_len: int, sequence_parallel: bool) -> None:
+        """Model- and sequence-dependent checks (head counts, layers, sequence length, experts)."""
+        if self.tp > 1:
+            for key, value in spec.tp_divisible(args).items():
+                if value % self.tp != 0:
+                    raise ConfigError(
+                        f"{key}={value} is not divisible by parallelism.tp={self.tp}; tensor parallelism "
+                        f"splits it evenly across ranks: choose a tp that divides {value}."
+                    )
+            if sequence_parallel and seq_len % self.tp != 0:
                 raise ConfigError(
-                    f"parallelism.ep={self.ep} must divide dp_replicate*dp_shard*cp = {dp_cp} "
-                    f"(experts are carved out of the data/context axes); choose an ep that divides {dp_cp}."
+                    f"training.seq_len={seq_len} is not divisible by parallelism.tp={self.tp}, which "
+                    f"sequence parallelism needs; change seq_len or set parallelism.sequence_parallel=false."
                 )
+        if self.cp > 1 and seq_len % (2 * self.cp) != 0:
+            raise ConfigError(
+                f"training.seq_len={seq_len} is not divisible by 2*cp = {2 * self.cp} (context parallel "
+                f"splits each sequence into 2*cp load-balanced chunks); change seq_len or parallelism.cp."
+            )
+        if self.pp > args.n_layers:
+            raise ConfigError(
+                f"parallelism.pp={self.pp} exceeds model.n_layers={args.n_layers}: every pipeline stage needs "
+                f"at least one block; use pp <= {args.n_layers}."
+            )
+        if self.ep > 1 and getattr(args, "num_experts", 0) < 1:
+            raise ConfigError(
+                f"parallelism.ep={self.ep} needs a mixture-of-experts model; the {spec.family} family has no "
+                f"experts. Set parallelism.ep=1."
+            )
 
     # -- derived sizes ----------------------------------------------------------------
     @property
@@ -81,6 +196,7 @@ class ParallelDims:
 
     @property
     def dp_cp(self) -> int:
+        """Ranks over which the loss and gradients are reduced (data x context)."""
         return self.dp * self.cp
 
     @property
@@ -109,61 +225,93 @@ class ParallelDims:
             )
         return global_batch_size // per_step
 
-    # -- validation against the model ------------------------------------------------
-    def validate_model(self, args: LlamaArgs, *, seq_len: int, sequence_parallel: bool) -> None:
-        """Model- and sequence-dependent checks (head counts, layers, sequence length)."""
-        if self.tp > 1:
-            for key, value in (
-                ("model.n_heads", args.n_heads),
-                ("model.n_kv_heads", args.kv_heads),
-                ("model FFN hidden size", args.hidden_dim),
-                ("model.vocab_size", args.vocab_size),
-            ):
-                if value % self.tp != 0:
-                    raise ConfigError(
-                        f"{key}={value} is not divisible by parallelism.tp={self.tp}; tensor parallelism "
-                        f"splits it evenly across ranks: choose a tp that divides {value}."
-                    )
-            if sequence_parallel and seq_len % self.tp != 0:
-                raise ConfigError(
-                    f"training.seq_len={seq_len} is not divisible by parallelism.tp={self.tp}, which "
-                    f"sequence parallelism needs; change seq_len or set parallelism.sequence_parallel=false."
-                )
-        if self.cp > 1 and seq_len % (2 * self.cp) != 0:
-            raise ConfigError(
-                f"training.seq_len={seq_len} is not divisible by 2*cp = {2 * self.cp} (context parallel "
-                f"splits each sequence into 2*cp load-balanced chunks); change seq_len or parallelism.cp."
-            )
-        if self.pp > args.n_layers:
-            raise ConfigError(
-                f"parallelism.pp={self.pp} exceeds model.n_layers={args.n_layers}: every pipeline stage needs "
-                f"at least one block; use pp <= {args.n_layers}."
-            )
-        if self.ep > 1:
-            raise ConfigError(
-                f"parallelism.ep={self.ep} needs a mixture-of-experts model; the dense Llama has no experts. "
-                f"Set parallelism.ep=1."
-            )
+    def local_batch_size(self, global_batch_size: int) -> int:
+        """Sequences one data-parallel rank processes per optimizer step."""
+        return global_batch_size // self.dp
+
+    # -- coordinates ------------------------------------------------------------------
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """``rank``'s index on every mesh dim and flattened view, in the mesh's row-major order.
+
+        The one place the layout order is spelled out; ``build_mesh`` checks that the mesh
+        agrees, so this is usable before any process group (e.g. to shard data early).
+        """
+        coords: dict[str, int] = {}
+        rest = rank
+        for name in reversed(MESH_DIM_NAMES):  # innermost first
+            size = getattr(self, name)
+            coords[name] = rest % size
+            rest //= size
+        for view, dims in FLAT_VIEWS.items():
+            index = 0
+            for name in dims:
+                index = index * getattr(self, name) + coords[name]
+            coords[view] = index
+        return coords
+
+    def dp_rank_of(self, rank: int) -> int:
+        """Data-parallel rank (which batch shard) of a global rank."""
+        return self.coordinates(rank)["dp"]
 
     # -- mesh -------------------------------------------------------------------------
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """Create the world mesh (call after init_process_group) with the flattened views."""
+        """Create the world mesh once (call after init_process_group) with the flattened views."""
+        if self._mesh is not None:
+            return self._mesh
         shape = tuple(getattr(self, name) for name in MESH_DIM_NAMES)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIM_NAMES)
         # Flattened views are registered on the root mesh and can then be sliced by name.
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        for view, dims in FLAT_VIEWS.items():
+            mesh[dims]._flatten(view)
+        self._mesh = mesh
+        coords = self.coordinates(mesh.get_rank())
+        for name in (*MESH_DIM_NAMES, *FLAT_VIEWS):
+            if self.get_mesh(name).get_local_rank() != coords[name]:
+                raise RuntimeError(f"mesh layout disagrees with ParallelDims.coordinates on {name!r}")
         return mesh
 
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The world mesh (after ``build_mesh``)."""
+        if self._mesh is None:
+            raise RuntimeError("ParallelDims.build_mesh() has not been called yet")
+        return self._mesh
 
-def mesh_view(mesh: DeviceMesh, *names: str) -> DeviceMesh:
-    """Slice ``mesh`` by dim names, including the flattened views built by ``build_mesh``.
+    def get_mesh(self, *names: str) -> DeviceMesh:
+        """Sub-mesh by dim names, including the flattened views (e.g. ``get_mesh("dp_replicate", "dp_shard_cp")``).
 
-    torch warns that slicing flattened dims from the root mesh "will be deprecated"; it
-    is still the supported way in this torch version, so the warning is silenced here,
-    in the one place that does it.
-    """
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Slicing a flattened dim")
-        return mesh[names[0]] if len(names) == 1 else mesh[names]
+        torch warns that slicing flattened dims from the root mesh "will be deprecated"; it
+        is still the supported way in this torch version, so the warning is silenced here,
+        in the one place that does it.
+        """
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+            return self.mesh[names[0]] if len(names) == 1 else self.mesh[names]
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """Where FSDP shards: ``dp_shard_cp``, or 2-D (``dp_replicate``, ``dp_shard_cp``) for HSDP."""
+        return (
+            self.get_mesh("dp_replicate", "dp_shard_cp")
+            if self.dp_replicate > 1
+            else self.get_mesh("dp_shard_cp")
+        )
+
+    @property
+    def loss_mesh(self) -> DeviceMesh:
+        """Ranks whose token counts and losses add up to the global batch (``dp_cp``)."""
+        return self.get_mesh("dp_cp")
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index (from the mesh)."""
+        return self.get_mesh("dp").get_local_rank()
+
+    @property
+    def pp_rank(self) -> int:
+        return self.get_mesh("pp").get_local_rank()
+
+
+def _choices(value: Any, allowed: tuple[str, ...], key: str) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}; set {key} to one of them.")

@@ -1,23 +1,26 @@
 """The single ordered entry that turns a meta-device model into a parallel one.
 
-Order (DESIGN.md section 2), each step applied only when its axis is active:
+Order (fixed), each step applied only when its axis is active:
 
 1. pipeline split           (pp)           -- parallelisms/pipeline_parallel.py
 2. tensor / sequence par.   (tp)           -- parallelisms/tensor_parallel.py
-3. expert parallel          (ep)           -- parallelisms/expert_parallel.py
-4. activation checkpointing                -- parallelisms/activation_checkpoint.py
-5. torch.compile per block
-6. FSDP2 / HSDP             (dp_shard[, dp_replicate])  -- parallelisms/fsdp.py
-7. materialise: ``to_empty`` + the caller's deterministic ``init_weights``
-8. DDP                      (dp_replicate only)         -- parallelisms/ddp.py
+3. context parallel         (cp)           -- parallelisms/context_parallel.py (not yet)
+4. expert parallel          (ep)           -- parallelisms/expert_parallel.py (not yet)
+5. activation checkpointing                -- parallelisms/activation_checkpoint.py
+6. torch.compile per block                 -- parallelisms/compile.py
+7. FSDP2 / HSDP             (dp_shard x cp [, dp_replicate])  -- parallelisms/fsdp.py
+8. materialise: ``to_empty`` + the caller's deterministic ``init_weights``
+9. DDP                      (dp_replicate only, not under PP) -- parallelisms/ddp.py
 
-Steps 1-6 run on the meta device so no rank ever holds the whole model; DDP comes last
+Steps 1-7 run on the meta device so no rank ever holds the whole model; DDP comes last
 because it broadcasts real weights from the replicate group's first rank.
 
-Steps 2-8 are ``parallelize_part``: ``parallelize`` applies it to the whole model, and
+Steps 2-9 are ``parallelize_part``: ``parallelize`` applies it to the whole model, and
 ``parallelize_pipeline`` (pp > 1) to each pipeline stage this rank owns, so a stage is
-tensor-parallel, sharded and replicated exactly like a whole model would be (3-D / 4-D:
-pp x dp x tp, with FSDP on this pp rank's dp_shard_cp sub-mesh).
+tensor-parallel and sharded exactly like a whole model would be (3-D / 4-D: pp x dp x tp).
+Replicated pipeline stages are not DDP-wrapped: the ``Pipeline`` averages their gradients
+over ``dp_replicate`` once per step, after all microbatches (a DDP wrapper would sync after
+each of them). Every strategy takes the model's ``ModelSpec``, never a concrete model class.
 """
 
 from __future__ import annotations
@@ -28,10 +31,10 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
+from models.spec import ModelSpec
 from parallelisms.config import ParallelismConfig
-from parallelisms.parallel_dims import ParallelDims, mesh_view
+from parallelisms.parallel_dims import ParallelDims
 
 if TYPE_CHECKING:
     from parallelisms.pipeline_parallel import Pipeline
@@ -49,8 +52,17 @@ class PartOptions:
     compile: bool = False
 
 
+def reshard_after_forward(cfg: ParallelismConfig, dims: ParallelDims) -> bool:
+    """FSDP's ``reshard_after_forward``: as configured, else true without PP and false under PP
+    (every microbatch reuses a stage's parameters; re-gathering them M times costs M x the
+    all-gathers -- torchtitan's default too)."""
+    if cfg.fsdp.reshard_after_forward is not None:
+        return cfg.fsdp.reshard_after_forward
+    return dims.pp == 1
+
+
 def parallelize(
-    model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, cfg: ParallelismConfig, options: PartOptions
+    model: nn.Module, spec: ModelSpec, dims: ParallelDims, cfg: ParallelismConfig, options: PartOptions
 ) -> nn.Module:
     """Apply every active parallelism to ``model`` (built on meta) and materialise it on ``options.device``.
 
@@ -59,97 +71,80 @@ def parallelize(
     """
     if dims.pp > 1:
         raise ValueError("parallelize() handles pp == 1; call parallelize_pipeline() for parallelism.pp > 1")
-    return parallelize_part(model, dims, mesh, cfg, options)
+    return parallelize_part(model, spec, dims, cfg, options)
 
 
 def parallelize_part(
-    model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, cfg: ParallelismConfig, options: PartOptions
+    model: nn.Module,
+    spec: ModelSpec,
+    dims: ParallelDims,
+    cfg: ParallelismConfig,
+    options: PartOptions,
+    *,
+    wrap_ddp: bool = True,
 ) -> nn.Module:
-    """Steps 2-8 on one module (a whole model or a pipeline stage, on meta): TP -> AC -> compile
-    -> FSDP -> to_empty + init_weights -> DDP. Mesh views are this rank's sub-meshes."""
+    """Steps 2-9 on one module (a whole model or a pipeline stage, on meta): TP -> AC -> compile
+    -> FSDP -> to_empty + init_weights -> DDP (when ``wrap_ddp``). Meshes come from ``dims``."""
     device = options.device
     if dims.tp > 1:
         from parallelisms.tensor_parallel import apply_tp
 
-        apply_tp(
-            model,
-            mesh_view(mesh, "tp"),
-            sequence_parallel=cfg.sequence_parallel,
-            loss_parallel=cfg.loss_parallel,
-            async_tp=cfg.async_tp,
-            compile=options.compile,
-            device_type=device.type,
-        )
+        apply_tp(model, spec, dims.get_mesh("tp"), cfg, device_type=device.type)
     if options.activation_checkpoint != "none":
         from parallelisms.activation_checkpoint import apply_ac
 
         apply_ac(
-            model,
-            options.activation_checkpoint,
-            selective=options.ac_selective,
+            model, spec, options.activation_checkpoint, selective=options.ac_selective,
             layer_interval=options.ac_layer_interval,
-        )
+        )  # fmt: skip
     if options.compile:
         from parallelisms.compile import apply_compile
 
-        apply_compile(model)
+        apply_compile(model, spec)
     if dims.fsdp_enabled:
         from parallelisms.fsdp import apply_fsdp
 
-        dp_mesh = (
-            mesh_view(mesh, "dp_replicate", "dp_shard_cp")
-            if dims.dp_replicate > 1
-            else mesh_view(mesh, "dp_shard_cp")
+        apply_fsdp(
+            model, spec, dims.fsdp_mesh, cfg.fsdp, reshard_after_forward=reshard_after_forward(cfg, dims)
         )
-        apply_fsdp(model, dp_mesh, cfg.fsdp, device_type=device.type)
 
     # With CPU offload FSDP keeps the sharded parameters on the host.
     model.to_empty(device="cpu" if (dims.fsdp_enabled and cfg.fsdp.cpu_offload) else device)
     options.init_weights(model)
 
-    if dims.ddp_enabled:
+    if dims.ddp_enabled and wrap_ddp:
         from parallelisms.ddp import apply_ddp
         from parallelisms.utils import to_dtype
 
-        grad_dtype = to_dtype(cfg.ddp.grad_dtype) if cfg.ddp.grad_dtype else None
         model = apply_ddp(
-            model,
-            mesh_view(mesh, "dp_replicate"),
-            impl=cfg.ddp.impl,
-            bucket_mb=cfg.ddp.bucket_mb,
-            grad_dtype=grad_dtype,
-        )
+            model, dims.get_mesh("dp_replicate"), impl=cfg.ddp.impl, bucket_mb=cfg.ddp.bucket_mb,
+            grad_dtype=to_dtype(cfg.ddp.grad_dtype) if cfg.ddp.grad_dtype else None,
+        )  # fmt: skip
     return model
 
 
 def parallelize_pipeline(
     model: nn.Module,
+    spec: ModelSpec,
     dims: ParallelDims,
-    mesh: DeviceMesh,
     cfg: ParallelismConfig,
     options: PartOptions,
     *,
     micro_batch_size: int,
     local_batch_size: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    step_context: Callable[[], object],
 ) -> Pipeline:
     """Step 1 (pp > 1): split ``model`` (on meta) into this rank's stages, ``parallelize_part``
-    each, and build the schedule. ``local_batch_size`` = global batch / dp sequences per step.
-
-    FSDP keeps ``cfg.fsdp.reshard_after_forward`` as configured: ``true`` re-gathers a stage's
-    parameters for every microbatch's backward (less memory, M times the all-gathers; torchtitan
-    turns it off under PP), ``false`` keeps them gathered from forward to backward.
-    """
-    from parallelisms.pipeline_parallel import apply_pp, validate_pp
-
-    validate_pp(
-        model.args, cfg, pp=dims.pp, local_batch_size=local_batch_size, micro_batch_size=micro_batch_size,
-        compile=options.compile,
-    )  # fmt: skip
+    each (without DDP wrappers), and build the schedule. ``local_batch_size`` = global batch /
+    dp sequences per step; ``loss_fn(logits, labels)`` is the token-loss sum and
+    ``step_context()`` the context every forward/backward runs in (autocast, loss parallel)."""
+    from parallelisms.pipeline_parallel import apply_pp
 
     def part_fn(part: nn.Module) -> nn.Module:
-        return parallelize_part(part, dims, mesh, cfg, options)
+        return parallelize_part(part, spec, dims, cfg, options, wrap_ddp=False)
 
     return apply_pp(
-        model, mesh_view(mesh, "pp"), cfg, device=options.device, micro_batch_size=micro_batch_size,
-        local_batch_size=local_batch_size, parallelize_part=part_fn,
+        model, spec, dims, cfg, device=options.device, micro_batch_size=micro_batch_size,
+        local_batch_size=local_batch_size, parallelize_part=part_fn, loss_fn=loss_fn, step_context=step_context,
     )  # fmt: skip

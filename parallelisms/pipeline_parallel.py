@@ -6,37 +6,36 @@ to point. The batch is cut into M microbatches so that stages overlap; the idle 
 (the bubble) is ~(K-1)/(M+K-1) for GPipe and 1F1B, less for interleaved (v virtual stages per
 rank) and zero-bubble schedules (the weight gradient W fills the gaps).
 
-``apply_pp``: (1) ``stage_module_names`` lists each stage's modules (embedding and head weigh one
-block each, so the end stages get one block fewer); (2) every stage of this rank is a deep copy
-of the meta model minus what it does not own -- no rank holds the whole model, and state-dict
-keys stay global (``layers.17...``), so checkpoints are layout independent; (3) the caller's
-``parallelize_part`` applies TP / AC / compile / FSDP / init / DDP as for a whole model; (4) the
-``PipelineStage`` objects and the schedule are built, with the loss ``cross_entropy(sum) *
-loss_scale`` per microbatch and ``scale_grads=False``, so gradients equal the non-pipelined
-trainer's (whose per-step loss is the single-process mean).
+``apply_pp``: (1) ``stage_module_names`` lists each stage's modules from the model spec
+(embedding and head weigh one block each, so the end stages get one block fewer); (2) every
+stage of this rank is a deep copy of the meta model minus what it does not own -- no rank holds
+the whole model, and state-dict keys stay global (``layers.17...``), so checkpoints are layout
+independent; (3) the caller's ``parallelize_part`` applies TP / AC / compile / FSDP / init as for
+a whole model (no DDP wrapper: replicated stages average their gradients once per step here);
+(4) the ``PipelineStage`` objects and the schedule are built, with the caller's loss
+(token-loss sum) times the step's ``loss_scale`` per microbatch and ``scale_grads=False``, so
+gradients equal the non-pipelined trainer's (whose per-step loss is the single-process mean).
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from collections.abc import Callable, Iterator
-from typing import Optional, Union
+from contextlib import AbstractContextManager as ContextManager
+from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as _schedules
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 
 from models.errors import ConfigError
-from models.llama import LlamaArgs
+from models.spec import ModelSpec
 from parallelisms.config import ParallelismConfig
+from parallelisms.parallel_dims import ParallelDims
 
 __all__ = [
     "SCHEDULES",
@@ -45,10 +44,11 @@ __all__ = [
     "num_microbatches",
     "stage_module_names",
     "stage_ids_of_rank",
+    "stages_per_rank",
     "validate_pp",
 ]
 
-IGNORE_INDEX = -100
+LossFn = Callable[[Tensor, Tensor], Tensor]  # (logits, labels) -> summed token loss
 
 # Schedule name -> (torch class name, kind). "single": one stage per rank; "loop": v stages per
 # rank, stage s on rank s % pp; "v": exactly 2 stages per rank, V-shaped (rank r owns r and
@@ -100,15 +100,17 @@ def _distribute(total: int, num_stages: int) -> list[int]:
     return sizes
 
 
-def stage_module_names(n_layers: int, num_stages: int, layers_per_stage: Optional[int]) -> list[list[str]]:
+def stage_module_names(
+    spec: ModelSpec, n_layers: int, num_stages: int, layers_per_stage: Optional[int]
+) -> list[list[str]]:
     """Module names owned by each of ``num_stages`` stages, in pipeline order.
 
-    Default (``layers_per_stage=None``): the embedding and the output head (with the final
-    norm) each weigh as much as one block, so ``n_layers + 2`` units are spread evenly and the
-    first and last stages get one block fewer, e.g. 126 blocks on 16 stages -> 7, 8 x 14, 7.
-    When that would leave the first or last stage without a block, blocks are spread evenly
-    (the remainder to middle stages). ``layers_per_stage`` asks for exactly that many blocks
-    on every stage, and must then multiply with ``num_stages`` to ``n_layers``.
+    Default (``layers_per_stage=None``): the spec's first modules (embedding) and last modules
+    (final norm + head) each weigh as much as one block, so ``n_layers + 2`` units are spread
+    evenly and the first and last stages get one block fewer, e.g. 126 blocks on 16 stages ->
+    7, 8 x 14, 7. When that would leave the first or last stage without a block, blocks are
+    spread evenly (the remainder to middle stages). ``layers_per_stage`` asks for exactly that
+    many blocks on every stage, and must then multiply with ``num_stages`` to ``n_layers``.
     """
     if num_stages < 1:
         raise ConfigError(f"number of pipeline stages {num_stages} must be >= 1.")
@@ -135,32 +137,29 @@ def stage_module_names(n_layers: int, num_stages: int, layers_per_stage: Optiona
     names: list[list[str]] = []
     start = 0
     for i, count in enumerate(counts):
-        stage = ["tok_embeddings"] if i == 0 else []
-        stage += [f"layers.{j}" for j in range(start, start + count)]
+        stage = list(spec.first_modules) if i == 0 else []
+        stage += [f"{spec.blocks}.{j}" for j in range(start, start + count)]
         if i == num_stages - 1:
-            stage += ["norm", "output"]
+            stage += list(spec.last_modules)
         names.append(stage)
         start += count
     return names
 
 
-def _check_module_names(names: list[list[str]], n_layers: int, num_stages: int) -> None:
-    canonical = ["tok_embeddings", *(f"layers.{i}" for i in range(n_layers)), "norm", "output"]
+def _stage_names(spec: ModelSpec, args: object, cfg: ParallelismConfig, num_stages: int) -> list[list[str]]:
+    """The configured split: ``pp_module_names`` if set (checked), else ``stage_module_names``."""
+    if cfg.pp_module_names is None:
+        return stage_module_names(spec, args.n_layers, num_stages, cfg.pp_layers_per_stage)
+    names = [list(stage) for stage in cfg.pp_module_names]
+    canonical = spec.module_names(args)
     flat = [n for stage in names for n in stage]
     if len(names) != num_stages or any(not stage for stage in names) or flat != canonical:
         raise ConfigError(
             f"parallelism.pp_module_names must be {num_stages} non-empty lists (pp x pp_stages_per_rank) "
-            f"that together list, in order, {canonical[0]!r}, 'layers.0' ... 'layers.{n_layers - 1}', "
-            f"'norm', 'output' exactly once; got {names}. Set it to null for the balanced default."
+            f"that together list, in order, {canonical[0]!r}, '{spec.blocks}.0' ... "
+            f"'{spec.blocks}.{args.n_layers - 1}', {', '.join(repr(m) for m in spec.last_modules)} exactly "
+            f"once; got {names}. Set it to null for the balanced default."
         )
-
-
-def _stage_names(args: LlamaArgs, cfg: ParallelismConfig, num_stages: int) -> list[list[str]]:
-    """The configured split: ``pp_module_names`` if set (checked), else ``stage_module_names``."""
-    if cfg.pp_module_names is None:
-        return stage_module_names(args.n_layers, num_stages, cfg.pp_layers_per_stage)
-    names = [list(stage) for stage in cfg.pp_module_names]
-    _check_module_names(names, args.n_layers, num_stages)
     return names
 
 
@@ -169,6 +168,13 @@ def stage_ids_of_rank(pp_rank: int, pp: int, stages_per_rank: int, style: str) -
     if style == "v":
         return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + k * pp for k in range(stages_per_rank)]
+
+
+def stages_per_rank(cfg: ParallelismConfig) -> int:
+    """``pp_stages_per_rank``, or when unset 1 for GPipe / 1F1B and 2 for interleaved and ZBV."""
+    if cfg.pp_stages_per_rank is not None:
+        return cfg.pp_stages_per_rank
+    return 1 if _kind(cfg.pp_schedule) == "single" else 2
 
 
 def num_microbatches(cfg: ParallelismConfig, *, local_batch_size: int, micro_batch_size: int) -> int:
@@ -180,7 +186,8 @@ def num_microbatches(cfg: ParallelismConfig, *, local_batch_size: int, micro_bat
 
 
 def validate_pp(
-    args: LlamaArgs,
+    spec: ModelSpec,
+    args: object,
     cfg: ParallelismConfig,
     *,
     pp: int,
@@ -190,34 +197,47 @@ def validate_pp(
 ) -> None:
     """Check every pipeline option against the model and batch; raise ``ConfigError`` naming the fix.
 
-    Pure: call it before any process group exists. ``local_batch_size`` is the number of
-    sequences one data-parallel rank processes per optimizer step (global batch / dp);
-    ``compile`` is ``training.compile``.
+    Pure: ``ParallelDims.from_config`` calls it before any process group exists.
+    ``local_batch_size`` is the number of sequences one data-parallel rank processes per
+    optimizer step (global batch / dp); ``compile`` is ``training.compile``.
     """
     if pp <= 1:
         return
     schedule = _canonical_schedule(cfg.pp_schedule)
-    kind = _kind(schedule)
     if compile and schedule in ZERO_BUBBLE:
         raise ConfigError(
             f"parallelism.pp_schedule={schedule} splits backward into input and weight gradients, which torch "
             f"cannot do through compiled blocks; set training.compile=false or use 1F1B / Interleaved1F1B."
         )
-    if args.tie_embeddings:
+    if getattr(args, "tie_embeddings", False):
         raise ConfigError(
             f"model.tie_embeddings=true cannot be pipelined (parallelism.pp={pp}): the embedding lives on the "
             f"first stage and the output head on the last, so one shared weight would need its gradient summed "
             f"across stages. Set model.tie_embeddings=false or parallelism.pp=1."
         )
-    v = cfg.pp_stages_per_rank
-    need = {"single": (1, 1, "1"), "loop": (2, None, ">= 2"), "v": (2, 2, "2")}[kind]
-    if isinstance(v, bool) or not isinstance(v, int) or v < need[0] or (need[1] is not None and v > need[1]):
-        raise ConfigError(
-            f"parallelism.pp_schedule={schedule} needs parallelism.pp_stages_per_rank={need[2]} (virtual stages "
-            f"per rank; got {v!r}): 1 for GPipe / 1F1B, >= 2 for the interleaved schedules, 2 for ZBVZeroBubble."
-        )
-    _stage_names(args, cfg, pp * v)
+    _validate_stages_per_rank(cfg, schedule)
+    _stage_names(spec, args, cfg, pp * stages_per_rank(cfg))
+    _validate_microbatches(cfg, schedule, pp, local_batch_size, micro_batch_size)
 
+
+def _validate_stages_per_rank(cfg: ParallelismConfig, schedule: str) -> None:
+    v = cfg.pp_stages_per_rank
+    if v is None:
+        return
+    low, high, text = {"single": (1, 1, "1"), "loop": (2, None, "2 or more"), "v": (2, 2, "2")}[
+        _kind(schedule)
+    ]
+    if isinstance(v, bool) or not isinstance(v, int) or v < low or (high is not None and v > high):
+        raise ConfigError(
+            f"parallelism.pp_stages_per_rank={v!r} does not fit parallelism.pp_schedule={schedule}, which needs "
+            f"{text} virtual stages per rank (GPipe / 1F1B: 1; interleaved schedules: 2 or more; ZBVZeroBubble: "
+            f"2). Set pp_stages_per_rank={low}, or null to use that default."
+        )
+
+
+def _validate_microbatches(
+    cfg: ParallelismConfig, schedule: str, pp: int, local_batch_size: int, micro_batch_size: int
+) -> None:
     if cfg.pp_microbatches is None and (micro_batch_size < 1 or local_batch_size % micro_batch_size != 0):
         raise ConfigError(
             f"the local batch of {local_batch_size} sequences (global batch / dp) is not divisible by "
@@ -235,7 +255,7 @@ def validate_pp(
             f"parallelism.pp_microbatches={m} does not divide the local batch of {local_batch_size} sequences "
             f"(global batch / dp); choose a divisor of {local_batch_size} that is >= {pp}."
         )
-    if kind == "loop" and m % max(1, m // pp) != 0:
+    if _kind(schedule) == "loop" and m % max(1, m // pp) != 0:
         raise ConfigError(
             f"parallelism.pp_schedule={schedule} with {m} microbatches and pp={pp} needs the microbatches to be "
             f"a multiple of the number of rounds max(1, M // pp) = {m // pp}; use a multiple of {pp}."
@@ -247,36 +267,31 @@ def validate_pp(
 # --------------------------------------------------------------------------------------------
 
 
-def _build_part(model: nn.Module, names: list[str]) -> nn.Module:
+def _build_part(model: nn.Module, spec: ModelSpec, names: list[str]) -> nn.Module:
     """A deep copy of the (meta) model keeping only ``names``; module keys stay global."""
     part = copy.deepcopy(model)
     keep = set(names)
-    for attr in ("tok_embeddings", "norm", "output"):
+    for attr in (*spec.first_modules, *spec.last_modules):
         if attr not in keep:
             setattr(part, attr, None)
-    for key in list(part.layers.keys()):
-        if f"layers.{key}" not in keep:
-            del part.layers[key]
+    blocks = getattr(part, spec.blocks)
+    for key in list(blocks.keys()):
+        if f"{spec.blocks}.{key}" not in keep:
+            del blocks[key]
     return part
 
 
-def _token_loss_sum(logits: Tensor, labels: Tensor) -> Tensor:
-    """Sum of token cross-entropies, as the trainer computes it (DTensor logits under loss parallel)."""
-    loss = F.cross_entropy(
-        logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
-    return loss.full_tensor() if isinstance(loss, DTensor) else loss
-
-
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+_WIRE_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # send/recv header codes
 
 
 class Pipeline:
     """This rank's stages of a pipelined model and the schedule that runs them.
 
-    ``step`` trains on one local batch; ``forward_loss_sum`` evaluates. Set ``loss_scale``
-    (e.g. ``dp_cp / global_token_count``) before each ``step`` and ``autocast_dtype`` for
-    mixed precision. Optimise ``parameters()`` (the union of ``model_parts``).
+    ``step`` trains on one local batch; ``forward_loss_sum`` evaluates. Both run inside the
+    caller's ``step_context()`` (autocast, loss parallel, ...) and compute the loss with the
+    caller's ``loss_fn`` (summed token loss), the same objects the non-pipelined trainer uses.
+    Optimise ``parameters()`` (the union of ``model_parts``). With ``grad_sync_group`` (pure
+    data replication), gradients are averaged over it once per step after all microbatches.
     """
 
     def __init__(
@@ -289,7 +304,9 @@ class Pipeline:
         num_stages: int,
         n_microbatches: int,
         device: torch.device,
-        loss_parallel: bool = False,
+        loss_fn: LossFn,
+        step_context: Callable[[], ContextManager],
+        grad_sync_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         self.model_parts = model_parts
         self.pp_mesh = pp_mesh
@@ -297,9 +314,10 @@ class Pipeline:
         self.schedule_name = _canonical_schedule(schedule)
         self.num_stages = num_stages
         self.n_microbatches = n_microbatches
-        self.loss_parallel = loss_parallel
-        self.loss_scale: Union[Tensor, float] = 1.0
-        self.autocast_dtype: Optional[torch.dtype] = None
+        self.loss_fn = loss_fn
+        self.step_context = step_context
+        self.grad_sync_group = grad_sync_group
+        self._loss_scale: Tensor | float = 1.0
         self._group = pp_mesh.get_group()
         self.pp_rank = pp_mesh.get_local_rank()
         pp = pp_mesh.size()
@@ -309,22 +327,18 @@ class Pipeline:
         }
         self.stage_ids = stage_ids
         # Shapes are inferred by torch on the first step (one extra forward/backward), which
-        # covers DTensors under TP and any autocast dtype. DDP parts (ours or torch's) run
-        # unwrapped and average gradients once per step: torch's in-stage DDP handling breaks
-        # under that inference, and ours would sync after each of the M backwards.
-        self._replicated = [part for part in model_parts if _ddp_group(part) is not None]
+        # covers DTensors under TP and any autocast dtype.
         self.stages = [
-            PipelineStage(getattr(part, "module", part) if part in self._replicated else part, s, num_stages,
-                          device, group=self._group)
+            PipelineStage(part, s, num_stages, device, group=self._group)
             for part, s in zip(model_parts, stage_ids)
-        ]  # fmt: skip
+        ]
         self.has_first_stage = 0 in stage_ids
         self.has_last_stage = num_stages - 1 in stage_ids
         cls = SCHEDULES[self.schedule_name]
         self.schedule = cls(
             self.stages if _kind(self.schedule_name) != "single" else self.stages[0],
             n_microbatches=n_microbatches,
-            loss_fn=self._loss_fn,
+            loss_fn=self._scaled_loss,
             scale_grads=False,  # the loss is already normalised by the global token count
         )
         self._micro_sums: list[Tensor] = []
@@ -346,34 +360,26 @@ class Pipeline:
     def eval(self) -> Pipeline:
         return self.train(False)
 
-    def _context(self) -> contextlib.ExitStack:
-        stack = contextlib.ExitStack()
-        if self.loss_parallel:  # cross-entropy on vocab-sharded logits, forward and backward
-            stack.enter_context(loss_parallel())
-        if self.autocast_dtype is not None:
-            stack.enter_context(torch.autocast(self.device.type, dtype=self.autocast_dtype))
-        return stack
-
-    def _loss_fn(self, logits: Tensor, labels: Tensor) -> Tensor:
-        loss_sum = _token_loss_sum(logits, labels)
+    def _scaled_loss(self, logits: Tensor, labels: Tensor) -> Tensor:
+        loss_sum = self.loss_fn(logits, labels)
         self._micro_sums.append(loss_sum.detach())
-        return loss_sum * self.loss_scale
+        return loss_sum * self._loss_scale
 
-    def step(self, inputs: Optional[Tensor], labels: Tensor) -> Tensor:
+    def step(self, inputs: Optional[Tensor], labels: Tensor, *, loss_scale: Tensor | float) -> Tensor:
         """One schedule step over a local batch (B, S); returns this dp rank's summed token loss
-        (unscaled, identical on every pp rank). Gradients accumulate into the parts' params."""
-        self._micro_sums.clear()
-        target = labels if self.has_last_stage else None
-        args = (inputs,) if self.has_first_stage else ()
+        (unscaled, identical on every pp rank). Backward runs on ``loss_sum * loss_scale``
+        per microbatch; gradients accumulate into the parts' parameters."""
         if self.has_first_stage and inputs is None:
             raise ValueError("Pipeline.step: the rank holding the first stage needs the input tokens.")
-        with contextlib.ExitStack() as stack:  # FSDP: the stage reduce-scatters after the last backward
-            for part in self._replicated:
-                stack.enter_context(part.no_sync())
-            with self._context():
-                self.schedule.step(*args, target=target, return_outputs=False)
-        for part in self._replicated:
-            _all_reduce_mean_grads(part, _ddp_group(part))
+        self._micro_sums.clear()
+        self._loss_scale = loss_scale
+        target = labels if self.has_last_stage else None
+        args = (inputs,) if self.has_first_stage else ()
+        with self.step_context():
+            self.schedule.step(*args, target=target, return_outputs=False)
+        if self.grad_sync_group is not None:
+            for part in self.model_parts:
+                _all_reduce_mean_grads(part, self.grad_sync_group)
         loss = torch.zeros((), device=self.device)
         if self.has_last_stage:
             # The first step's metadata inference also calls the loss: keep the last M sums.
@@ -392,7 +398,7 @@ class Pipeline:
         part_of = {stage.stage_index: stage.submod for stage in self.stages}
         h: Optional[Tensor] = None
         loss = torch.zeros((), device=self.device)
-        with self._context():
+        with self.step_context():
             for s in range(self.num_stages):
                 if self.stage_to_rank[s] != self.pp_rank:
                     continue
@@ -404,7 +410,7 @@ class Pipeline:
                     x = self._recv(self.stage_to_rank[s - 1])
                 out = part_of[s](x)
                 if s == self.num_stages - 1:
-                    loss = _token_loss_sum(out, labels).float()
+                    loss = self.loss_fn(out, labels).float()
                 elif self.stage_to_rank[s + 1] != self.pp_rank:
                     self._send(out, self.stage_to_rank[s + 1])
                 else:
@@ -415,7 +421,7 @@ class Pipeline:
     def _send(self, t: Tensor, peer: int) -> None:
         t = t.detach().contiguous()
         header = torch.tensor(
-            [_DTYPES.index(t.dtype), t.dim(), *t.shape] + [0] * (6 - t.dim()), dtype=torch.long
+            [_WIRE_DTYPES.index(t.dtype), t.dim(), *t.shape] + [0] * (6 - t.dim()), dtype=torch.long
         )
         dist.send(header.to(self.device), group=self._group, group_dst=peer)
         dist.send(t, group=self._group, group_dst=peer)
@@ -424,23 +430,14 @@ class Pipeline:
         header = torch.zeros(8, dtype=torch.long, device=self.device)
         dist.recv(header, group=self._group, group_src=peer)
         dtype_code, ndim, *shape = header.tolist()
-        t = torch.empty(shape[:ndim], dtype=_DTYPES[dtype_code], device=self.device)
+        t = torch.empty(shape[:ndim], dtype=_WIRE_DTYPES[dtype_code], device=self.device)
         dist.recv(t, group=self._group, group_src=peer)
         return t
 
 
-def _ddp_group(part: nn.Module) -> Optional[dist.ProcessGroup]:
-    """The replicate group of a DDP-wrapped part (``parallelisms.ddp`` or torch), else None."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    from parallelisms.ddp import BucketedDDP
-
-    return part.process_group if isinstance(part, (BucketedDDP, DistributedDataParallel)) else None
-
-
 @torch.no_grad()
 def _all_reduce_mean_grads(part: nn.Module, group: dist.ProcessGroup) -> None:
-    """Average a replicated part's gradients over its DDP group in one coalesced all-reduce."""
+    """Average a replicated part's gradients over its replicate group in one coalesced all-reduce."""
     world = dist.get_world_size(group)
     params = [p for p in part.parameters() if p.requires_grad]
     if world == 1 or not params:
@@ -458,39 +455,35 @@ def _all_reduce_mean_grads(part: nn.Module, group: dist.ProcessGroup) -> None:
 
 def apply_pp(
     model: nn.Module,
-    pp_mesh: DeviceMesh,
+    spec: ModelSpec,
+    dims: ParallelDims,
     cfg: ParallelismConfig,
     *,
     device: torch.device,
     micro_batch_size: int,
     local_batch_size: int,
     parallelize_part: Callable[[nn.Module], nn.Module],
+    loss_fn: LossFn,
+    step_context: Callable[[], ContextManager],
 ) -> Pipeline:
     """Split the meta-device ``model`` into this pp rank's stages, parallelize each, build the schedule.
 
-    Run ``validate_pp`` first (on every rank, before the process group exists).
-    ``parallelize_part`` gets each stage's module on meta and returns it materialised,
-    initialised and wrapped (TP / FSDP / DDP) like a whole model.
+    ``ParallelDims.from_config`` has validated the options. ``parallelize_part`` gets each
+    stage's module on meta and returns it materialised, initialised and sharded (TP / FSDP)
+    like a whole model. Under pure replication (DDP layout) the Pipeline averages gradients
+    over ``dp_replicate`` itself, once per step.
     """
-    pp = pp_mesh.size()
-    args = model.args
-    validate_pp(args, cfg, pp=pp, local_batch_size=local_batch_size, micro_batch_size=micro_batch_size)
+    pp_mesh = dims.get_mesh("pp")
     schedule = _canonical_schedule(cfg.pp_schedule)
-    v = cfg.pp_stages_per_rank
-    num_stages = pp * v
-    names = _stage_names(args, cfg, num_stages)
+    v = stages_per_rank(cfg)
+    num_stages = dims.pp * v
+    names = _stage_names(spec, model.args, cfg, num_stages)
     style = "v" if _kind(schedule) == "v" else "loop"
-    stage_ids = stage_ids_of_rank(pp_mesh.get_local_rank(), pp, v, style)
-    parts = [parallelize_part(_build_part(model, names[s])) for s in stage_ids]
+    stage_ids = stage_ids_of_rank(pp_mesh.get_local_rank(), dims.pp, v, style)
+    parts = [parallelize_part(_build_part(model, spec, names[s])) for s in stage_ids]
     return Pipeline(
-        parts,
-        stage_ids,
-        pp_mesh,
-        schedule=schedule,
-        num_stages=num_stages,
-        n_microbatches=num_microbatches(
-            cfg, local_batch_size=local_batch_size, micro_batch_size=micro_batch_size
-        ),
-        device=device,
-        loss_parallel=cfg.tp > 1 and cfg.loss_parallel,
-    )
+        parts, stage_ids, pp_mesh, schedule=schedule, num_stages=num_stages,
+        n_microbatches=num_microbatches(cfg, local_batch_size=local_batch_size, micro_batch_size=micro_batch_size),
+        device=device, loss_fn=loss_fn, step_context=step_context,
+        grad_sync_group=dims.get_mesh("dp_replicate").get_group() if dims.ddp_enabled else None,
+    )  # fmt: skip

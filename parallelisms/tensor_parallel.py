@@ -1,7 +1,8 @@
-"""Tensor parallel (Megatron-style), sequence parallel and loss parallel for the Llama model.
+"""Tensor parallel (Megatron-style), sequence parallel and loss parallel for any model family.
 
-The plan is data: ``llama_tp_plan`` returns a dict from module name to ``ParallelStyle``
-(seed article, section 5 "TP"), applied by ``parallelize_module`` on the 1-D ``tp`` mesh:
+The plan is data kept beside the model (``ModelSpec.tp_plan``: module-name pattern -> abstract
+kind); ``tp_plan`` turns it into torch ``ParallelStyle`` objects (seed article, section 5 "TP"),
+applied by ``parallelize_module`` on the 1-D ``tp`` mesh. For the Llama family:
 
 =====================  ==========================  ================================================
 module                 style                       what it does
@@ -52,8 +53,10 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from models.errors import ConfigError
+from models.spec import ModelSpec
+from parallelisms.config import ParallelismConfig
 
-__all__ = ["ReplicateParallel", "llama_tp_plan", "apply_tp", "check_tp_fits_node"]
+__all__ = ["ReplicateParallel", "apply_tp", "check_tp_fits_node", "tp_plan", "validate_tp_options"]
 
 
 class ReplicateParallel(ParallelStyle):
@@ -90,86 +93,77 @@ class ReplicateParallel(ParallelStyle):
         )
 
 
-def llama_tp_plan(
-    model: nn.Module, *, sequence_parallel: bool = True, loss_parallel: bool = True
-) -> dict[str, ParallelStyle]:
-    """The TP plan of a (possibly pipeline-split) Llama ``Transformer``: module name -> style.
-
-    Only modules present in ``model`` get an entry (a pipeline stage may lack the embedding,
-    the final norm, the head or some blocks).
-    """
+def _style(kind: str, *, sequence_parallel: bool, loss_parallel: bool) -> ParallelStyle:
+    """The torch ``ParallelStyle`` for one abstract kind of a model's TP plan (``ModelSpec.tp_plan``)."""
     # Layout of the residual stream between TP regions: sequence-sharded under SP.
     stream: Placement = Shard(1) if sequence_parallel else Replicate()
-    logits: Placement = Shard(-1) if loss_parallel else Replicate()
-    norm_style: ParallelStyle = SequenceParallel() if sequence_parallel else ReplicateParallel()
-
-    plan: dict[str, ParallelStyle] = {}
-    if getattr(model, "tok_embeddings", None) is not None:
-        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
-    for name in model.layers:
-        block = f"layers.{name}"
-        plan[f"{block}.attention_norm"] = norm_style
-        # Attention's inputs are (x, rope_cache): gather the sequence of x (f); the rotary
-        # cache is a plain full tensor, sliced inside attention to the full sequence length.
-        # Also without SP, x enters as ONE replicated DTensor shared by wq/wk/wv, so their
-        # partial input gradients add up first and f costs one backward all_reduce, not three.
-        plan[f"{block}.attention"] = PrepareModuleInput(
-            input_layouts=(stream, None), desired_input_layouts=(Replicate(), None)
-        )
-        plan[f"{block}.attention.wq"] = ColwiseParallel()
-        plan[f"{block}.attention.wk"] = ColwiseParallel()
-        plan[f"{block}.attention.wv"] = ColwiseParallel()
-        plan[f"{block}.attention.wo"] = RowwiseParallel(output_layouts=stream)  # g
-        plan[f"{block}.ffn_norm"] = norm_style
-        plan[f"{block}.feed_forward"] = PrepareModuleInput(
-            input_layouts=(stream,), desired_input_layouts=(Replicate(),)
-        )
-        plan[f"{block}.feed_forward.w1"] = ColwiseParallel()
-        plan[f"{block}.feed_forward.w3"] = ColwiseParallel()
-        plan[f"{block}.feed_forward.w2"] = RowwiseParallel(output_layouts=stream)  # g
-    if getattr(model, "norm", None) is not None:
-        plan["norm"] = norm_style
-    if getattr(model, "output", None) is not None:
-        plan["output"] = ColwiseParallel(
+    if kind == "embedding":  # vocab-sharded lookup, summed (or reduce-scattered) over tp
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
+    if kind == "norm":
+        return SequenceParallel() if sequence_parallel else ReplicateParallel()
+    if kind == "gather_input":
+        # Gather the sequence of the block's input x (f). Keyword inputs (the rotary cache,
+        # positions) pass through as plain tensors. Also without SP, x enters as ONE
+        # replicated DTensor shared by wq/wk/wv (w1/w3), so their partial input gradients add
+        # up first and f costs one backward all_reduce, not three.
+        return PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),))
+    if kind == "colwise":
+        return ColwiseParallel()
+    if kind == "rowwise":  # partial sums -> all_reduce, or reduce_scatter under SP (g)
+        return RowwiseParallel(output_layouts=stream)
+    if kind == "head":
+        logits: Placement = Shard(-1) if loss_parallel else Replicate()
+        return ColwiseParallel(
             input_layouts=stream, output_layouts=logits, use_local_output=not loss_parallel
         )
+    if kind == "replicate":
+        return ReplicateParallel()
+    raise ValueError(f"unknown tensor-parallel style {kind!r} in the model's TP plan")
+
+
+def tp_plan(
+    model: nn.Module, spec: ModelSpec, *, sequence_parallel: bool = True, loss_parallel: bool = True
+) -> dict[str, ParallelStyle]:
+    """The model's TP plan resolved for ``model`` (possibly a pipeline stage): module name -> style.
+
+    ``spec.tp_plan`` maps name patterns (``*`` = a block key) to abstract kinds; only modules
+    present in ``model`` get an entry (a stage may lack the embedding, the head or some blocks).
+    """
+    present = {name for name, _ in model.named_modules()}
+    plan: dict[str, ParallelStyle] = {}
+    for pattern, kind in spec.tp_plan.items():
+        names = (
+            [pattern.replace("*", key) for key, _ in spec.block_items(model)] if "*" in pattern else [pattern]
+        )
+        for name in names:
+            if name in present:
+                plan[name] = _style(kind, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     return plan
 
 
 def apply_tp(
     model: nn.Module,
+    spec: ModelSpec,
     tp_mesh: DeviceMesh,
+    cfg: ParallelismConfig,
     *,
-    sequence_parallel: bool = True,
-    loss_parallel: bool = True,
-    async_tp: bool = False,
-    compile: bool = False,
     device_type: str = "cpu",
 ) -> nn.Module:
-    """Shard ``model`` (a Llama ``Transformer``, usually still on meta) over the 1-D ``tp_mesh``.
+    """Shard ``model`` (usually still on meta) over the 1-D ``tp_mesh`` by the spec's plan.
 
     Parameters become DTensors on ``tp_mesh``; FSDP applied afterwards makes them 2-D
-    (``dp_shard_cp`` x ``tp``). ``async_tp`` turns on Inductor's micro-pipelined TP (CUDA,
-    ``torch.compile`` and sequence parallel required); a ``ConfigError`` says so otherwise.
+    (``dp_shard_cp`` x ``tp``). ``cfg.async_tp`` turns on Inductor's micro-pipelined TP (CUDA,
+    ``torch.compile`` and sequence parallel required; checked by ``validate_tp_options``).
     """
-    tp = tp_mesh.size()
-    check_tp_fits_node(tp, device_type)
-    _validate(
-        model,
-        tp,
-        sequence_parallel=sequence_parallel,
-        async_tp=async_tp,
-        compile=compile,
-        device_type=device_type,
-    )
-    plan = llama_tp_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    check_tp_fits_node(tp_mesh.size(), device_type)
+    plan = tp_plan(model, spec, sequence_parallel=cfg.sequence_parallel, loss_parallel=cfg.loss_parallel)
     parallelize_module(model, tp_mesh, plan)
     # The embedding (Rowwise) and the head (Colwise) both shard the (V, H) weight on dim 0, so
     # a tied weight keeps one placement; parallelize_module replaced each Parameter separately.
     tie = getattr(model, "tie_weights", None)
     if tie is not None:
         tie()
-    if async_tp:
+    if cfg.async_tp:
         # Inductor rewrites the all_gather -> matmul and matmul -> reduce_scatter pairs of
         # sequence parallel into chunked, overlapped ops over symmetric memory.
         import torch._inductor.config as inductor_config
@@ -180,38 +174,25 @@ def apply_tp(
     return model
 
 
-def _validate(
-    model: nn.Module, tp: int, *, sequence_parallel: bool, async_tp: bool, compile: bool, device_type: str
-) -> None:
-    args = getattr(model, "args", None)
-    if args is not None:
-        for key, value in (
-            ("model.n_heads", args.n_heads),
-            ("model.n_kv_heads", args.kv_heads),
-            ("model FFN hidden size", args.hidden_dim),
-            ("model.vocab_size", args.vocab_size),
-        ):
-            if value % tp != 0:
-                raise ConfigError(
-                    f"{key}={value} is not divisible by parallelism.tp={tp}; tensor parallelism splits it "
-                    f"evenly across ranks: choose a tp that divides {value}."
-                )
-    if async_tp:
-        if device_type != "cuda":
-            raise ConfigError(
-                f"parallelism.async_tp=true needs CUDA GPUs (symmetric memory between the tp ranks), "
-                f"but this run is on {device_type!r}. Set parallelism.async_tp=false."
-            )
-        if not compile:
-            raise ConfigError(
-                "parallelism.async_tp=true is an Inductor rewrite of the compiled graph; it needs "
-                "training.compile=true. Set training.compile=true or parallelism.async_tp=false."
-            )
-        if not sequence_parallel:
-            raise ConfigError(
-                "parallelism.async_tp=true overlaps sequence parallel's all_gather / reduce_scatter with "
-                "the matmuls; set parallelism.sequence_parallel=true or parallelism.async_tp=false."
-            )
+def validate_tp_options(cfg: ParallelismConfig, *, compile: bool, device_type: str) -> None:
+    """``async_tp`` needs CUDA, compile and sequence parallel (called by ``ParallelDims``)."""
+    if not cfg.async_tp:
+        return
+    if device_type != "cuda":
+        raise ConfigError(
+            f"parallelism.async_tp=true needs CUDA GPUs (symmetric memory between the tp ranks), "
+            f"but this run is on {device_type!r}. Set parallelism.async_tp=false."
+        )
+    if not compile:
+        raise ConfigError(
+            "parallelism.async_tp=true is an Inductor rewrite of the compiled graph; it needs "
+            "training.compile=true. Set training.compile=true or parallelism.async_tp=false."
+        )
+    if not cfg.sequence_parallel:
+        raise ConfigError(
+            "parallelism.async_tp=true overlaps sequence parallel's all_gather / reduce_scatter with "
+            "the matmuls; set parallelism.sequence_parallel=true or parallelism.async_tp=false."
+        )
 
 
 def check_tp_fits_node(tp: int, device_type: str) -> None:

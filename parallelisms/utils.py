@@ -14,14 +14,15 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from models.errors import ConfigError
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Config dtype name -> torch dtype: the one map (configs, export, FSDP mixed precision).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def to_dtype(name: str) -> torch.dtype:
     """Map a config dtype name to a torch dtype."""
-    if name not in _DTYPES:
-        raise ConfigError(f"dtype {name!r} is not one of {sorted(_DTYPES)}.")
-    return _DTYPES[name]
+    if name not in DTYPES:
+        raise ConfigError(f"dtype {name!r} is not one of {sorted(DTYPES)}.")
+    return DTYPES[name]
 
 
 @torch.no_grad()

@@ -9,9 +9,8 @@ import re
 import pytest
 import torch
 
-from models.llama import Transformer, num_params
+from models import get_spec
 from parallelisms.parallel_dims import ParallelDims
-from parallelisms.pipeline_parallel import validate_pp
 from tests.configs import CONFIG_DIR, make_config
 from tests.models.test_llama import PUBLISHED
 
@@ -30,19 +29,18 @@ def intended_world_size(name: str) -> int:
 def test_experiment_composes_and_validates(name: str) -> None:
     cfg = make_config(f"+experiment={name}")
     world = intended_world_size(name)
-    p = cfg.parallelism
-    dims = ParallelDims(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp, p.ep, world)
-    dims.validate_model(cfg.model, seq_len=cfg.training.seq_len, sequence_parallel=p.sequence_parallel)
-    accum = dims.grad_accum_steps(cfg.training.global_batch_size, cfg.training.micro_batch_size)
-    assert accum >= 1
-    validate_pp(
-        cfg.model, p, pp=dims.pp, local_batch_size=cfg.training.global_batch_size // dims.dp,
-        micro_batch_size=cfg.training.micro_batch_size,
+    p, t = cfg.parallelism, cfg.training
+    spec = get_spec(cfg.model.family)
+    dims = ParallelDims.from_config(
+        p, world, spec=spec, model_args=cfg.model, seq_len=t.seq_len, global_batch_size=t.global_batch_size,
+        micro_batch_size=t.micro_batch_size, compile=t.compile, device_type="cuda",
     )  # fmt: skip
+    assert dims.grad_accum_steps(t.global_batch_size, t.micro_batch_size) >= 1
     assert dims.dp * dims.cp * dims.tp * dims.pp == world
     with torch.device("meta"):
-        model = Transformer(cfg.model)
-    n = num_params(model)
+        model = spec.build(cfg.model)
+    n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    assert n == spec.param_counts(cfg.model).total
     if cfg.model.name in PUBLISHED:
         assert abs(n - PUBLISHED[cfg.model.name]) / PUBLISHED[cfg.model.name] < 0.02
 

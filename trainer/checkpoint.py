@@ -233,8 +233,10 @@ class Checkpointer:
         device: torch.device,
         info: dict[str, Any],
         full_shapes: Optional[dict[str, torch.Size]] = None,
+        hf_target: Optional[tuple[Any, Any]] = None,
     ) -> None:
         self.cfg = cfg
+        self.hf_target = hf_target  # (ModelSpec, args) of the model, for checkpoint.initial_load_hf
         # Names and global shapes of the WHOLE model (a pipeline rank holds only its stages, so
         # its own state dict cannot tell a foreign checkpoint from the other stages' tensors).
         self.full_shapes = full_shapes
@@ -309,7 +311,8 @@ class Checkpointer:
             if self.cfg.initial_load_hf:
                 from trainer.hf import load_hf_into
 
-                load_hf_into(self.module, self.cfg.initial_load_hf)
+                spec, args = self.hf_target
+                load_hf_into(self.module, self.cfg.initial_load_hf, spec, args)
                 logger.info(f"initial weights from Hugging Face folder {self.cfg.initial_load_hf}")
                 return True
             return False

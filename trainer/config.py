@@ -10,14 +10,16 @@ dataclasses and ``validate`` checks the cross-field rules, raising ``ConfigError
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from models import MODEL_SPECS, get_spec
 from models.errors import ConfigError
-from models.llama import LlamaArgs
+from models.spec import ModelArgs
 from parallelisms.config import DDPConfig, FSDPConfig, ParallelismConfig
 
 __all__ = [
@@ -34,16 +36,17 @@ __all__ = [
     "ParallelismConfig",
     "TrainConfig",
     "TrainingConfig",
+    "compose_config",
     "register_configs",
     "to_train_config",
 ]
 
 
-@dataclass
-class ModelConfig(LlamaArgs):
-    """A model preset: the architecture arguments plus the preset's name."""
-
-    name: str = "debug"
+# The ``model`` group's type: every family's args class extends it (``models/spec.py``), and
+# each family's class is registered as the schema ``base_model_<family>`` that its presets
+# extend, so a preset is typed by its own family (unknown keys and wrong types still fail at
+# composition) and the rest of the config does not depend on which family it is.
+ModelConfig = ModelArgs
 
 
 @dataclass
@@ -126,7 +129,7 @@ class JobConfig:
 @dataclass
 class TrainConfig:
     job: JobConfig = field(default_factory=JobConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelArgs = field(default_factory=ModelArgs)  # a family's args class (see ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
@@ -137,7 +140,6 @@ class TrainConfig:
 
 
 _GROUPS: dict[str, type] = {
-    "model": ModelConfig,
     "data": DataConfig,
     "optimizer": OptimizerConfig,
     "lr_scheduler": LRSchedulerConfig,
@@ -148,11 +150,16 @@ _GROUPS: dict[str, type] = {
 
 
 def register_configs() -> None:
-    """Register the schemas in Hydra's ConfigStore (idempotent)."""
+    """Register the schemas in Hydra's ConfigStore (idempotent).
+
+    Model presets extend their family's schema, ``base_model_<family>``.
+    """
     cs = ConfigStore.instance()
     cs.store(name="base_train", node=TrainConfig)
     for group, schema in _GROUPS.items():
         cs.store(group=group, name=f"base_{group}", node=schema)
+    for family, spec in MODEL_SPECS.items():
+        cs.store(group="model", name=f"base_model_{family}", node=spec.args_cls)
 
 
 def _choices(value: str, allowed: tuple[str, ...], key: str) -> None:
@@ -165,10 +172,19 @@ def _positive(value: float, key: str) -> None:
         raise ConfigError(f"{key}={value} must be positive; set {key} to a value > 0.")
 
 
-def validate(cfg: TrainConfig) -> None:
-    """Cross-field checks that do not need the world size (``ParallelDims`` does the rest)."""
-    cfg.model.validate()
-    t = cfg.training
+def validate_model(model: ModelArgs) -> None:
+    """The preset's family exists, the preset is typed by that family, and the family accepts it."""
+    spec = get_spec(model.family)
+    if not isinstance(model, spec.args_cls):
+        raise ConfigError(
+            f"model.family={model.family!r} but the preset {model.name!r} is a {type(model).__name__} "
+            f"(schema of another family); pick a {model.family} preset (model=...) instead of overriding "
+            f"model.family."
+        )
+    model.validate()
+
+
+def _validate_training(t: TrainingConfig, max_seq_len: int) -> None:
     for key in (
         "steps",
         "seq_len",
@@ -180,9 +196,9 @@ def validate(cfg: TrainConfig) -> None:
         _positive(getattr(t, key), f"training.{key}")
     if t.eval_freq < 0:
         raise ConfigError(f"training.eval_freq={t.eval_freq} must be >= 0 (0 disables evaluation).")
-    if t.seq_len > cfg.model.max_seq_len:
+    if t.seq_len > max_seq_len:
         raise ConfigError(
-            f"training.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}; "
+            f"training.seq_len={t.seq_len} exceeds model.max_seq_len={max_seq_len}; "
             f"lower training.seq_len or raise model.max_seq_len."
         )
     _choices(t.mixed_precision, ("fp32", "bf16"), "training.mixed_precision")
@@ -192,46 +208,28 @@ def validate(cfg: TrainConfig) -> None:
     if t.grad_clip < 0 or math.isnan(t.grad_clip):
         raise ConfigError(f"training.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping).")
 
-    o = cfg.optimizer
+
+def _validate_optimizer(o: OptimizerConfig, s: LRSchedulerConfig) -> None:
     _choices(o.name, ("adamw",), "optimizer.name")
     _choices(o.implementation, ("auto", "fused", "foreach", "for-loop"), "optimizer.implementation")
-    _positive(o.lr, "optimizer.lr")
+    for key in ("lr", "eps"):
+        value = getattr(o, key)
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(
+                f"optimizer.{key}={value} must be a finite number > 0 (e.g. optimizer.{key}=3e-4)."
+            )
+    if not math.isfinite(o.weight_decay) or o.weight_decay < 0:
+        raise ConfigError(f"optimizer.weight_decay={o.weight_decay} must be a finite number >= 0.")
     if not all(0.0 <= b < 1.0 for b in o.betas):
         raise ConfigError(f"optimizer.betas={list(o.betas)} must lie in [0, 1).")
-
-    s = cfg.lr_scheduler
     _choices(s.decay_type, ("cosine", "linear", "constant"), "lr_scheduler.decay_type")
     if s.warmup_steps < 0:
         raise ConfigError(f"lr_scheduler.warmup_steps={s.warmup_steps} must be >= 0.")
     if not 0.0 <= s.min_lr_ratio <= 1.0:
         raise ConfigError(f"lr_scheduler.min_lr_ratio={s.min_lr_ratio} must lie in [0, 1].")
 
-    p = cfg.parallelism
-    _choices(p.ddp.impl, ("custom", "torch"), "parallelism.ddp.impl")
-    if p.cp > 1:
-        raise ConfigError(
-            f"parallelism.cp={p.cp}: context parallelism is not implemented yet (it would silently train "
-            f"without splitting the sequence); set parallelism.cp=1."
-        )
-    if p.ddp.sharded_optimizer and p.tp > 1:
-        raise ConfigError(
-            f"parallelism.ddp.sharded_optimizer=true with parallelism.tp={p.tp} is not supported (the ZeRO-1 "
-            f"optimizer flattens plain tensors, not tensor-parallel shards); with TP use FSDP "
-            f"(parallelism.dp_shard > 1), which shards the optimizer state too, or set sharded_optimizer=false."
-        )
-    if p.ddp.impl == "torch" and p.tp > 1:
-        raise ConfigError(
-            f"parallelism.ddp.impl=torch with parallelism.tp={p.tp}: torch's DistributedDataParallel does not "
-            f"accept tensor-parallel (DTensor) parameters; use parallelism.ddp.impl=custom, or FSDP "
-            f"(parallelism.dp_shard > 1)."
-        )
-    _positive(p.ddp.bucket_mb, "parallelism.ddp.bucket_mb")
-    if p.ddp.grad_dtype is not None:
-        _choices(p.ddp.grad_dtype, ("float32", "bfloat16", "float16"), "parallelism.ddp.grad_dtype")
-    for key in ("param_dtype", "reduce_dtype"):
-        _choices(getattr(p.fsdp, key), ("float32", "bfloat16", "float16"), f"parallelism.fsdp.{key}")
 
-    c = cfg.checkpoint
+def _validate_checkpoint(c: CheckpointConfig) -> None:
     _choices(c.async_mode, ("disabled", "async"), "checkpoint.async_mode")
     _positive(c.interval, "checkpoint.interval")
     if c.keep_latest == 1 or c.keep_latest < 0:
@@ -253,17 +251,49 @@ def validate(cfg: TrainConfig) -> None:
             f"checkpoint.initial_load_path={c.initial_load_path!r} and checkpoint.initial_load_hf="
             f"{c.initial_load_hf!r} both set the starting weights; set only one of them."
         )
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Cross-field checks that need neither the world size nor the mesh. Every parallelism
+    option is checked by ``ParallelDims.from_config`` (one place, before any process group)."""
+    validate_model(cfg.model)
+    _validate_training(cfg.training, cfg.model.max_seq_len)
+    _validate_optimizer(cfg.optimizer, cfg.lr_scheduler)
+    _validate_checkpoint(cfg.checkpoint)
     _positive(cfg.metrics.log_freq, "metrics.log_freq")
     _choices(cfg.data.source, ("builtin", "text", "json", "parquet", "hub"), "data.source")
     if not 0.0 <= cfg.data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must lie in [0, 1).")
+    folder = cfg.job.dump_folder
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise ConfigError(
+            f"job.dump_folder={folder!r} is an existing file, not a folder; point job.dump_folder at a "
+            f"folder (it is created if missing) or move the file away."
+        )
+
+
+def _with_typed_model(dcfg: DictConfig) -> DictConfig:
+    """Give an untyped ``model`` node (e.g. a saved ``config.yaml``) its family's schema, picked
+    by ``model.family``; composed configs are typed by their preset already."""
+    model = dcfg.get("model") if "model" in dcfg else None
+    if model is None or not isinstance(model, DictConfig):
+        return dcfg
+    if issubclass(OmegaConf.get_type(model) or dict, ModelArgs):
+        return dcfg
+    family = model.get("family")
+    if not family:
+        raise ConfigError(f"model.family is not set; set it to one of {sorted(MODEL_SPECS)}.")
+    typed = OmegaConf.merge(OmegaConf.structured(get_spec(family).args_cls), model)
+    dcfg = dcfg.copy()
+    dcfg.model = typed
+    return dcfg
 
 
 def to_train_config(dcfg: DictConfig | dict[str, Any]) -> TrainConfig:
     """Convert a composed Hydra config into typed dataclasses and validate it."""
     if not isinstance(dcfg, DictConfig):
         dcfg = OmegaConf.create(dcfg)
-    merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), dcfg)
+    merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), _with_typed_model(dcfg))
     missing = sorted(OmegaConf.missing_keys(merged))
     if missing:
         raise ConfigError(
@@ -274,6 +304,19 @@ def to_train_config(dcfg: DictConfig | dict[str, Any]) -> TrainConfig:
     assert isinstance(cfg, TrainConfig)  # guaranteed by the structured merge, not user input
     validate(cfg)
     return cfg
+
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+def compose_config(*overrides: str) -> TrainConfig:
+    """Compose ``configs/train.yaml`` with Hydra-style ``overrides`` (e.g. ``"+experiment=debug"``),
+    convert and validate -- exactly what ``trainer/main.py`` does, for scripts and notebooks."""
+    from hydra import compose, initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        return to_train_config(compose("train", overrides=list(overrides)))
 
 
 def to_yaml(cfg: TrainConfig) -> str:

@@ -18,13 +18,11 @@ import re
 import shutil
 import sys
 
-import torch
-
+from models import get_spec
 from models.errors import ConfigError
+from parallelisms.utils import DTYPES
 from trainer.checkpoint import load_full_state, read_marker, verify_files
 from trainer.hf import save_hf
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def parse_size(text: str) -> int:
@@ -51,8 +49,8 @@ def export(
     checkpoint: str, out_dir: str, *, dtype: str = "float32", max_shard_size: str = "5GB"
 ) -> list[str]:
     """Convert the DCP checkpoint folder ``checkpoint`` (a ``step-N``) into ``out_dir``; return the files."""
-    if dtype not in _DTYPES:
-        raise ConfigError(f"--dtype={dtype!r} is not one of {sorted(_DTYPES)}.")
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype={dtype!r} is not one of {sorted(DTYPES)}.")
     info = read_marker(checkpoint)
     verify_files(checkpoint, info)
     if "model" not in info:
@@ -60,7 +58,8 @@ def export(
             f"{checkpoint} records no model config; it was not written by meshwright's trainer."
         )
     state = load_full_state(checkpoint, "model.")
-    args = {k: v for k, v in info["model"].items() if k != "name"}
+    spec = get_spec(info["model"].get("family", "llama"))
+    args = spec.make_args(info["model"])
     tokenizer = info.get("tokenizer", "byte")
     extra = {
         "tokenizer": "byte",
@@ -78,7 +77,7 @@ def export(
         tok = None
     if tokenizer != "byte":
         extra["tokenizer"] = "tokenizer.json" if tok is not None else None
-    files = save_hf(state, args, out_dir, max_shard_bytes=parse_size(max_shard_size), dtype=_DTYPES[dtype],
+    files = save_hf(state, spec, args, out_dir, max_shard_bytes=parse_size(max_shard_size), dtype=DTYPES[dtype],
                     extra=extra, bos_id=bos, eos_id=eos)  # fmt: skip
     if tokenizer != "byte" and tok is not None:
         shutil.copyfile(tokenizer, os.path.join(out_dir, "tokenizer.json"))
@@ -93,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("out_dir", help="the Hugging Face folder to write")
     parser.add_argument(
-        "--dtype", default="float32", choices=sorted(_DTYPES), help="dtype of the saved weights"
+        "--dtype", default="float32", choices=sorted(DTYPES), help="dtype of the saved weights"
     )
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (e.g. 5GB, 500MB)")
     args = parser.parse_args(argv)

@@ -18,18 +18,19 @@ import sys
 from typing import Any, Optional
 
 import torch
+from torch import nn
 
+from models import get_spec
 from models.errors import ConfigError
-from models.llama import LlamaArgs, Transformer
+from models.spec import ModelSpec
 from trainer.checkpoint import MARKER, load_full_state, read_marker, verify_files
-from trainer.hf import CONFIG_FILE, MESHWRIGHT_FILE, args_from_hf_config, read_hf
+from trainer.hf import CONFIG_FILE, MESHWRIGHT_FILE, read_hf
 from trainer.tokenizer import Tokenizer, build_tokenizer
 
 
-def _build(args: dict[str, Any], state: dict[str, torch.Tensor], device: torch.device) -> Transformer:
-    fields = {k: v for k, v in args.items() if k in LlamaArgs.__dataclass_fields__}
+def _build(spec: ModelSpec, args: Any, state: dict[str, torch.Tensor], device: torch.device) -> nn.Module:
     with torch.device("meta"):
-        model = Transformer(LlamaArgs(**fields))
+        model = spec.build(args)
     model.to_empty(device=device)
     model.reset_rope_cache(device)
     missing = sorted(set(model.state_dict()) - set(state))
@@ -39,36 +40,37 @@ def _build(args: dict[str, Any], state: dict[str, torch.Tensor], device: torch.d
     return model.eval()
 
 
-def load_model(path: str, device: str | torch.device = "cpu") -> tuple[Transformer, Optional[Tokenizer]]:
-    """(model in eval mode, tokenizer or None) from a ``step-N`` checkpoint or a HF Llama folder."""
+def load_model(path: str, device: str | torch.device = "cpu") -> tuple[nn.Module, Optional[Tokenizer]]:
+    """(model in eval mode, tokenizer or None) from a ``step-N`` checkpoint or a HF model folder."""
     device = torch.device(device)
     if os.path.isfile(os.path.join(path, MARKER)):
         info = read_marker(path)
         verify_files(path, info)
-        model = _build(info["model"], load_full_state(path, "model."), device)
-        spec = info.get("tokenizer", "byte")
+        spec = get_spec(info["model"].get("family", "llama"))
+        model = _build(spec, spec.make_args(info["model"]), load_full_state(path, "model."), device)
+        tokenizer = info.get("tokenizer", "byte")
     elif os.path.isfile(os.path.join(path, CONFIG_FILE)):
-        cfg, state = read_hf(path)
-        model = _build(args_from_hf_config(cfg), state, device)
-        spec = None
+        model_spec, args, state = read_hf(path)
+        model = _build(model_spec, args, state, device)
+        tokenizer = None
         extra_path = os.path.join(path, MESHWRIGHT_FILE)
         if os.path.isfile(extra_path):
             with open(extra_path, encoding="utf-8") as f:
-                spec = json.load(f).get("tokenizer")
+                tokenizer = json.load(f).get("tokenizer")
         elif os.path.isfile(os.path.join(path, "tokenizer.json")):
-            spec = "tokenizer.json"
-        if spec not in (None, "byte"):
-            spec = os.path.join(path, spec)
+            tokenizer = "tokenizer.json"
+        if tokenizer not in (None, "byte"):
+            tokenizer = os.path.join(path, tokenizer)
     else:
         raise ConfigError(
             f"{path} is neither a meshwright checkpoint (no {MARKER}) nor a Hugging Face folder (no "
             f"{CONFIG_FILE}); pass e.g. outputs/debug/checkpoints/step-300."
         )
-    return model, (build_tokenizer(spec) if spec else None)
+    return model, (build_tokenizer(tokenizer) if tokenizer else None)
 
 
 @torch.no_grad()
-def generate(model: Transformer, ids: list[int], *, max_new_tokens: int, temperature: float = 0.8,
+def generate(model: nn.Module, ids: list[int], *, max_new_tokens: int, temperature: float = 0.8,
              top_k: Optional[int] = 50, eos_id: Optional[int] = None,
              generator: Optional[torch.Generator] = None) -> list[int]:  # fmt: skip
     """Continue ``ids`` by up to ``max_new_tokens`` sampled tokens (stops at ``eos_id``)."""

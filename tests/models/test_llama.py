@@ -12,15 +12,22 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch import Tensor, nn
 
+from models.common import apply_rotary_emb
 from models.errors import ConfigError
-from models.llama import (
-    LlamaArgs,
-    Transformer,
-    apply_rotary_emb,
-    num_flops_per_token,
-    num_params,
-    param_count,
-)
+from models.llama import LLAMA_SPEC, LlamaArgs, Transformer, num_flops_per_token, param_counts
+
+
+def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:
+    """Unique parameters of a built model (tied weights once), optionally without embeddings."""
+    params = {id(p): p for p in model.parameters()}
+    if exclude_embedding:
+        for p in model.tok_embeddings.parameters():
+            params.pop(id(p), None)
+    return sum(p.numel() for p in params.values())
+
+
+def param_count(args: LlamaArgs) -> int:
+    return param_counts(args).total
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "model"
 
@@ -49,9 +56,9 @@ def build(args: LlamaArgs, seed: int = 0) -> Transformer:
 
 def load_preset(path: Path) -> tuple[str, LlamaArgs]:
     cfg = OmegaConf.to_container(OmegaConf.load(path))
-    assert cfg.pop("defaults") == ["base_model", "_self_"]
+    assert cfg.pop("defaults") == ["base_model_llama", "_self_"]
     name = cfg.pop("name")
-    return name, LlamaArgs(**cfg)
+    return name, LLAMA_SPEC.make_args(cfg)
 
 
 PRESETS = sorted(PRESET_DIR.glob("*.yaml"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from models.errors import ConfigError
-from models.llama import LlamaArgs
+from models.llama import LLAMA_SPEC, LlamaArgs
 from parallelisms.parallel_dims import ParallelDims
 
 
@@ -61,7 +61,7 @@ def test_batch_divisibility() -> None:
 def test_model_checks(kw: dict, args: LlamaArgs, seq_len: int, needle: str) -> None:
     d = dims(8, **kw)
     with pytest.raises(ConfigError, match=needle):
-        d.validate_model(args, seq_len=seq_len, sequence_parallel=True)
+        d.validate_model(LLAMA_SPEC, args, seq_len=seq_len, sequence_parallel=True)
 
 
 @pytest.mark.parametrize(
@@ -76,7 +76,33 @@ def test_model_checks(kw: dict, args: LlamaArgs, seq_len: int, needle: str) -> N
     ],
 )
 def test_unsupported_tp_compositions_are_config_errors(overrides: tuple[str, ...], needle: str) -> None:
+    """Every parallelism check runs in ``ParallelDims.from_config``, once, before any process group."""
     from tests.configs import make_config
 
+    cfg = make_config(*overrides)
+    t = cfg.training
     with pytest.raises(ConfigError, match=needle):
-        make_config(*overrides)
+        ParallelDims.from_config(
+            cfg.parallelism, 4, spec=LLAMA_SPEC, model_args=cfg.model, seq_len=t.seq_len,
+            global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "world,kw",
+    [(8, {"dp_replicate": 2, "tp": 2}), (16, {"pp": 2, "dp_replicate": 2, "cp": 2}), (8, {"pp": 2, "tp": 2})],
+)
+def test_coordinates_follow_the_mesh_order(world: int, kw: dict) -> None:
+    """Row-major over (pp, dp_replicate, dp_shard, cp, tp): tp varies fastest; ``dp`` flattens
+    (dp_replicate, dp_shard). ``build_mesh`` re-checks these against the real mesh."""
+    d = dims(world, **kw)
+    seen = set()
+    for rank in range(world):
+        c = d.coordinates(rank)
+        key = tuple(c[n] for n in ("pp", "dp_replicate", "dp_shard", "cp", "tp"))
+        seen.add(key)
+        assert c["dp"] == c["dp_replicate"] * d.dp_shard + c["dp_shard"]
+        assert c["dp_cp"] == c["dp"] * d.cp + c["cp"]
+        assert d.dp_rank_of(rank) == c["dp"]
+    assert len(seen) == world
+    assert d.coordinates(1)["tp" if d.tp > 1 else "cp" if d.cp > 1 else "dp_shard"] == 1

@@ -22,24 +22,28 @@ import os
 import pytest
 import torch
 
+from models.common import IGNORE_INDEX
 from models.errors import ConfigError
-from models.llama import LlamaArgs, Transformer
+from models.llama import LLAMA_SPEC, LlamaArgs, Transformer
 from parallelisms.config import ParallelismConfig
-from parallelisms.pipeline_parallel import (
-    SCHEDULES,
-    _build_part,
-    stage_ids_of_rank,
-    stage_module_names,
-    validate_pp,
-)
+from parallelisms.pipeline_parallel import SCHEDULES, _build_part, stage_ids_of_rank, stages_per_rank
+from parallelisms.pipeline_parallel import stage_module_names as _stage_module_names
+from parallelisms.pipeline_parallel import validate_pp as _validate_pp
 from tests.configs import tiny_config
 from tests.dist import run_distributed
 from trainer.config import TrainConfig
 
 RTOL = 1e-5
-IGNORE_INDEX = -100
 EVAL_BATCH = 4  # validation sequences per eval batch over all dp ranks (same for every layout)
 EVAL_BATCHES = 2
+
+
+def stage_module_names(n_layers: int, num_stages: int, layers_per_stage: int | None) -> list[list[str]]:
+    return _stage_module_names(LLAMA_SPEC, n_layers, num_stages, layers_per_stage)
+
+
+def validate_pp(args: LlamaArgs, cfg: ParallelismConfig, **kw: object) -> None:
+    _validate_pp(LLAMA_SPEC, args, cfg, **kw)
 
 
 # --------------------------------------------------------------------------------------------
@@ -55,21 +59,23 @@ def _train(cfg: TrainConfig, world_size: int, name: str) -> dict:
     from torch import nn
     from torch.distributed.tensor import DTensor
 
-    from parallelisms.parallel_dims import ParallelDims, mesh_view
+    from parallelisms.parallel_dims import ParallelDims
     from parallelisms.parallelize import PartOptions, parallelize, parallelize_pipeline
-    from parallelisms.pipeline_parallel import validate_pp
     from parallelisms.utils import clip_grad_norm_, copy_full_into
     from trainer.data import build_dataloader
     from trainer.optim import build_lr_scheduler, build_optimizer
+    from trainer.step import StepContext, token_loss_sum
     from trainer.tokenizer import build_tokenizer
 
     t, p = cfg.training, cfg.parallelism
-    dims = ParallelDims(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp, p.ep, world_size)
-    local_batch = t.global_batch_size // dims.dp
-    validate_pp(cfg.model, p, pp=dims.pp, local_batch_size=local_batch, micro_batch_size=t.micro_batch_size)
-    mesh = dims.build_mesh("cpu")
-    dp_cp_group = mesh_view(mesh, "dp_cp").get_group()
-    dp_rank = mesh_view(mesh, "dp").get_local_rank()
+    dims = ParallelDims.from_config(
+        p, world_size, spec=LLAMA_SPEC, model_args=cfg.model, seq_len=t.seq_len,
+        global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size, compile=t.compile,
+    )  # fmt: skip
+    local_batch = dims.local_batch_size(t.global_batch_size)
+    dims.build_mesh("cpu")
+    dp_cp_group = dims.loss_mesh.get_group()
+    dp_rank = dims.dp_rank
     tokenizer = build_tokenizer(cfg.data.tokenizer)
     loader = build_dataloader(
         cfg.data, tokenizer, split="train", seq_len=t.seq_len, global_batch_size=t.global_batch_size,
@@ -90,11 +96,12 @@ def _train(cfg: TrainConfig, world_size: int, name: str) -> dict:
     pipe, pp_mesh = None, None
     if dims.pp > 1:
         pipe = parallelize_pipeline(
-            model, dims, mesh, p, options, micro_batch_size=t.micro_batch_size, local_batch_size=local_batch
-        )
+            model, LLAMA_SPEC, dims, p, options, micro_batch_size=t.micro_batch_size, local_batch_size=local_batch,
+            loss_fn=token_loss_sum, step_context=StepContext(loss_parallel=dims.tp > 1 and p.loss_parallel),
+        )  # fmt: skip
         parts, pp_mesh = pipe.model_parts, pipe.pp_mesh
     else:
-        parts = [parallelize(model, dims, mesh, p, options)]
+        parts = [parallelize(model, LLAMA_SPEC, dims, p, options)]
     optimizer = build_optimizer(nn.ModuleList(parts), cfg.optimizer, device_type="cpu")
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
 
@@ -131,8 +138,7 @@ def _train(cfg: TrainConfig, world_size: int, name: str) -> dict:
         dist.all_reduce(num_tokens, group=dp_cp_group)
         scale = dims.dp_cp / num_tokens.clamp(min=1)
         if pipe is not None:
-            pipe.loss_scale = scale
-            loss_sum = pipe.step(inputs if pipe.has_first_stage else None, labels)
+            loss_sum = pipe.step(inputs if pipe.has_first_stage else None, labels, loss_scale=scale)
         else:
             (m,) = parts
             accum = dims.grad_accum_steps(t.global_batch_size, t.micro_batch_size)
@@ -360,7 +366,7 @@ def test_parts_keep_global_keys_and_cover_the_model() -> None:
     with torch.device("meta"):
         model = Transformer(LlamaArgs(dim=64, n_layers=5, n_heads=4, vocab_size=128))
     names = stage_module_names(5, 3, None)
-    parts = [_build_part(model, n) for n in names]
+    parts = [_build_part(model, LLAMA_SPEC, n) for n in names]
     keys = [set(p.state_dict()) for p in parts]
     assert set().union(*keys) == set(model.state_dict()) and sum(map(len, keys)) == len(model.state_dict())
     assert parts[0].output is None and parts[1].tok_embeddings is None and parts[2].norm is not None
@@ -382,10 +388,13 @@ def _validate(
         ({"tie": True}, "tie_embeddings=true cannot be pipelined"),
         (
             {"pp_schedule": "1F1B", "pp_stages_per_rank": 2},
-            "1F1B needs parallelism.pp_stages_per_rank=1 .*got 2",
+            "pp_stages_per_rank=2 does not fit parallelism.pp_schedule=1F1B, which needs 1 virtual stages",
         ),
-        ({"pp_schedule": "Interleaved1F1B"}, "Interleaved1F1B needs parallelism.pp_stages_per_rank=>= 2"),
-        ({"pp_schedule": "ZBVZeroBubble", "pp_stages_per_rank": 3}, "ZBVZeroBubble needs .*=2 .*got 3"),
+        (
+            {"pp_schedule": "Interleaved1F1B", "pp_stages_per_rank": 1},
+            "pp_stages_per_rank=1 .*Interleaved1F1B, which needs 2 or more .* or null to use that default",
+        ),
+        ({"pp_schedule": "ZBVZeroBubble", "pp_stages_per_rank": 3}, "=3 .*ZBVZeroBubble, which needs 2 "),
         ({"pp_schedule": "Interleaved1F1B", "pp_stages_per_rank": 2, "n_layers": 3}, "n_layers=3 < 4"),
         ({"pp_layers_per_stage": 3}, "pp_layers_per_stage=3 x 2 stages"),
         ({"pp": 4, "micro": 4}, "2 pipeline microbatches .* fewer than parallelism.pp=4"),
@@ -405,6 +414,9 @@ def test_validate_pp_errors(kw: dict, needle: str) -> None:
 
 def test_validate_pp_accepts_good_layouts() -> None:
     _validate()  # 1F1B, 4 microbatches of 2
+    _validate(pp_schedule="Interleaved1F1B")  # unset stages per rank: 2 for the interleaved schedules
+    assert stages_per_rank(ParallelismConfig(pp_schedule="Interleaved1F1B")) == 2
+    assert stages_per_rank(ParallelismConfig(pp_schedule="1F1B")) == 1
     _validate(pp=1, tie=True, pp_stages_per_rank=5)  # PP off: nothing to check
     _validate(pp_schedule="gpipe")  # names are case-insensitive, like torch's
     for name in SCHEDULES:
@@ -424,14 +436,10 @@ def test_debug_pp_preset_validates_on_2_and_4_ranks(world: int) -> None:
 
     cfg = make_config("+experiment=debug_pp")
     p, t = cfg.parallelism, cfg.training
-    dims = ParallelDims(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp, p.ep, world)
-    validate_pp(
-        cfg.model,
-        p,
-        pp=dims.pp,
-        local_batch_size=t.global_batch_size // dims.dp,
-        micro_batch_size=t.micro_batch_size,
-    )
+    ParallelDims.from_config(
+        p, world, spec=LLAMA_SPEC, model_args=cfg.model, seq_len=t.seq_len,
+        global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
+    )  # fmt: skip
 
 
 def test_405b_4d_split_is_balanced() -> None:
@@ -439,7 +447,7 @@ def test_405b_4d_split_is_balanced() -> None:
 
     cfg = make_config("+experiment=405b_4d")
     p = cfg.parallelism
-    names = stage_module_names(cfg.model.n_layers, p.pp * p.pp_stages_per_rank, p.pp_layers_per_stage)
+    names = stage_module_names(cfg.model.n_layers, p.pp * stages_per_rank(p), p.pp_layers_per_stage)
     assert _blocks(names) == [3] + [4] * 30 + [3]
 
 

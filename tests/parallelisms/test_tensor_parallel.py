@@ -27,8 +27,11 @@ from torch.distributed.tensor.parallel import (
 )
 
 from models.errors import ConfigError
-from models.llama import LlamaArgs, Transformer
-from parallelisms.tensor_parallel import ReplicateParallel, apply_tp, check_tp_fits_node, llama_tp_plan
+from models.llama import LLAMA_SPEC, LlamaArgs, Transformer
+from parallelisms.config import ParallelismConfig
+from parallelisms.parallel_dims import ParallelDims
+from parallelisms.tensor_parallel import ReplicateParallel, apply_tp, check_tp_fits_node
+from parallelisms.tensor_parallel import tp_plan as _tp_plan
 from tests.configs import tiny_config
 from tests.dist import run_distributed
 from trainer.config import TrainConfig
@@ -36,6 +39,10 @@ from trainer.config import TrainConfig
 RTOL = 1e-5
 
 ARGS = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=128, vocab_size=512, max_seq_len=64)
+
+
+def llama_tp_plan(model: torch.nn.Module, **kw: bool) -> dict:
+    return _tp_plan(model, LLAMA_SPEC, **kw)
 
 
 # --------------------------------------------------------------------------------------------
@@ -73,14 +80,6 @@ def test_plan_is_data_with_expected_styles() -> None:
     assert all(k.startswith("layers.1.") for k in keys)
 
 
-class _FakeMesh:
-    def __init__(self, size: int) -> None:
-        self._size = size
-
-    def size(self) -> int:
-        return self._size
-
-
 @pytest.mark.parametrize(
     "kw,needle",
     [
@@ -93,12 +92,12 @@ class _FakeMesh:
     ],
 )
 def test_async_tp_requirements(kw: dict, needle: str) -> None:
-    with torch.device("meta"):
-        model = Transformer(LlamaArgs(**ARGS))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the one-node warning on a CUDA-less machine
-        with pytest.raises(ConfigError, match=needle):
-            apply_tp(model, _FakeMesh(2), **kw)
+    cfg = ParallelismConfig(tp=2, async_tp=kw["async_tp"], sequence_parallel=kw.get("sequence_parallel", True))
+    with pytest.raises(ConfigError, match=needle):
+        ParallelDims.from_config(
+            cfg, 2, spec=LLAMA_SPEC, model_args=LlamaArgs(**ARGS), seq_len=32, global_batch_size=2,
+            micro_batch_size=1, compile=kw["compile"], device_type=kw["device_type"],
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -111,10 +110,9 @@ def test_async_tp_requirements(kw: dict, needle: str) -> None:
     ],
 )
 def test_divisibility_errors(args: dict, tp: int, needle: str) -> None:
-    with torch.device("meta"):
-        model = Transformer(LlamaArgs(**args))
+    dims = ParallelDims(tp=tp, world_size=tp)
     with pytest.raises(ConfigError, match=f"{needle}.*parallelism.tp={tp}"):
-        apply_tp(model, _FakeMesh(tp))
+        dims.validate_model(LLAMA_SPEC, LlamaArgs(**args), seq_len=32, sequence_parallel=True)
 
 
 def test_tp_larger_than_a_node_warns_on_gpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -162,7 +160,7 @@ def _inspect(rank: int, world_size: int) -> dict:
         ref.init_weights(seed=3)
         with torch.device("meta"):
             model = Transformer(args)
-        apply_tp(model, mesh, sequence_parallel=sp, loss_parallel=lp)
+        apply_tp(model, LLAMA_SPEC, mesh, ParallelismConfig(tp=tp, sequence_parallel=sp, loss_parallel=lp))
         model.to_empty(device="cpu")
         model.init_weights(seed=3, copy_fn=copy_full_into)
 
@@ -198,7 +196,7 @@ def _inspect(rank: int, world_size: int) -> dict:
         ]
         with loss_parallel() if lp else contextlib.nullcontext():
             logits = model(tokens)
-            # Exactly the trainer's formula (trainer/train.py: _loss_sum).
+            # Exactly the trainer's formula (trainer/step.py: token_loss_sum).
             loss = F.cross_entropy(
                 logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=-100, reduction="sum"
             )

@@ -18,11 +18,12 @@ import torch
 import torch.distributed as dist
 
 from models.errors import ConfigError
+from models.llama import LlamaHF
 from tests.configs import tiny_config
 from tests.dist import run_distributed
 from trainer.checkpoint import complete_steps, load_full_state, validate_checkpoint_config
 from trainer.checkpoint_io import remove_leftovers
-from trainer.hf import from_hf_name, read_hf, to_hf_name
+from trainer.hf import read_hf
 
 # -- folder rules and config validation (no processes) -----------------------------------
 
@@ -65,11 +66,12 @@ def test_hf_names_round_trip() -> None:
     with torch.device("meta"):
         model = Transformer(tiny_config("/tmp/unused").model)
     names = list(model.state_dict())
-    hf = [to_hf_name(n) for n in names]
+    adapter = LlamaHF()
+    hf = [adapter.hf_names_of(n)[0] for n in names]
     assert "model.layers.3.mlp.gate_proj.weight" in hf and "lm_head.weight" in hf
-    assert [from_hf_name(n) for n in hf] == names
+    assert [adapter.from_hf_name(n) for n in hf] == names
     with pytest.raises(ConfigError, match="bias"):
-        from_hf_name("model.layers.0.self_attn.q_proj.bias")
+        adapter.from_hf_name("model.layers.0.self_attn.q_proj.bias")
 
 
 # -- spawned runs ----------------------------------------------------------------------
@@ -226,8 +228,8 @@ def test_checkpoint_errors_hf_round_trip_seed_and_generation(tmp_path, capsys) -
     ours, tokenizer = load_model(step2)
     tokens = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(0))
     ref = _logits(ours, tokens)
-    cfg, state = read_hf(hf_dir)
-    assert cfg["rope_parameters"]["rope_theta"] == 50000
+    _, args, state = read_hf(hf_dir)
+    assert args.rope_theta == 50000
     want = load_full_state(step2, "model.")
     assert state.keys() == want.keys() and all(torch.equal(state[k], want[k]) for k in want)  # import back
 

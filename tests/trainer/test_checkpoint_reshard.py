@@ -38,7 +38,7 @@ SOURCES = {  # name -> (world, overrides)
     "torch_ddp_x2": (2, [*DDP, "parallelism.ddp.impl=torch"]),
     "tp_x2": (2, ["parallelism.tp=2", "parallelism.dp_shard=1"]),
     "hsdp_2x2": (4, ["parallelism.dp_replicate=2", "parallelism.dp_shard=2"]),
-    "pp_x2": (2, ["parallelism.pp=2", "parallelism.dp_shard=1"]),  # the trainer's loop, by hand (below)
+    "pp_x2": (2, ["parallelism.pp=2", "parallelism.dp_shard=1"]),
 }
 PAIRS = {  # target name -> (source, world, overrides)
     "fsdp_x4->fsdp_x2": ("fsdp_x4", 2, ["parallelism.dp_shard=2"]),
@@ -78,73 +78,9 @@ def _full_state(trainer) -> dict[str, torch.Tensor]:
     return merged
 
 
-def _pp_source(tmp: str, name: str) -> float:
-    """PP x2 through ``parallelize_pipeline`` with the Trainer's step (the Trainer does not drive
-    pipelines yet): 4 steps, checkpoint via the Checkpointer (given the Pipeline), step 5."""
-    from torch import nn
-
-    from parallelisms.parallel_dims import ParallelDims, mesh_view
-    from parallelisms.parallelize import PartOptions, parallelize_pipeline
-    from parallelisms.utils import clip_grad_norm_, copy_full_into
-    from trainer.checkpoint import Checkpointer, model_info
-    from trainer.data import build_dataloader
-    from trainer.optim import build_lr_scheduler, build_optimizer
-    from trainer.tokenizer import build_tokenizer
-    from trainer.train import TrainState
-
-    cfg = tiny_config(os.path.join(tmp, name), "checkpoint.enable=true", *COMMON, *SOURCES[name][1])
-    t, p = cfg.training, cfg.parallelism
-    dims = ParallelDims(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp, p.ep, dist.get_world_size())
-    mesh = dims.build_mesh("cpu")
-    loader = build_dataloader(cfg.data, build_tokenizer("byte"), split="train", seq_len=t.seq_len,
-                              global_batch_size=t.global_batch_size, dp_rank=0, dp_size=1, seed=t.seed)  # fmt: skip
-    torch.manual_seed(t.seed)
-    with torch.device("meta"):
-        from models.llama import Transformer
-
-        model = Transformer(cfg.model)
-    options = PartOptions(
-        device=torch.device("cpu"), init_weights=lambda m: m.init_weights(seed=t.seed, copy_fn=copy_full_into)
-    )
-    pipe = parallelize_pipeline(
-        model,
-        dims,
-        mesh,
-        p,
-        options,
-        micro_batch_size=t.micro_batch_size,
-        local_batch_size=t.global_batch_size,
-    )
-    optimizer = build_optimizer(nn.ModuleList(pipe.model_parts), cfg.optimizer, device_type="cpu")
-    scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
-    state = TrainState()
-    ckpt = Checkpointer(cfg.checkpoint, dump_folder=cfg.job.dump_folder, model=pipe, optimizer=optimizer,
-                        lr_scheduler=scheduler, dataloader=loader, train_state=state, seed=t.seed,
-                        device=torch.device("cpu"), info=model_info(cfg.model, "byte", {"pp": 2}))  # fmt: skip
-    loss = 0.0
-    for step in range(1, 6):
-        batch = loader.next_batch()
-        num_tokens = (batch.labels != -100).sum()
-        pipe.loss_scale = 1.0 / num_tokens
-        loss_sum = pipe.step(batch.inputs if pipe.has_first_stage else None, batch.labels)
-        clip_grad_norm_([q for part in pipe.model_parts for q in part.parameters()], t.grad_clip,
-                        pp_mesh=mesh_view(mesh, "pp"))  # fmt: skip
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss = (loss_sum / num_tokens).item()
-        state.step, state.tokens_seen = step, state.tokens_seen + t.global_batch_size * t.seq_len
-        if step == 4:
-            ckpt.save(step)
-    ckpt.close()
-    return loss
-
-
 def _source(tmp: str, name: str) -> float:
     from trainer.train import Trainer
 
-    if name.startswith("pp_"):
-        return _pp_source(tmp, name)
     _, overrides = SOURCES[name]
     trainer = Trainer(tiny_config(os.path.join(tmp, name), "checkpoint.enable=true", *COMMON, *overrides))
     history = trainer.train(until_step=5)

@@ -1,0 +1,132 @@
+"""The model spec: everything the rest of the stack needs to know about a model family.
+
+Each family (``models/llama.py``, ``models/moe.py``) defines one ``ModelSpec``, listed in
+``models/__init__.py``'s ``MODEL_SPECS``. The trainer picks it with ``get_spec(model.family)``; ``parallelisms/`` receives the spec and never a concrete model
+class, so a new family plugs in without touching any strategy:
+
+- ``args_cls`` / ``model_cls``: the typed args (also the Hydra schema of the family's presets)
+  and the ``nn.Module`` built from them (on meta, then ``init_weights(init)``);
+- ``param_counts`` / ``flops_per_token``: analytic counts from args alone (total and active
+  parameters; training FLOPs per token), used for logs, MFU and the planner;
+- ``blocks`` / ``first_modules`` / ``last_modules``: the name of the ``ModuleDict`` of repeated
+  blocks (the unit of FSDP, activation checkpointing, compile and pipeline splitting) and the
+  modules that go with the first and the last pipeline stage;
+- ``tp_plan``: module-name pattern -> abstract style (``colwise``, ``rowwise``, ...), data that
+  ``parallelisms/tensor_parallel.py`` turns into torch ``ParallelStyle`` objects;
+- ``tp_divisible``: the sizes tensor parallelism must divide (head counts, hidden sizes, vocab);
+- ``hf``: the Hugging Face adapter (config conversion and tensor-name mapping).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol
+
+import torch
+from torch import nn
+
+__all__ = ["HFAdapter", "ModelArgs", "ModelSpec", "ParamCounts"]
+
+
+@dataclass
+class ModelArgs:
+    """Fields every family's args share: the preset name and the family that builds it."""
+
+    name: str = "model"  # preset name, shown in logs and metrics
+    family: str = ""  # set by each family's args class (e.g. "llama", "moe")
+
+    def validate(self) -> None:  # pragma: no cover - every family overrides it
+        """Raise ``ConfigError`` naming the bad value and the fix."""
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Analytic parameter counts. ``active`` counts what one token touches (MoE: top-k experts)."""
+
+    total: int
+    active: int
+    embedding: int  # token-embedding parameters (a lookup, not a matmul)
+
+
+class HFAdapter(Protocol):
+    """Conversion between a family's args / tensor names and a Hugging Face architecture."""
+
+    architecture: str  # e.g. "LlamaForCausalLM"
+    model_type: str  # config.json's model_type, e.g. "llama"
+
+    def to_hf_config(
+        self, args: Any, *, bos_id: Optional[int], eos_id: Optional[int], dtype: str
+    ) -> dict: ...
+
+    def args_from_hf_config(self, cfg: dict[str, Any]) -> dict[str, Any]: ...
+
+    def to_hf_state(
+        self, state: dict[str, torch.Tensor], args: Any
+    ) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    def from_hf_state(self, hf_state: dict[str, torch.Tensor], args: Any) -> dict[str, torch.Tensor]: ...
+
+    def hf_names_of(self, name: str, args: Any) -> list[str]: ...
+
+    def full_shape(self, name: str, hf_shapes: list[list[int]], args: Any) -> list[int]: ...
+
+    def read_slice(self, name: str, index: tuple[slice, ...], reader: Any, args: Any) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model family, as the rest of the stack sees it (see the module docstring)."""
+
+    family: str
+    args_cls: type
+    model_cls: type
+    param_counts: Callable[[Any], ParamCounts]
+    flops_per_token: Callable[[Any, int], int]
+    tp_plan: dict[str, str]
+    tp_divisible: Callable[[Any], dict[str, int]]
+    hf: Optional[HFAdapter] = None
+    blocks: str = "layers"
+    first_modules: tuple[str, ...] = ("tok_embeddings",)
+    last_modules: tuple[str, ...] = ("norm", "output")
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def build(self, args: Any) -> nn.Module:
+        """The model for ``args`` (call under ``torch.device("meta")`` to allocate nothing)."""
+        return self.model_cls(args)
+
+    def block_items(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """The repeated blocks of ``model`` (or a pipeline stage of it) as (key, module), in order."""
+        container = getattr(model, self.blocks, None)
+        return list(container.items()) if container is not None else []
+
+    def replace_block(self, model: nn.Module, key: str, module: nn.Module) -> None:
+        """Swap one block (e.g. for its checkpoint-wrapped or compiled version)."""
+        getattr(model, self.blocks).register_module(key, module)
+
+    def make_args(self, fields: dict[str, Any]) -> Any:
+        """``args_cls`` from a plain dict (e.g. a checkpoint marker or ``asdict``); unknown keys are
+        dropped and nested dataclass fields (``rope_scaling``) rebuilt from their dicts."""
+        return _from_dict(self.args_cls, fields)
+
+    def module_names(self, args: Any) -> list[str]:
+        """Every top-level unit in forward order, e.g. ``tok_embeddings, layers.0, ..., norm, output``."""
+        return [
+            *self.first_modules,
+            *(f"{self.blocks}.{i}" for i in range(args.n_layers)),
+            *self.last_modules,
+        ]
+
+
+def _from_dict(cls: type, values: dict[str, Any]) -> Any:
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in values:
+            continue
+        value = values[f.name]
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default) and isinstance(value, dict):
+            value = _from_dict(type(default), value)
+        kwargs[f.name] = value
+    return cls(**kwargs)

@@ -1,0 +1,87 @@
+"""One step context and one loss, shared by the plain trainer step, the pipeline schedule and
+evaluation.
+
+- ``token_loss_sum(logits, labels)``: summed cross-entropy over the target tokens (labels equal
+  to ``IGNORE_INDEX`` are skipped), a plain scalar also when the logits are a vocab-sharded
+  DTensor (TP loss parallel). The step normalises it by the GLOBAL number of target tokens
+  (``loss_scale``), so every layout trains on the single-process mean.
+- ``StepContext``: everything a forward/backward must run inside -- autocast for bf16, torch's
+  ``loss_parallel()`` for vocab-sharded logits -- and the slot where context parallelism
+  shards each batch along the sequence (``shard_batch``) and enters its attention context.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from models.common import IGNORE_INDEX
+
+__all__ = ["StepBatch", "StepContext", "token_loss_sum"]
+
+
+def token_loss_sum(logits: Tensor, labels: Tensor) -> Tensor:
+    """Sum of token cross-entropies of (B, S, V) ``logits`` against (B, S) ``labels`` in fp32.
+
+    Under loss parallel ``logits`` is a DTensor sharded on the vocabulary and the call must run
+    inside ``StepContext()`` (torch's ``loss_parallel()``); the result is then reduced to a plain
+    tensor so callers never see a DTensor.
+    """
+    loss = F.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
+def count_targets(labels: Tensor) -> Tensor:
+    """Number of target tokens (labels not ``IGNORE_INDEX``), as a tensor (no host sync)."""
+    return (labels != IGNORE_INDEX).sum()
+
+
+@dataclass
+class StepBatch:
+    """What one step feeds the model: token ids, labels and optional per-token positions."""
+
+    inputs: Tensor  # (B, S)
+    labels: Tensor  # (B, S)
+    positions: Optional[Tensor] = None  # (B, S) or (S,); None = 0..S-1
+
+
+@dataclass
+class StepContext:
+    """The context every training/evaluation forward and backward runs in.
+
+    ``StepContext()`` (call) enters autocast and loss parallel as configured, plus any
+    ``extra`` context (context parallel's attention dispatch). ``shard_batch`` is the hook
+    context parallel fills to split each batch along the sequence; by default it is the
+    identity.
+    """
+
+    device_type: str = "cpu"
+    autocast_dtype: Optional[torch.dtype] = None
+    loss_parallel: bool = False
+    extra: list[Callable[[], ContextManager]] = field(default_factory=list)
+    batch_sharder: Optional[Callable[[StepBatch], StepBatch]] = None
+
+    def __call__(self) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        if self.loss_parallel:  # cross-entropy on vocab-sharded logits, forward and backward
+            stack.enter_context(loss_parallel())
+        if self.autocast_dtype is not None:
+            stack.enter_context(torch.autocast(self.device_type, dtype=self.autocast_dtype))
+        for make in self.extra:
+            stack.enter_context(make())
+        return stack
+
+    def shard_batch(self, batch: StepBatch) -> StepBatch:
+        """This rank's part of ``batch`` (context parallel splits the sequence); identity by default."""
+        return self.batch_sharder(batch) if self.batch_sharder is not None else batch
