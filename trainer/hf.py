@@ -200,6 +200,12 @@ def load_hf_into(module: nn.Module, hf_dir: str, spec: ModelSpec, args: Any) -> 
     Each rank reads only the slices of the tensors it owns. The folder's config must describe
     the same model (shapes are checked against the full shapes of this rank's parameters).
     """
+    hf_spec, _ = read_hf_config(hf_dir)
+    if hf_spec.family != spec.family:
+        raise ConfigError(
+            f"{hf_dir} holds a {hf_spec.family} model but this run's model.family is {spec.family}; pick a "
+            f"{hf_spec.family} preset or another folder."
+        )
     files = _weight_files(hf_dir)
     reader = _SliceReader(files)
     try:

@@ -2,7 +2,7 @@
 
 Each layout runs the real Trainer for 8 optimizer steps on the same global batches and
 its per-step losses are compared with the single-process run's. The tolerance is
-relative 1e-5 (DESIGN.md section 4; measured ~1e-7): the arithmetic order of gradient reductions legitimately differs
+relative 1e-5 (measured ~1e-7): the arithmetic order of gradient reductions legitimately differs
 (all-reduce / reduce-scatter sums in another order than one process's batched
 matmul), and Adam's normalisation carries those ~1e-7 differences forward.
 """

@@ -4,7 +4,7 @@ The harness below mirrors the Trainer's step exactly (global-token loss normalis
 by dp_cp, AdamW + warmup schedule, global grad-norm clipping, the dp-sharded loader), once
 without PP (the single-process reference) and once with ``parallelize_pipeline`` and
 ``Pipeline.step``. Per-step losses, grad norms and eval losses (``forward_loss_sum``, mid-run
-and at the end) must match the reference to relative 1e-5 (DESIGN.md section 4), and a DCP
+and at the end) must match the reference to relative 1e-5, and a DCP
 checkpoint of the stages must load into one plain model with the reference's weights.
 Measured (printed with ``-s``): losses bitwise equal for pure PP (the pipeline microbatches
 are the reference's accumulation microbatches) and <= 1.4e-7 with TP / DDP; grad norms
