@@ -29,7 +29,6 @@ def non_finite_message(grad_norm: torch.Tensor, local_loss: torch.Tensor, step: 
     if bool(torch.isfinite(grad_norm)):
         return None
     world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
     finite = (
         torch.isfinite(local_loss.detach()).all().reshape(1).to(torch.int32)
     )  # (1,), on the loss's device
@@ -44,7 +43,7 @@ def non_finite_message(grad_norm: torch.Tensor, local_loss: torch.Tensor, step: 
         origin = "a non-finite gradient (the loss was finite on every rank: the backward pass or the gradient reduction overflowed)"
     return (
         f"{origin} at step {step} (global gradient norm {float(grad_norm)}); every rank stopped before the "
-        f"optimizer step, nothing was applied and no checkpoint of this step was written (this is rank {rank}). "
+        f"optimizer step, nothing was applied and no checkpoint of this step was written. "
         f"Lower optimizer.lr, keep training.grad_clip > 0, use training.mixed_precision=fp32, or resume from an "
         f"earlier checkpoint."
     )
