@@ -6,7 +6,10 @@
 #   NPROC=4 ./launch.sh +experiment=debug parallelism.dp_replicate=2 parallelism.dp_shard=2
 #   NNODES=4 NODE_RANK=$i RDZV_ENDPOINT=host0:29500 ./launch.sh +experiment=7b_hsdp
 #
-# NPROC defaults to the number of visible GPUs, else 2 CPU ranks (gloo).
+# NPROC defaults to the number of visible GPUs, else 2 CPU ranks (gloo). Multi-node without
+# a scheduler: run the same command on every node with NNODES, NODE_RANK (0..NNODES-1) and
+# RDZV_ENDPOINT=<host of node 0>:<free port> (RDZV_ID names the run; any string shared by the
+# nodes). `kill -USR1` or `kill -TERM` of this script's torchrun checkpoints and stops the run.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -29,6 +32,14 @@ fi
 if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
   export OMP_NUM_THREADS=1
 fi
+
+# Preemption (trainer/preemption.py): torchrun forwards SIGTERM to its workers, and SIGUSR1
+# (Slurm's "time is nearly up" warning) too once it is listed here; each worker then finishes
+# its step, all of them checkpoint together and exit with status 75. torchrun waits
+# TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (default 30) for that before it kills them.
+# (PET_SIGNALS_TO_HANDLE is torchrun's --signals-to-handle; older releases read the other name.)
+export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
+export TORCHELASTIC_SIGNALS_TO_HANDLE=${TORCHELASTIC_SIGNALS_TO_HANDLE:-$PET_SIGNALS_TO_HANDLE}
 
 # With torchrun restarts (TORCHRUN_ARGS="--max-restarts=N"), restarted gloo workers can fail to
 # reconnect to the shared rendezvous store (pytorch/pytorch#135712): give them their own.

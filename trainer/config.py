@@ -24,6 +24,7 @@ from parallelisms.config import DDPConfig, FSDPConfig, ParallelismConfig
 
 __all__ = [
     "CheckpointConfig",
+    "CommConfig",
     "ConfigError",
     "DataConfig",
     "DDPConfig",
@@ -34,6 +35,7 @@ __all__ = [
     "ModelConfig",
     "OptimizerConfig",
     "ParallelismConfig",
+    "ProfilingConfig",
     "TrainConfig",
     "TrainingConfig",
     "compose_config",
@@ -99,6 +101,25 @@ class MetricsConfig:
     log_freq: int = 10
     tensorboard: bool = True
     jsonl: bool = True
+    wandb: bool = False  # also log to Weights & Biases (pip install 'meshwright[wandb]')
+    wandb_project: str = "meshwright"
+    wandb_entity: Optional[str] = None  # W&B team or user; None = the account's default
+    wandb_mode: Optional[str] = None  # online | offline | disabled; None = W&B's default (WANDB_MODE)
+
+
+@dataclass
+class CommConfig:
+    init_timeout_s: float = 600.0  # collective timeout until the first step of this process ends
+    train_timeout_s: float = 300.0  # collective timeout from then on
+    trace_buffer_size: int = 20000  # flight-recorder entries per rank (TORCH_FR_BUFFER_SIZE); 0 = off
+
+
+@dataclass
+class ProfilingConfig:
+    enable: bool = False  # torch.profiler traces of the chosen steps into <dump_folder>/profile/step-N/
+    steps: list[int] = field(default_factory=lambda: [10])  # steps to profile (each on its own)
+    top_ops: int = 30  # rows of the per-rank top-ops table
+    memory_snapshot: bool = True  # on CUDA, also a memory snapshot of each profiled step
 
 
 @dataclass
@@ -137,6 +158,8 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
 
 
 _GROUPS: dict[str, type] = {
@@ -146,6 +169,8 @@ _GROUPS: dict[str, type] = {
     "parallelism": ParallelismConfig,
     "checkpoint": CheckpointConfig,
     "metrics": MetricsConfig,
+    "comm": CommConfig,
+    "profiling": ProfilingConfig,
 }
 
 
@@ -261,6 +286,24 @@ def validate(cfg: TrainConfig) -> None:
     _validate_optimizer(cfg.optimizer, cfg.lr_scheduler)
     _validate_checkpoint(cfg.checkpoint)
     _positive(cfg.metrics.log_freq, "metrics.log_freq")
+    if cfg.metrics.wandb_mode is not None:
+        _choices(cfg.metrics.wandb_mode, ("online", "offline", "disabled"), "metrics.wandb_mode")
+    _positive(cfg.comm.init_timeout_s, "comm.init_timeout_s")
+    _positive(cfg.comm.train_timeout_s, "comm.train_timeout_s")
+    if cfg.comm.trace_buffer_size < 0:
+        raise ConfigError(
+            f"comm.trace_buffer_size={cfg.comm.trace_buffer_size} must be >= 0 (0 turns it off)."
+        )
+    if cfg.profiling.enable and not cfg.profiling.steps:
+        raise ConfigError(
+            "profiling.enable=true but profiling.steps is empty; list the steps, e.g. profiling.steps=[5]."
+        )
+    bad_steps = [s for s in cfg.profiling.steps if s < 1]
+    if bad_steps:
+        raise ConfigError(
+            f"profiling.steps={list(cfg.profiling.steps)}: steps count from 1; drop {bad_steps}."
+        )
+    _positive(cfg.profiling.top_ops, "profiling.top_ops")
     _choices(cfg.data.source, ("builtin", "text", "json", "parquet", "hub"), "data.source")
     if not 0.0 <= cfg.data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must lie in [0, 1).")

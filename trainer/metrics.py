@@ -1,4 +1,9 @@
-"""Step metrics to stdout, ``metrics.jsonl`` and TensorBoard (rank 0 writes)."""
+"""Step metrics to stdout, ``metrics.jsonl`` and the trackers (TensorBoard, W&B); rank 0 writes.
+
+After a resume from step K the records of later steps (written by the interrupted attempt)
+are dropped from ``metrics.jsonl`` and superseded in the trackers (``trainer/trackers.py``), so
+each step appears once.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ from typing import Any, Optional
 import torch
 
 from trainer.config import MetricsConfig
+from trainer.trackers import Tracker, build_trackers, truncate_jsonl
 
 logger = logging.getLogger("meshwright")
 
@@ -82,6 +88,8 @@ class MetricsLogger:
         tokens_per_step: int,
         world_size: int,
         total_steps: int,
+        resume_step: int = 0,
+        run_name: str = "run",
     ) -> None:
         self.cfg = cfg
         self.is_writer = is_writer
@@ -92,13 +100,17 @@ class MetricsLogger:
         self.total_steps = total_steps
         self.peak_flops = device_peak_flops(device)
         self._jsonl = None
-        self._tb = None
+        self._trackers: list[Tracker] = []
         if is_writer and cfg.jsonl:
-            self._jsonl = open(os.path.join(dump_folder, "metrics.jsonl"), "a", encoding="utf-8")  # noqa: SIM115
-        if is_writer and cfg.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(log_dir=os.path.join(dump_folder, "tb"))
+            path = os.path.join(dump_folder, "metrics.jsonl")
+            dropped = truncate_jsonl(path, resume_step)
+            if dropped:
+                logger.info(
+                    f"metrics.jsonl: dropped {dropped} records after step {resume_step} (resumed from it)"
+                )
+            self._jsonl = open(path, "a", encoding="utf-8")  # noqa: SIM115
+        if is_writer:
+            self._trackers = build_trackers(cfg, dump_folder, resume_step, run_name)
         self._last_time = time.perf_counter()
         self._last_step: Optional[int] = None
 
@@ -156,19 +168,16 @@ class MetricsLogger:
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record) + "\n")
             self._jsonl.flush()
-        if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and value is not None:
-                    self._tb.add_scalar(key, value, step)
-            self._tb.flush()
+        for tracker in self._trackers:
+            tracker.log(record, step)
 
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        trackers, self._trackers = self._trackers, []
+        for tracker in trackers:
+            tracker.close()
 
 
 def _fmt_time(seconds: float) -> str:

@@ -27,10 +27,14 @@ from trainer.checkpoint import (
     seed_parallelism,
     validate_checkpoint_config,
 )
+from trainer.comm import CommMonitor, configure_flight_recorder
 from trainer.config import TrainConfig, to_yaml
 from trainer.data import DataLoader, build_dataloader
+from trainer.guards import install_test_nan_hook, non_finite_message
 from trainer.metrics import MetricsLogger, setup_logging
 from trainer.optim import build_lr_scheduler, build_optimizer
+from trainer.preemption import PreemptionHandler
+from trainer.profiling import StepProfiler
 from trainer.step import StepBatch, StepContext, count_targets, token_loss_sum
 from trainer.tokenizer import build_tokenizer, check_vocab_size
 
@@ -76,6 +80,7 @@ class Trainer:
         self.spec = get_spec(cfg.model.family)
         self._validate_and_load_data()  # 1. everything that needs no process group
         self._init_process_group()  # 2. process group and mesh
+        self._build_operations()  # timeouts, preemption, profiling
         self._write_run_folder()  # 3. run folder, identical on every rank
         self._build_model()  # 4. model on meta -> parallelize -> deterministic weights
         self._build_optimizer()  # 5. optimizer and schedule
@@ -116,18 +121,35 @@ class Trainer:
             )  # fmt: skip
 
     def _init_process_group(self) -> None:
-        if self.cfg.training.deterministic:
+        cfg = self.cfg
+        if cfg.training.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
         self._owns_process_group = not dist.is_initialized()
         if self._owns_process_group:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
+            # before any group exists: the flight recorder reads its settings at group creation
+            configure_flight_recorder(cfg.job.dump_folder, cfg.comm.trace_buffer_size)
             if "MASTER_ADDR" in os.environ:
-                dist.init_process_group(backend, timeout=timedelta(minutes=10))
+                dist.init_process_group(backend, timeout=timedelta(seconds=cfg.comm.init_timeout_s))
             else:  # plain `python trainer/main.py`: a one-process group, no network
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         self.dims.build_mesh(self.device.type)
         torch.manual_seed(self.cfg.training.seed)
+
+    def _build_operations(self) -> None:
+        """Collective timeouts + hang reports (trainer/comm.py), SIGTERM/SIGUSR1 (trainer/preemption.py,
+        collective: every rank builds it) and the profiler."""
+        cfg = self.cfg
+        self.comm = CommMonitor(
+            cfg.comm, rank=self.rank, world_size=self.world_size, dump_folder=cfg.job.dump_folder
+        )
+        self.preemption = PreemptionHandler(
+            rank=self.rank, world_size=self.world_size, timeout_s=cfg.comm.init_timeout_s
+        )
+        self.profiler = StepProfiler(
+            cfg.profiling, dump_folder=cfg.job.dump_folder, rank=self.rank, device=self.device
+        )
 
     def _write_run_folder(self) -> None:
         """Only rank 0 writes into the run folder (the same path on every rank)."""
@@ -180,6 +202,8 @@ class Trainer:
         )
         self.lr_scheduler = build_lr_scheduler(self.optimizer, self.cfg.lr_scheduler, self.cfg.training.steps)
         self.state = TrainState()
+        # test-only (trainer/guards.py): MESHWRIGHT_TEST_NAN_AT=<rank>@<step> injects a NaN
+        install_test_nan_hook(self.model, self.rank, lambda: self.state.step + 1)
 
     def _build_checkpointer(self) -> None:
         cfg = self.cfg
@@ -199,7 +223,7 @@ class Trainer:
         self.metrics = MetricsLogger(
             self.dump_folder, cfg.metrics, is_writer=self.rank == 0, device=self.device,
             flops_per_token=self.spec.flops_per_token(cfg.model, t.seq_len), tokens_per_step=self.tokens_per_step,
-            world_size=self.world_size, total_steps=t.steps,
+            world_size=self.world_size, total_steps=t.steps, resume_step=self.state.step, run_name=cfg.job.name,
         )  # fmt: skip
 
     def _log_summary(self) -> None:
@@ -285,12 +309,9 @@ class Trainer:
         pp_mesh = self.dims.get_mesh("pp") if self.dims.pp > 1 else None
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.grad_clip, pp_mesh=pp_mesh)
         # Every rank sees the same global grad norm, so all stop together, before the step.
-        if not torch.isfinite(grad_norm):
-            raise TrainingError(
-                f"non-finite gradient norm ({grad_norm.item()}) at step {self.state.step + 1}: the loss or "
-                f"gradients overflowed. Nothing was applied. Lower optimizer.lr, keep training.grad_clip > 0, "
-                f"use training.mixed_precision=fp32, or resume from an earlier checkpoint."
-            )
+        message = non_finite_message(grad_norm, loss_sum, self.state.step + 1)  # names the rank(s)
+        if message is not None:
+            raise TrainingError(message)
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -331,10 +352,13 @@ class Trainer:
         start = time.perf_counter()
         try:
             while self.state.step < stop:
+                self.comm.begin_step(self.state.step + 1)  # a hang report names this step
+                self.profiler.begin(self.state.step + 1)
                 loss, grad_norm = self.train_step()
                 self.state.step += 1
                 self.state.tokens_seen += self.tokens_per_step
                 step = self.state.step
+                self.profiler.end(step)
                 if step % log_freq == 0 or step == t.steps or step == 1:
                     # Losses are local sums over this rank's tokens: add them up over dp/cp.
                     global_loss = self._global_sum(loss.detach())
@@ -346,6 +370,11 @@ class Trainer:
                     eval_loss, eval_tokens = self.evaluate()
                     self.state.history.append(self.metrics.log_eval(step, eval_loss, eval_tokens))
                 self.checkpointer.maybe_save(step, last=step == stop)
+                # Preemption: one all-reduce of a flag per step; if any rank was signalled, all
+                # checkpoint this step and raise Preempted (exit 75).
+                if step < stop and self.preemption.should_stop(step):
+                    self.preemption.stop(step, self.checkpointer, self.cfg.checkpoint.enable)
+                self.comm.end_step(step)  # after the first step: comm.train_timeout_s
             self.checkpointer.wait()
         finally:
             self.metrics.close()
@@ -355,5 +384,8 @@ class Trainer:
     def close(self) -> None:
         """Finish a pending checkpoint, then tear down the process group if this trainer created it."""
         self.checkpointer.close()
+        self.profiler.close()
+        self.preemption.close()
+        self.comm.close()
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()

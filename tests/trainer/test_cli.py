@@ -83,3 +83,34 @@ def test_unknown_preset_and_key_fail_with_hydra_message(tmp_path) -> None:
     assert "no_such_model" in proc.stderr and "Available options" in proc.stderr
     proc = _torchrun(1, "+experiment=debug", "training.no_such_key=1", f"job.dump_folder={tmp_path / 'y'}")
     assert proc.returncode != 0 and "no_such_key" in proc.stderr
+
+
+def test_launch_two_nodes_without_slurm_matches_one_node(tmp_path) -> None:
+    """NNODES=2 NODE_RANK=0|1 RDZV_ENDPOINT=localhost:PORT in two processes, as on two machines,
+    gives the losses of one node with the same number of ranks."""
+    from tests.configs import TINY
+    from tests.dist import free_port
+
+    run = (*TINY, "training.deterministic=true")
+    endpoint = f"localhost:{free_port()}"
+    nodes = [
+        subprocess.Popen(
+            ["./launch.sh", *run, f"job.dump_folder={tmp_path / 'two_nodes'}"], cwd=REPO,
+            env=_env() | {"NNODES": "2", "NODE_RANK": str(r), "NPROC": "1", "RDZV_ENDPOINT": endpoint,
+                          "RDZV_ID": f"test-{os.getpid()}"},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for r in (0, 1)
+    ]  # fmt: skip
+    single = _torchrun(2, *run, f"job.dump_folder={tmp_path / 'one_node'}")
+    assert single.returncode == 0, single.stderr[-3000:]
+    for node in nodes:
+        out, _ = node.communicate(timeout=300)
+        assert node.returncode == 0, out[-3000:]
+
+    def losses(name: str) -> list[tuple[int, float]]:
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return [(r["step"], r["loss"]) for r in map(json.loads, lines) if "loss" in r]
+
+    assert [s for s, _ in losses("one_node")] == list(range(1, 9))
+    assert losses("two_nodes") == losses("one_node")
