@@ -315,7 +315,8 @@ class Checkpointer:
 
                 spec, args = self.hf_target
                 start = time.perf_counter()
-                nbytes = load_hf_into(self.module, self.cfg.initial_load_hf, spec, args)
+                names = self.full_shapes.keys() if self.full_shapes is not None else None
+                nbytes = load_hf_into(self.module, self.cfg.initial_load_hf, spec, args, names)
                 logger.info(
                     f"initial weights from Hugging Face folder {self.cfg.initial_load_hf}: this rank read "
                     f"{nbytes / 2**20:.1f} MiB in {time.perf_counter() - start:.2f}s"

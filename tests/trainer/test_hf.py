@@ -140,6 +140,40 @@ def test_rope_config_fields_of_transformers_4_and_5() -> None:
     assert hf.args_from_hf_config(written)["rope_scaling"] == dataclasses.asdict(spec_args.rope_scaling)
 
 
+def _tiny(tmp_path, name: str, *overrides: str):
+    """(spec, args, model with seed-1 weights) of the tiny test model with ``overrides``."""
+    from models import get_spec
+
+    args = tiny_config(str(tmp_path / name), *overrides).model
+    spec = get_spec(args.family)
+    model = spec.build(args)
+    model.init_weights(seed=1)
+    return spec, args, model
+
+
+def test_load_hf_into_checks_the_folder(tmp_path, caplog) -> None:
+    from trainer.hf import load_hf_into
+
+    spec, args, source = _tiny(tmp_path, "a", "model.rope_theta=50000")
+    hf_dir = str(tmp_path / "hf")
+    save_hf(source.state_dict(), spec, args, hf_dir, max_shard_bytes=100_000)
+    _, _, target = _tiny(tmp_path, "b", "model.rope_theta=50000")
+    target.init_weights(seed=2)
+    nbytes = load_hf_into(target, hf_dir, spec, args)
+    assert all(torch.equal(v, source.state_dict()[k]) for k, v in target.state_dict().items())
+    assert nbytes == sum(v.numel() * 4 for v in source.state_dict().values())  # each tensor read once
+
+    spec2, args2, shallow = _tiny(tmp_path, "c", "model.n_layers=2", "model.rope_theta=50000")
+    with pytest.raises(ConfigError, match="model.layers.2.*that this model lacks"):
+        load_hf_into(shallow, hf_dir, spec2, args2)
+    with pytest.raises(ConfigError, match="has no config.json"):
+        load_hf_into(target, str(tmp_path), spec, args)
+    _, args3, other_rope = _tiny(tmp_path, "d")  # rope_theta 10000: same shapes, other function
+    with caplog.at_level("WARNING", logger="meshwright"):
+        load_hf_into(other_rope, hf_dir, spec, args3)
+    assert "rope_theta=50000.0 (this run: 10000.0)" in caplog.text
+
+
 # -- sharded loading: each rank reads only its share ------------------------------------------
 
 
