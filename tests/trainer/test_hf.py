@@ -356,3 +356,16 @@ def test_last_save_in_hf_single_process_fsdp_and_tp(tmp_path) -> None:
         assert diff <= 1e-4, (name, diff)
     # Without checkpoint.enable the HF folder is still written, with the same weights.
     assert all(torch.equal(tensors["hf_only"][k], v) for k, v in tensors["single"].items())
+
+
+def test_hf_folders_are_not_checkpoints_and_their_leftovers_are_removed(tmp_path) -> None:
+    from trainer.checkpoint import complete_steps
+    from trainer.checkpoint_io import remove_leftovers
+
+    for name in ("step-2", "step-2-hf", "step-4-hf.tmp-ab12", "step-4-hf.trash-cd34"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "step-2" / "checkpoint.json").write_text("{}")
+    (tmp_path / "step-2-hf" / "checkpoint.json").write_text("{}")  # never a resumable step
+    assert complete_steps(str(tmp_path)) == [2]
+    assert remove_leftovers(str(tmp_path)) == ["step-4-hf.tmp-ab12", "step-4-hf.trash-cd34"]
+    assert sorted(os.listdir(tmp_path)) == ["step-2", "step-2-hf"]
