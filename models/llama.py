@@ -513,7 +513,10 @@ def rope_scaling_from_hf(cfg: dict[str, Any]) -> tuple[float, dict[str, Any]]:
         out.update(
             low_freq_factor=float(rope["low_freq_factor"]),
             high_freq_factor=float(rope["high_freq_factor"]),
-            original_max_seq_len=int(rope["original_max_position_embeddings"]),
+            # transformers falls back to max_position_embeddings when the key is absent
+            original_max_seq_len=int(
+                rope.get("original_max_position_embeddings") or cfg["max_position_embeddings"]
+            ),
         )
     return theta, out
 

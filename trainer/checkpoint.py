@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from models.errors import ConfigError
+from parallelisms.utils import DTYPES
 from trainer.checkpoint_io import (
     CRC_SUFFIX,
     FORMAT_VERSION,
@@ -66,6 +67,7 @@ from trainer.checkpoint_io import (
     crash_point,
     file_crc32,
     fsync_dir,
+    hf_step_dir,
     load_full_state,
     make_dir,
     read_marker,
@@ -262,7 +264,7 @@ class Checkpointer:
         self._pending: Optional[tuple[int, str, dict[str, Any], Future]] = None
         self._last_saved_step: Optional[int] = None
         self._token = ""
-        if cfg.enable or cfg.create_seed:
+        if cfg.enable or cfg.create_seed or cfg.last_save_in_hf:
             if self.rank == 0:
                 for name in remove_leftovers(self.folder):
                     logger.warning(f"removed {name} from {self.folder}: an interrupted save or purge")
@@ -312,8 +314,13 @@ class Checkpointer:
                 from trainer.hf import load_hf_into
 
                 spec, args = self.hf_target
-                load_hf_into(self.module, self.cfg.initial_load_hf, spec, args)
-                logger.info(f"initial weights from Hugging Face folder {self.cfg.initial_load_hf}")
+                start = time.perf_counter()
+                names = self.full_shapes.keys() if self.full_shapes is not None else None
+                nbytes = load_hf_into(self.module, self.cfg.initial_load_hf, spec, args, names)
+                logger.info(
+                    f"initial weights from Hugging Face folder {self.cfg.initial_load_hf}: this rank read "
+                    f"{nbytes / 2**20:.1f} MiB in {time.perf_counter() - start:.2f}s"
+                )
                 return True
             return False
         path, model_only = target
@@ -424,11 +431,12 @@ class Checkpointer:
     def maybe_save(self, step: int, *, last: bool) -> None:
         """Called after every step: commit a finished async save; save at the interval and the end."""
         crash_point("after_step", step)
-        if not self.cfg.enable:
-            return
-        self._poll()
-        if step % self.cfg.interval == 0 or (last and self.cfg.save_final):
-            self.save(step, final=last)
+        if self.cfg.enable:
+            self._poll()
+            if step % self.cfg.interval == 0 or (last and self.cfg.save_final):
+                self.save(step, final=last)
+        if last and self.cfg.last_save_in_hf:
+            self.save_hf(step)
 
     def save(self, step: int, *, final: bool = False) -> None:
         """Checkpoint ``step`` (async unless ``final``); a second save first waits for the first."""
@@ -454,6 +462,49 @@ class Checkpointer:
             self._commit(step, tmp, marker)
         dist.barrier(group=self._pg)  # the checkpoint is visible once save() returns anywhere
         logger.info(f"checkpoint step {step} saved in {time.perf_counter() - start:.2f}s")
+
+    def save_hf(self, step: int) -> str:
+        """Write the model as a Hugging Face folder ``<folder>/step-N-hf`` (as ``trainer.export_hf``
+        would from the checkpoint of ``step``); return its path. Collective.
+
+        One tensor is gathered at a time and rank 0 writes each safetensors file as soon as it is
+        full (``trainer.hf.save_hf_distributed``). Atomic like a checkpoint: written into
+        ``step-N-hf.tmp-<id>`` and renamed when complete, replacing an older folder of that step.
+        """
+        from trainer.export_hf import hf_sidecar
+        from trainer.hf import parse_size, save_hf_distributed
+
+        start = time.perf_counter()
+        final = hf_step_dir(self.folder, step)
+        tmp = f"{final}.tmp-{self._token}"
+        if self.rank == 0:
+            make_dir(self.folder)
+            make_dir(tmp)
+        source = os.path.abspath(step_dir(self.folder, step) if self.cfg.enable else self.folder)
+        extra, bos, eos, tokenizer_file = hf_sidecar(self.info, step, source)
+        spec, args = self.hf_target
+        files = save_hf_distributed(
+            self.module, spec, args, tmp, is_writer=self.rank == 0, max_shard_bytes=parse_size(self.cfg.hf_max_shard_size),
+            dtype=DTYPES[self.cfg.hf_dtype], extra=extra, bos_id=bos, eos_id=eos,
+        )  # fmt: skip
+        if self.rank == 0:
+            if tokenizer_file is not None:
+                shutil.copyfile(tokenizer_file, os.path.join(tmp, "tokenizer.json"))
+            for name in os.listdir(tmp):
+                with open(os.path.join(tmp, name), "rb") as f:
+                    os.fsync(f.fileno())
+            trash = f"{final}.trash-{self._token}"
+            if os.path.exists(final):
+                os.rename(final, trash)
+            os.rename(tmp, final)
+            fsync_dir(self.folder)
+            shutil.rmtree(trash, ignore_errors=True)
+        dist.barrier(group=self._pg)  # the folder is complete once save_hf() returns anywhere
+        logger.info(
+            f"Hugging Face weights of step {step} ({len(files)} files) saved to {final} in "
+            f"{time.perf_counter() - start:.2f}s"
+        )
+        return final
 
     def _poll(self) -> None:
         if self._pending is not None and self._pending[3].done():

@@ -45,7 +45,7 @@ FORMAT_VERSION = 1
 CRASH_ENV = "MESHWRIGHT_TEST_CRASH_AT"
 CRC_SUFFIX = "crc.json"
 _STEP_RE = re.compile(r"^step-(\d+)$")
-_LEFTOVER_RE = re.compile(r"^step-\d+\.(tmp|trash)-[0-9a-f]+$")
+_LEFTOVER_RE = re.compile(r"^step-\d+(-hf)?\.(tmp|trash)-[0-9a-f]+$")  # step-N or step-N-hf
 
 
 def crash_point(phase: str, step: int) -> None:
@@ -69,6 +69,11 @@ def crash_point(phase: str, step: int) -> None:
 def step_dir(folder: str, step: int) -> str:
     """The folder of the complete checkpoint of ``step``."""
     return os.path.join(folder, f"step-{step}")
+
+
+def hf_step_dir(folder: str, step: int) -> str:
+    """The Hugging Face folder of ``step`` (``checkpoint.last_save_in_hf``)."""
+    return os.path.join(folder, f"step-{step}-hf")
 
 
 def make_dir(path: str) -> None:

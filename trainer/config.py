@@ -21,6 +21,8 @@ from models import MODEL_SPECS, get_spec
 from models.errors import ConfigError
 from models.spec import ModelArgs
 from parallelisms.config import DDPConfig, FSDPConfig, ParallelismConfig
+from parallelisms.utils import DTYPES
+from trainer.hf import parse_size
 
 __all__ = [
     "CheckpointConfig",
@@ -94,6 +96,9 @@ class CheckpointConfig:
     initial_load_model_only: bool = True  # with initial_load_path: weights only (fresh optimizer, step 0)
     initial_load_hf: Optional[str] = None  # Hugging Face Llama folder to start from when the run has none
     create_seed: bool = False  # write model-only step-0 (one process) and exit
+    last_save_in_hf: bool = False  # also write the final weights as a HF folder <folder>/step-N-hf
+    hf_dtype: str = "float32"  # dtype of the weights last_save_in_hf writes: float32 | bfloat16 | float16
+    hf_max_shard_size: str = "5GB"  # largest safetensors file last_save_in_hf writes (5GB, 500MB, bytes)
 
 
 @dataclass
@@ -271,6 +276,9 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
             f"checkpoint.load_step={c.load_step} resumes from a checkpoint, but checkpoint.enable=false; "
             f"set checkpoint.enable=true (or drop checkpoint.load_step)."
         )
+    _choices(c.hf_dtype, tuple(DTYPES), "checkpoint.hf_dtype")
+    if parse_size(c.hf_max_shard_size) <= 0:
+        raise ConfigError(f"checkpoint.hf_max_shard_size={c.hf_max_shard_size!r} must be a positive size.")
     if c.initial_load_path is not None and c.initial_load_hf is not None:
         raise ConfigError(
             f"checkpoint.initial_load_path={c.initial_load_path!r} and checkpoint.initial_load_hf="
@@ -285,6 +293,13 @@ def validate(cfg: TrainConfig) -> None:
     _validate_training(cfg.training, cfg.model.max_seq_len)
     _validate_optimizer(cfg.optimizer, cfg.lr_scheduler)
     _validate_checkpoint(cfg.checkpoint)
+    if cfg.checkpoint.last_save_in_hf and cfg.parallelism.pp > 1:
+        raise ConfigError(
+            f"checkpoint.last_save_in_hf=true is not supported with pipeline parallelism (parallelism.pp="
+            f"{cfg.parallelism.pp}): no rank holds every stage's weights. Set checkpoint.last_save_in_hf=false "
+            "and export the final checkpoint with `python -m trainer.export_hf <dump_folder>/checkpoints/step-N "
+            "<out_dir>`."
+        )
     _positive(cfg.metrics.log_freq, "metrics.log_freq")
     if cfg.metrics.wandb_mode is not None:
         _choices(cfg.metrics.wandb_mode, ("online", "offline", "disabled"), "metrics.wandb_mode")

@@ -14,35 +14,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
 import sys
+from typing import Any, Optional
 
 from models import get_spec
 from models.errors import ConfigError
 from parallelisms.utils import DTYPES
 from trainer.checkpoint import load_full_state, read_marker, verify_files
-from trainer.hf import save_hf
-
-
-def parse_size(text: str) -> int:
-    """``"5GB"``, ``"500MB"``, ``"123"`` (bytes) -> bytes (powers of 1000, as HF's max_shard_size)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?B?)\s*", text.upper())
-    if not m:
-        raise ConfigError(f"--max-shard-size={text!r}: use a size like 5GB, 500MB or a byte count.")
-    scale = {
-        "": 1,
-        "B": 1,
-        "KB": 1e3,
-        "MB": 1e6,
-        "GB": 1e9,
-        "TB": 1e12,
-        "K": 1e3,
-        "M": 1e6,
-        "G": 1e9,
-        "T": 1e12,
-    }
-    return int(float(m.group(1)) * scale[m.group(2)])
+from trainer.hf import parse_size, save_hf
 
 
 def export(
@@ -60,29 +40,31 @@ def export(
     state = load_full_state(checkpoint, "model.")
     spec = get_spec(info["model"].get("family", "llama"))
     args = spec.make_args(info["model"])
-    tokenizer = info.get("tokenizer", "byte")
-    extra = {
-        "tokenizer": "byte",
-        "model": info["model"],
-        "step": info["step"],
-        "source": os.path.abspath(checkpoint),
-    }
-    bos = eos = None
-    try:
-        from trainer.tokenizer import build_tokenizer
-
-        tok = build_tokenizer(tokenizer)
-        bos, eos = tok.bos_id, tok.eos_id
-    except ConfigError:  # the tokenizer file moved: export the weights anyway
-        tok = None
-    if tokenizer != "byte":
-        extra["tokenizer"] = "tokenizer.json" if tok is not None else None
+    extra, bos, eos, tokenizer_file = hf_sidecar(info, info["step"], os.path.abspath(checkpoint))
     files = save_hf(state, spec, args, out_dir, max_shard_bytes=parse_size(max_shard_size), dtype=DTYPES[dtype],
                     extra=extra, bos_id=bos, eos_id=eos)  # fmt: skip
-    if tokenizer != "byte" and tok is not None:
-        shutil.copyfile(tokenizer, os.path.join(out_dir, "tokenizer.json"))
+    if tokenizer_file is not None:
+        shutil.copyfile(tokenizer_file, os.path.join(out_dir, "tokenizer.json"))
         files.append("tokenizer.json")
     return files
+
+
+def hf_sidecar(
+    info: dict[str, Any], step: int, source: str
+) -> tuple[dict[str, Any], Optional[int], Optional[int], Optional[str]]:
+    """(``meshwright.json`` contents, bos id, eos id, the tokenizer.json to copy or None) of a HF
+    folder written from a run whose marker fields are ``info`` (``trainer.checkpoint.model_info``)."""
+    from trainer.tokenizer import build_tokenizer
+
+    tokenizer = info.get("tokenizer", "byte")
+    extra: dict[str, Any] = {"tokenizer": "byte", "model": info["model"], "step": step, "source": source}
+    try:
+        tok = build_tokenizer(tokenizer)
+    except ConfigError:  # the tokenizer file moved: write the weights anyway
+        return {**extra, "tokenizer": None}, None, None, None
+    if tokenizer == "byte":
+        return extra, tok.bos_id, tok.eos_id, None
+    return {**extra, "tokenizer": "tokenizer.json"}, tok.bos_id, tok.eos_id, tokenizer
 
 
 def main(argv: list[str] | None = None) -> int:
