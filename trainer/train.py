@@ -332,7 +332,11 @@ class Trainer:
                     # Losses are local sums over this rank's tokens: add them up over dp/cp.
                     global_loss = self._global_count(loss.detach())
                     record = self.metrics.log_step(
-                        step, global_loss.item(), grad_norm.item(), self.lr_scheduler.get_last_lr()[0]
+                        step,
+                        global_loss.item(),
+                        grad_norm.item(),
+                        self.lr_scheduler.get_last_lr()[0],
+                        extra=self.train_loader.pop_metrics(),  # data_wait_s (+ mixture shares)
                     )
                     self.state.history.append(record)
                 if self.val_loader is not None and (step % t.eval_freq == 0 or step == t.steps):
