@@ -279,7 +279,7 @@ def _validate_data(d: DataConfig) -> None:
     if d.streaming and d.source in ("builtin", "tokens"):
         raise ConfigError(
             f"data.streaming=true with data.source={d.source}: only text, json, parquet and hub sources are "
-            "streamed (the built-in corpus is small; prepared tokens are memory-mapped); set data.streaming=false."
+            "streamed (the built-in corpus is small; prepared tokens are read window by window); set data.streaming=false."
         )
     if d.source != "builtin" and not d.path and not d.sources:
         raise ConfigError(

@@ -1,4 +1,4 @@
-"""Tokenize a corpus once into memory-mapped token shards: ``python -m trainer.prepare_data``.
+"""Tokenize a corpus once into flat token shards: ``python -m trainer.prepare_data``.
 
 ::
 

@@ -1,7 +1,7 @@
 """Data: documents -> tokens -> windows -> deterministic, resumable, per-rank batches.
 
 * :mod:`~trainer.data.documents` reads raw corpora in canonical order and splits them;
-* :mod:`~trainer.data.prepared` tokenizes a corpus once into memory-mapped shards
+* :mod:`~trainer.data.prepared` tokenizes a corpus once into flat token shards
   (``python -m trainer.prepare_data``) and opens them;
 * :mod:`~trainer.data.windows` cuts a token store into windows and maps global sample
   indices to windows (epoch permutations, weighted mixtures);

@@ -291,7 +291,7 @@ def build_dataloader(
 ) -> Any:
     """The loader of ``split`` for the data config ``cfg``.
 
-    Prepared folders (``data.source=tokens``) are memory-mapped; raw sources are read and
+    Prepared folders (``data.source=tokens``) are read window by window; raw sources are read and
     tokenized into memory (``builtin``, ``text``, ``json``, ``parquet``, ``hub``), or
     streamed when ``data.streaming=true``; ``data.sources`` mixes several of one kind.
     Only the training split is shuffled (if ``data.shuffle``). ``pin_memory`` defaults to

@@ -97,7 +97,7 @@ def check_tokenizer(index: dict[str, Any], tokenizer: Tokenizer, path: str) -> N
 
 
 def open_split(path: str, split: str, tokenizer: Tokenizer) -> Any:
-    """The memory-mapped token store (a ``ShardStore``) of ``split`` in the prepared folder ``path``."""
+    """The token store (a ``ShardStore``) of ``split`` in the prepared folder ``path``."""
     from trainer.data.windows import ShardStore  # local: preparation workers never import torch
 
     index = read_index(path)

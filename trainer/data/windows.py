@@ -1,8 +1,8 @@
 """Token stores, windows and the global sample order.
 
 A *store* is one split's flat token stream ``[bos] doc [eos] [bos] doc [eos] ...`` with the
-start of every document: an in-memory array (small sources) or memory-mapped shards
-(prepared data, never read whole). *Windows* cut it into samples:
+start of every document: an in-memory array (small sources) or prepared shards
+(read window by window, never whole). *Windows* cut it into samples:
 
 * packed (``data.pack=true``): window ``k`` is ``flat[k*S : k*S + S + 1]`` (inputs = ``[:-1]``,
   labels = ``[1:]``), so consecutive windows overlap by one token and every token except the
@@ -24,6 +24,7 @@ fixed weighted pattern of the global sample index.
 
 from __future__ import annotations
 
+import os
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -108,10 +109,14 @@ class ArrayStore:
 
 
 class ShardStore:
-    """Prepared shards: flat token files opened with ``numpy.memmap``, never read whole.
+    """Prepared shards: flat token files that are never read whole.
 
-    Documents never cross shards. Per-shard document starts (``.docs.npy``) are memory-mapped
-    too and opened on first use, so opening a store costs O(number of shards), not O(tokens).
+    A window is read with one positioned read (``os.pread``) of exactly its bytes, so no page
+    of the corpus is mapped into the process: resident memory grows neither with the corpus
+    nor with training time (a ``numpy.memmap``'s touched pages count as resident and pile up
+    over a run, with kernel read-ahead on top). The per-shard document starts (``.docs.npy``)
+    are opened with ``numpy.memmap`` on first use (binary searches touch a few pages).
+    Documents never cross shards; opening a store costs O(number of shards), not O(tokens).
     """
 
     def __init__(self, token_files: list[str], doc_files: list[str], shard_tokens: list[int],
@@ -121,19 +126,22 @@ class ShardStore:
         self._doc_offsets = np.concatenate([[0], np.cumsum(shard_docs, dtype=np.int64)])
         self.num_tokens = int(self._offsets[-1])
         self.num_docs = int(self._doc_offsets[-1])
-        self._tokens: dict[int, np.ndarray] = {}
         self._starts: dict[int, np.ndarray] = {}
-
-    def _shard(self, s: int) -> np.ndarray:
-        if s not in self._tokens:
-            n = int(self._offsets[s + 1] - self._offsets[s])
-            self._tokens[s] = np.memmap(self._token_files[s], dtype=self.dtype, mode="r", shape=(n,))
-        return self._tokens[s]
 
     def _shard_starts(self, s: int) -> np.ndarray:
         if s not in self._starts:
             self._starts[s] = np.load(self._doc_files[s], mmap_mode="r")
         return self._starts[s]
+
+    def _pread(self, s: int, start: int, stop: int) -> np.ndarray:
+        """Tokens ``[start, stop)`` of shard ``s`` (shard-local offsets)."""
+        size = self.dtype.itemsize
+        fd = os.open(self._token_files[s], os.O_RDONLY)
+        try:
+            data = os.pread(fd, (stop - start) * size, start * size)
+        finally:
+            os.close(fd)
+        return np.frombuffer(data, dtype=self.dtype)
 
     def read(self, start: int, stop: int) -> np.ndarray:
         out = np.empty(stop - start, dtype=np.int64)
@@ -142,7 +150,7 @@ class ShardStore:
         while pos < stop:  # a window spans at most a few shards
             end = min(stop, int(self._offsets[s + 1]))
             base = int(self._offsets[s])
-            out[pos - start : end - start] = self._shard(s)[pos - base : end - base]  # the only copy
+            out[pos - start : end - start] = self._pread(s, pos - base, end - base)
             pos, s = end, s + 1
         return out
 
