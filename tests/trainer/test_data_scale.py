@@ -38,12 +38,14 @@ print(json.dumps({"startup_s": startup, "rss_mb": resource.getrusage(resource.RU
 """
 
 
-def _open(prep: Path) -> dict:
+def _open(preps: list[Path]) -> list[dict]:
+    """One fresh process per folder, run side by side."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
-    out = subprocess.run(
-        [sys.executable, "-c", CHILD, str(prep)], env=env, capture_output=True, text=True, check=True
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(p)], env=env, stdout=subprocess.PIPE, text=True)
+             for p in preps]  # fmt: skip
+    outs = [p.communicate()[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    return [json.loads(out.strip().splitlines()[-1]) for out in outs]
 
 
 def test_memory_and_startup_do_not_grow_with_the_corpus(tmp_path: Path) -> None:
