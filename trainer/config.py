@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from models import MODEL_SPECS, get_spec
 from models.errors import ConfigError
@@ -34,6 +34,7 @@ __all__ = [
     "JobConfig",
     "LRSchedulerConfig",
     "MetricsConfig",
+    "MixtureSource",
     "ModelConfig",
     "OptimizerConfig",
     "ParallelismConfig",
@@ -54,9 +55,17 @@ ModelConfig = ModelArgs
 
 
 @dataclass
+class MixtureSource:
+    """One entry of ``data.sources``: a corpus and its sampling weight."""
+
+    path: str = MISSING  # a prepared folder (data.source=tokens) or what data.source reads
+    weight: float = 1.0  # relative share of the samples (normalised over all sources)
+
+
+@dataclass
 class DataConfig:
-    source: str = "builtin"  # builtin | text | json | parquet | hub
-    path: Optional[str] = None  # local file, glob or directory; dataset name for hub
+    source: str = "builtin"  # builtin | text | json | parquet | hub | tokens (prepared folder)
+    path: Optional[str] = None  # local file, glob or directory; dataset name for hub; folder for tokens
     name: Optional[str] = None  # hub dataset config name
     split: str = "train"  # split to read (local files and hub)
     text_field: str = "text"  # column holding the document text
@@ -64,6 +73,10 @@ class DataConfig:
     val_fraction: float = 0.01  # share of documents held out for validation
     max_documents: Optional[int] = None  # cap on documents read; None = all
     shuffle: bool = True  # shuffle training windows each epoch (seeded)
+    streaming: bool = False  # tokenize and pack on the fly, per dp rank (text/json/parquet/hub)
+    pack: bool = True  # pack documents into full windows; false = one padded window per document
+    sources: list[MixtureSource] = field(default_factory=list)  # weighted mixture; replaces path
+    prefetch: int = 2  # batches prepared ahead in a background thread; 0 = in the step
 
 
 @dataclass
@@ -301,6 +314,19 @@ def validate(cfg: TrainConfig) -> None:
             "<out_dir>`."
         )
     _positive(cfg.metrics.log_freq, "metrics.log_freq")
+    _validate_operations(cfg)
+    _validate_data(cfg.data)
+    folder = cfg.job.dump_folder
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise ConfigError(
+            f"job.dump_folder={folder!r} is an existing file, not a folder; point job.dump_folder at a "
+            f"folder (it is created if missing) or move the file away."
+        )
+
+
+
+def _validate_operations(cfg: TrainConfig) -> None:
+    """Trackers, collective timeouts and profiling."""
     if cfg.metrics.wandb_mode is not None:
         _choices(cfg.metrics.wandb_mode, ("online", "offline", "disabled"), "metrics.wandb_mode")
     _positive(cfg.comm.init_timeout_s, "comm.init_timeout_s")
@@ -319,15 +345,34 @@ def validate(cfg: TrainConfig) -> None:
             f"profiling.steps={list(cfg.profiling.steps)}: steps count from 1; drop {bad_steps}."
         )
     _positive(cfg.profiling.top_ops, "profiling.top_ops")
-    _choices(cfg.data.source, ("builtin", "text", "json", "parquet", "hub"), "data.source")
-    if not 0.0 <= cfg.data.val_fraction < 1.0:
-        raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must lie in [0, 1).")
-    folder = cfg.job.dump_folder
-    if os.path.exists(folder) and not os.path.isdir(folder):
+
+
+def _validate_data(d: DataConfig) -> None:
+    _choices(d.source, ("builtin", "text", "json", "jsonl", "parquet", "hub", "tokens"), "data.source")
+    if not 0.0 <= d.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction={d.val_fraction} must lie in [0, 1).")
+    if d.prefetch < 0:
+        raise ConfigError(f"data.prefetch={d.prefetch} must be >= 0 (0 prepares batches inside the step).")
+    if d.streaming and d.source in ("builtin", "tokens"):
         raise ConfigError(
-            f"job.dump_folder={folder!r} is an existing file, not a folder; point job.dump_folder at a "
-            f"folder (it is created if missing) or move the file away."
+            f"data.streaming=true with data.source={d.source}: only text, json, parquet and hub sources are "
+            "streamed (the built-in corpus is small; prepared tokens are read window by window); set data.streaming=false."
         )
+    if d.source != "builtin" and not d.path and not d.sources:
+        raise ConfigError(
+            f"data.source={d.source} needs data.path=... (or a mixture: data.sources=[{{path: ..., weight: ...}}])."
+        )
+    if d.sources:
+        if d.source == "builtin":
+            raise ConfigError(
+                "data.sources mixes corpora of data.source (tokens, json, text, parquet or hub), not builtin; "
+                "set data.source, e.g. data=tokens data.sources=[...]."
+            )
+        for i, s in enumerate(d.sources):
+            if not s.weight > 0:
+                raise ConfigError(
+                    f"data.sources[{i}].weight={s.weight} must be > 0; drop the source instead."
+                )
 
 
 def _with_typed_model(dcfg: DictConfig) -> DictConfig:

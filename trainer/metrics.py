@@ -119,8 +119,11 @@ class MetricsLogger:
         self._last_time = time.perf_counter()
         self._last_step = step
 
-    def log_step(self, step: int, loss: float, grad_norm: float, lr: float) -> dict[str, Any]:
-        """Log one training step's metrics; throughput is averaged since the previous call."""
+    def log_step(
+        self, step: int, loss: float, grad_norm: float, lr: float, extra: Optional[dict[str, float]] = None
+    ) -> dict[str, Any]:
+        """Log one training step's metrics; throughput is averaged since the previous call.
+        ``extra`` (e.g. the loader's ``data_wait_s``) is added to the record as it is."""
         now = time.perf_counter()
         steps = step - (self._last_step if self._last_step is not None else step - 1)
         elapsed = max(now - self._last_time, 1e-9)
@@ -140,6 +143,7 @@ class MetricsLogger:
             "memory_gib": memory_gib(self.device),
             "step_time_s": elapsed / steps,
             "eta_s": eta_s,
+            **(extra or {}),
         }
         mfu_str = "n/a" if mfu is None else f"{mfu:.1f}%"
         logger.info(

@@ -6,14 +6,17 @@ pipeline (``[bos] + tokens + [eos]`` per document), so ``encode`` never adds the
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
-import torch
 
 from models.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 # Special-token names tried in order. GPT-2 style files only have <|endoftext|>, which then
 # serves as both BOS and EOS (that is how GPT-2 was trained).
@@ -57,6 +60,8 @@ class ByteTokenizer:
 
         The built-in corpus is ~31 MB; going through ``list[int]`` would cost seconds.
         """
+        import torch  # local: preparation workers tokenize without importing torch
+
         data = text.encode("utf-8")
         if not data:
             return torch.empty(0, dtype=torch.uint8)
@@ -89,6 +94,8 @@ class HFTokenizer:
                 "pass a tokenizer.json saved by the `tokenizers` library or data.tokenizer=byte"
             ) from err
         self.path = path
+        # Identity of the vocabulary and merges, not of the file's formatting or location.
+        self.sha256: str = hashlib.sha256(self._tok.to_str().encode("utf-8")).hexdigest()
         self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
         self.bos_id: int = self._find_special(BOS_CANDIDATES, "BOS")
         self.eos_id: int = self._find_special(EOS_CANDIDATES, "EOS")
@@ -130,3 +137,51 @@ def check_vocab_size(tokenizer: Tokenizer, vocab_size: int) -> None:
             f"model vocab_size={vocab_size} is smaller than the tokenizer's vocab_size="
             f"{tokenizer.vocab_size}; set model.vocab_size>={tokenizer.vocab_size} or use a smaller tokenizer"
         )
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest unsigned dtype that holds every id of a ``vocab_size`` vocabulary."""
+    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+
+
+def tokenizer_fingerprint(tokenizer: Tokenizer) -> dict[str, Any]:
+    """What identifies a tokenizer in prepared data: kind, sizes, specials and a content hash."""
+    if isinstance(tokenizer, ByteTokenizer):
+        kind, sha = "byte", hashlib.sha256(b"meshwright-byte-v1").hexdigest()
+    else:
+        kind, sha = type(tokenizer).__name__, getattr(tokenizer, "sha256", None)
+    return {
+        "kind": kind,
+        "spec": getattr(tokenizer, "path", "byte"),
+        "vocab_size": int(tokenizer.vocab_size),
+        "bos_id": int(tokenizer.bos_id),
+        "eos_id": int(tokenizer.eos_id),
+        "sha256": sha,
+    }
+
+
+def encode_documents(
+    tokenizer: Tokenizer, texts: Sequence[str], dtype: np.dtype
+) -> tuple[np.ndarray, np.ndarray]:
+    """``[bos] + encode(t) + [eos]`` of every text, concatenated: (flat tokens, per-document lengths).
+
+    The byte tokenizer never builds Python int lists; HF tokenizers encode the whole batch in
+    parallel in Rust; any other tokenizer falls back to ``encode`` one text at a time.
+    """
+    bos, eos = tokenizer.bos_id, tokenizer.eos_id
+    if isinstance(tokenizer, ByteTokenizer):
+        encoded: list[Any] = [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
+    else:
+        encode_batch = getattr(tokenizer, "encode_batch", None)
+        encoded = (
+            encode_batch(list(texts)) if encode_batch is not None else [tokenizer.encode(t) for t in texts]
+        )
+    lengths = np.fromiter((len(x) + 2 for x in encoded), dtype=np.int64, count=len(encoded))
+    flat = np.empty(int(lengths.sum()), dtype=dtype)
+    pos = 0
+    for ids, n in zip(encoded, lengths.tolist()):
+        flat[pos] = bos
+        flat[pos + 1 : pos + n - 1] = ids
+        flat[pos + n - 1] = eos
+        pos += n
+    return flat, lengths

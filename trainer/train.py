@@ -253,10 +253,13 @@ class Trainer:
 
     def _next_batch(self, loader: DataLoader) -> StepBatch:
         batch = loader.next_batch()
+        # Per-document positions (restarting at each document) only go with document masking;
+        # with plain causal attention across packed documents, positions run 0..S-1.
+        doc_positions = getattr(self.cfg.model, "attention_mask", "causal") == "block_causal"
         step_batch = StepBatch(
             inputs=batch.inputs.to(self.device, non_blocking=True),
             labels=batch.labels.to(self.device, non_blocking=True),
-            positions=getattr(batch, "positions", None),
+            positions=getattr(batch, "positions", None) if doc_positions else None,
         )
         if step_batch.positions is not None:
             step_batch.positions = step_batch.positions.to(self.device, non_blocking=True)
@@ -363,7 +366,11 @@ class Trainer:
                     # Losses are local sums over this rank's tokens: add them up over dp/cp.
                     global_loss = self._global_sum(loss.detach())
                     record = self.metrics.log_step(
-                        step, global_loss.item(), grad_norm.item(), self.lr_scheduler.get_last_lr()[0]
+                        step,
+                        global_loss.item(),
+                        grad_norm.item(),
+                        self.lr_scheduler.get_last_lr()[0],
+                        extra=self.train_loader.pop_metrics(),  # data_wait_s (+ mixture shares)
                     )
                     self.state.history.append(record)
                 if self.val_loader is not None and (step % t.eval_freq == 0 or step == t.steps):

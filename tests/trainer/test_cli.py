@@ -37,7 +37,9 @@ def test_launch_default_trains_and_leaves_run_folder(tmp_path) -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (dump / "config.yaml").is_file()
-    assert (dump / "checkpoints" / "step-16" / "checkpoint.json").is_file(), "the run must end with a checkpoint"
+    assert (dump / "checkpoints" / "step-16" / "checkpoint.json").is_file(), (
+        "the run must end with a checkpoint"
+    )
     records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval_loss" in r]

@@ -1,0 +1,331 @@
+"""The per-rank loader over a global sample order, and ``build_dataloader`` for every source.
+
+Global step ``t`` consumes global samples ``[t*G, (t+1)*G)``; data-parallel rank ``r`` takes
+the ``r``-th contiguous slice of ``G / dp_size`` of them. The loader state is one integer
+(global samples seen), so a run resumes under any data-parallel degree without repeating
+or skipping a sample. Batches are computed ahead in a background thread (``data.prefetch``)
+and the time the step waited for them is reported by :meth:`DataLoader.pop_metrics`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import Any, Optional, Union
+
+import numpy as np
+import torch
+
+from models.errors import ConfigError
+from trainer.data.documents import _SOURCE_ALIASES, load_documents
+from trainer.data.prefetch import Prefetcher
+from trainer.data.prepared import open_split
+from trainer.data.windows import (
+    ArrayStore,
+    Batch,
+    DocWindows,
+    Mixture,
+    PackedWindows,
+    SampleOrder,
+    TokenWindows,
+    Windows,
+)
+from trainer.tokenizer import Tokenizer, encode_documents
+
+logger = logging.getLogger("meshwright")
+
+_ENCODE_CHUNK = 1024  # documents per encode call: parallel in Rust for HF, bounded memory
+_SOURCE_SEED_STRIDE = 1_000_003  # mixture source i shuffles with seed + i * stride
+
+
+def tokenize_with_starts(docs: Sequence[str], tokenizer: Tokenizer) -> tuple[torch.Tensor, np.ndarray]:
+    """``[bos] + encode(doc) + [eos]`` for every doc, concatenated, and each document's start.
+
+    The dtype is int16 when the vocabulary fits (the byte tokenizer: half the memory of
+    int32), int32 otherwise.
+    """
+    dtype = np.dtype(np.int16) if tokenizer.vocab_size <= 2**15 else np.dtype(np.int32)
+    flats, lengths = [], []
+    for start in range(0, len(docs), _ENCODE_CHUNK):
+        flat, lens = encode_documents(tokenizer, docs[start : start + _ENCODE_CHUNK], dtype)
+        flats.append(flat)
+        lengths.append(lens)
+    if not flats:
+        return torch.empty(0, dtype=torch.from_numpy(np.empty(0, dtype)).dtype), np.empty(0, dtype=np.int64)
+    lens = np.concatenate(lengths)
+    starts = np.concatenate([[0], np.cumsum(lens[:-1])]).astype(np.int64)
+    return torch.from_numpy(np.concatenate(flats)), starts
+
+
+def tokenize_documents(docs: Sequence[str], tokenizer: Tokenizer) -> torch.Tensor:
+    """The flat token tensor of :func:`tokenize_with_starts`."""
+    return tokenize_with_starts(docs, tokenizer)[0]
+
+
+def _check_enough_windows(windows: Any, global_batch_size: int, what: str) -> None:
+    if windows.num_windows < global_batch_size:
+        raise ConfigError(
+            f"{what} has {windows.num_tokens} tokens = {windows.num_windows} windows of seq_len="
+            f"{windows.seq_len}, fewer than training.global_batch_size={global_batch_size} needs for one "
+            "batch; add data, or lower training.seq_len / training.global_batch_size"
+        )
+
+
+def _produce(
+    order: Any, start: int, global_batch_size: int, local: int, rank: int
+) -> Iterator[tuple[Batch, int]]:
+    """Batches of global steps starting at sample ``start``, each with the sample count after it."""
+    while True:
+        first = start + rank * local
+        yield order.gather(torch.arange(first, first + local)), start + global_batch_size
+        start += global_batch_size
+
+
+class DataLoader:
+    """Per data-parallel rank view of the global sample order; state = global samples seen."""
+
+    def __init__(
+        self,
+        windows: Union[Windows, Mixture],
+        *,
+        global_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+        shuffle: bool,
+        prefetch: int = 0,
+        pin_memory: bool = False,
+    ) -> None:
+        if dp_size < 1 or not 0 <= dp_rank < dp_size:
+            raise ConfigError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size}) and dp_size >= 1")
+        if global_batch_size < 1 or global_batch_size % dp_size:
+            raise ConfigError(
+                f"training.global_batch_size={global_batch_size} must be a positive multiple of the "
+                f"data-parallel degree {dp_size}; change one of them"
+            )
+        self.mixture = windows if isinstance(windows, Mixture) else None
+        if self.mixture is None:
+            _check_enough_windows(windows, global_batch_size, "the data")
+        self.windows = windows
+        self.order = self.mixture or SampleOrder(windows, seed, shuffle)  # type: ignore[arg-type]
+        self.global_batch_size = global_batch_size
+        self.local_batch_size = global_batch_size // dp_size
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.prefetch = prefetch
+        self.pin_memory = pin_memory
+        self.samples_seen = 0  # global, across all dp ranks
+        self._prefetcher: Optional[Prefetcher] = None
+        self._prefetch_pos = -1  # global sample count the prefetcher's next batch starts at
+        self._wait_s = 0.0
+        self._waits = 0
+
+    @property
+    def epoch(self) -> int:
+        """Epoch of the next sample (for logging; mixtures count all sources' windows)."""
+        return self.samples_seen // self.windows.num_windows
+
+    def window_indices(self, global_samples: torch.Tensor) -> torch.Tensor:
+        """Window index of each global sample index (single source)."""
+        if self.mixture is not None:
+            raise TypeError("a mixture maps samples per source: use DataLoader.mixture.locate")
+        return self.order.window_indices(global_samples)
+
+    def _close_prefetcher(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+            self._prefetcher = None
+
+    def next_batch(self) -> Batch:
+        """This rank's ``global_batch_size // dp_size`` rows of the next global step."""
+        if self.prefetch <= 0:
+            start = time.perf_counter()
+            batch, _ = next(_produce(self.order, self.samples_seen, self.global_batch_size,
+                                     self.local_batch_size, self.dp_rank))  # fmt: skip
+            waited = time.perf_counter() - start
+        else:
+            if self._prefetcher is None or self._prefetch_pos != self.samples_seen:
+                self._close_prefetcher()  # the position was moved (resume, reset): start over
+                args = (
+                    self.order,
+                    self.samples_seen,
+                    self.global_batch_size,
+                    self.local_batch_size,
+                    self.dp_rank,
+                )
+                self._prefetcher = Prefetcher(lambda: _produce(*args), self.prefetch, self.pin_memory)
+                weakref.finalize(self, self._prefetcher.close)  # the thread never outlives the loader
+            batch, self._prefetch_pos, waited = self._prefetcher.get()
+        self.samples_seen += self.global_batch_size
+        self._wait_s += waited
+        self._waits += 1
+        return batch
+
+    def pop_metrics(self) -> dict[str, float]:
+        """Mean seconds ``next_batch`` blocked per call since the last pop (``data_wait_s``) and,
+        for a mixture, each source's realised share of the global samples so far."""
+        out = {"data_wait_s": self._wait_s / max(self._waits, 1)}
+        self._wait_s, self._waits = 0.0, 0
+        if self.mixture is not None:
+            out.update({f"data_mix/{k}": v for k, v in self.mixture.realised(self.samples_seen).items()})
+        return out
+
+    def reset(self) -> None:
+        """Back to global sample 0 (validation restarts before each evaluation)."""
+        self.samples_seen = 0
+
+    def close(self) -> None:
+        """Stop the background thread (also happens when the loader is garbage collected)."""
+        self._close_prefetcher()
+
+    def _mixture_id(self) -> str:
+        assert self.mixture is not None
+        return ";".join(f"{n}:{w:g}:{o.num_windows}" for n, w, o in
+                        zip(self.mixture.names, self.mixture.weights, self.mixture.orders))  # fmt: skip
+
+    def state_dict(self) -> dict[str, Any]:
+        """Position plus what identifies the sample order, to catch resuming on other data."""
+        sd = {
+            "samples_seen": self.samples_seen,
+            "global_batch_size": self.global_batch_size,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "num_windows": self.windows.num_windows,
+        }
+        if self.mixture is not None:
+            sd["mixture"] = self._mixture_id()
+        return sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Resume at the saved global sample; works for any dp_size since the state is global."""
+        missing = {"samples_seen", "global_batch_size", "seed", "shuffle", "num_windows"} - set(sd)
+        if missing:
+            raise ConfigError(
+                f"data loader state is missing {sorted(missing)}; the checkpoint is not from this trainer"
+            )
+        # These define the sample order; resuming with other values would silently change the data.
+        current: dict[str, Any] = {"num_windows": self.windows.num_windows, "seed": self.seed,
+                                   "shuffle": self.shuffle}  # fmt: skip
+        if self.mixture is not None:
+            current["mixture"] = self._mixture_id()
+        for key, value in current.items():
+            if key not in sd or type(value)(sd[key]) != value:
+                raise ConfigError(
+                    f"checkpoint data loader has {key}={sd.get(key)}, this run has {key}={value} (data, "
+                    "tokenizer, training.seq_len, training.seed, data.shuffle or data.sources changed); resume "
+                    "with the same settings or start a new run in a fresh job.dump_folder"
+                )
+        samples_seen = int(sd["samples_seen"])
+        if samples_seen % self.global_batch_size:
+            raise ConfigError(
+                f"checkpoint has seen {samples_seen} samples (global_batch_size={sd['global_batch_size']}), "
+                f"not a multiple of the new training.global_batch_size={self.global_batch_size}; "
+                "pick a global batch size that divides it or keep the old one"
+            )
+        self.samples_seen = samples_seen
+
+
+# ------------------------------------------------------------------------------- building
+
+
+def _source_windows(cfg: Any, tokenizer: Tokenizer, split: str, seq_len: int) -> tuple[Any, str]:
+    """Windows of one source (a prepared folder or raw documents read into memory) and a description."""
+    source = _SOURCE_ALIASES.get(cfg.source, cfg.source)
+    pack = bool(getattr(cfg, "pack", True))
+    if source == "tokens":
+        if not cfg.path:
+            raise ConfigError("data.source=tokens needs data.path=<folder made by trainer.prepare_data>")
+        store: Any = open_split(cfg.path, split, tokenizer)
+        what = f"the {split} split of prepared data {cfg.path!r} ({store.num_docs} documents)"
+        if not store.num_docs:
+            raise ConfigError(
+                f"{what} is empty (it was prepared with a val_fraction that held nothing out); "
+                "prepare with data.val_fraction>0 or disable evaluation (training.eval_freq=0)"
+            )
+        windows = PackedWindows(store, seq_len) if pack else DocWindows(store, seq_len, tokenizer.eos_id)
+        return windows, what
+    docs = load_documents(cfg, split)
+    if not docs:  # validation with val_fraction=0 (train emptiness is caught in load_documents)
+        raise ConfigError(
+            f"the {split} split is empty (data.val_fraction={cfg.val_fraction}); "
+            "set data.val_fraction>0 or disable evaluation (training.eval_freq=0)"
+        )
+    tokens, starts = tokenize_with_starts(docs, tokenizer)
+    if pack:
+        return TokenWindows(tokens, seq_len, starts), f"the {split} split ({len(docs)} documents)"
+    return DocWindows(
+        ArrayStore(tokens, starts), seq_len, tokenizer.eos_id
+    ), f"the {split} split ({len(docs)} documents)"
+
+
+def _entry(e: Any) -> tuple[str, float]:
+    """(path, weight) of a ``data.sources`` entry (a MixtureSource or a plain mapping)."""
+    path = e["path"] if isinstance(e, dict) else e.path
+    weight = e.get("weight", 1.0) if isinstance(e, dict) else e.weight
+    return str(path), float(weight)
+
+
+def mixture_names(paths: list[str]) -> list[str]:
+    """Short unique names of the mixture sources (for logs and metrics)."""
+    names = [os.path.basename(os.path.normpath(p)) or p for p in paths]
+    return names if len(set(names)) == len(names) else [f"{i}:{n}" for i, n in enumerate(names)]
+
+
+def build_dataloader(
+    cfg: Any,
+    tokenizer: Tokenizer,
+    *,
+    split: str,
+    seq_len: int,
+    global_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    seed: int,
+    pin_memory: Optional[bool] = None,
+) -> Any:
+    """The loader of ``split`` for the data config ``cfg``.
+
+    Prepared folders (``data.source=tokens``) are read window by window; raw sources are read and
+    tokenized into memory (``builtin``, ``text``, ``json``, ``parquet``, ``hub``), or
+    streamed when ``data.streaming=true``; ``data.sources`` mixes several of one kind.
+    Only the training split is shuffled (if ``data.shuffle``). ``pin_memory`` defaults to
+    whether CUDA is available.
+    """
+    pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+    prefetch = int(getattr(cfg, "prefetch", 0))
+    if getattr(cfg, "streaming", False):
+        from trainer.data.stream import StreamingDataLoader
+
+        return StreamingDataLoader(cfg, tokenizer, split=split, seq_len=seq_len, global_batch_size=global_batch_size,
+                                   dp_rank=dp_rank, dp_size=dp_size, prefetch=prefetch, pin_memory=pin)  # fmt: skip
+    shuffle = bool(cfg.shuffle) and split == "train"
+    entries = [_entry(e) for e in (getattr(cfg, "sources", None) or [])]
+    if not entries:
+        windows, what = _source_windows(cfg, tokenizer, split, seq_len)
+        _check_enough_windows(windows, global_batch_size, what)
+        if dp_rank == 0:
+            logger.info(f"data: {what}: {windows.num_tokens:,} tokens, {windows.num_windows:,} windows")
+        return DataLoader(windows, global_batch_size=global_batch_size, dp_rank=dp_rank, dp_size=dp_size,
+                          seed=seed, shuffle=shuffle, prefetch=prefetch, pin_memory=pin)  # fmt: skip
+    orders, names = [], mixture_names([p for p, _ in entries])
+    for i, (path, weight) in enumerate(entries):
+        if weight <= 0:
+            raise ConfigError(f"data.sources[{i}].weight={weight} must be > 0; drop the source instead")
+        windows, what = _source_windows(
+            dataclasses.replace(cfg, path=path, sources=[]), tokenizer, split, seq_len
+        )
+        _check_enough_windows(windows, 1, what)
+        orders.append(SampleOrder(windows, seed + i * _SOURCE_SEED_STRIDE, shuffle))
+    mixture = Mixture(orders, [w for _, w in entries], names)
+    if dp_rank == 0:
+        shares = ", ".join(f"{n} {w / sum(mixture.weights):.3f} ({o.num_windows:,} windows)"
+                           for n, w, o in zip(names, mixture.weights, orders))  # fmt: skip
+        logger.info(f"data: {split} mixture of {len(orders)} sources, target shares {shares}")
+    return DataLoader(mixture, global_batch_size=global_batch_size, dp_rank=dp_rank, dp_size=dp_size,
+                      seed=seed, shuffle=shuffle, prefetch=prefetch, pin_memory=pin)  # fmt: skip

@@ -1,0 +1,95 @@
+"""Tokenize a corpus once into flat token shards: ``python -m trainer.prepare_data``.
+
+::
+
+    python -m trainer.prepare_data data=jsonl data.path=/data/web data.tokenizer=tok.json out=/data/web_tok num_proc=8
+    python -m trainer.prepare_data data=hub data.path=roneneldan/TinyStories out=/data/tinystories
+    python -m trainer.prepare_data data=builtin out=/data/stdlib          # the built-in corpus
+    torchrun ... trainer/main.py data=tokens data.path=/data/web_tok data.tokenizer=tok.json
+
+Arguments are Hydra overrides of the training config (``data=<preset>``, ``data.*``; a
+``model=<preset>`` or ``model.vocab_size=N`` refuses a tokenizer larger than that model's
+vocabulary before any work) plus:
+
+* ``out=DIR`` (required): the prepared folder;
+* ``num_proc=N`` (default 1): worker processes tokenizing in parallel;
+* ``chunk_mb=M`` (default 256): input megabytes per task, i.e. per output shard.
+
+Re-running with the same inputs does nothing; a changed tokenizer, setting or source file
+is refused with the differences listed. Progress (documents, tokens, MB/s, ETA) goes to
+stderr. Exit code 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any, Optional
+
+from models.errors import ConfigError
+
+_CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+_OWN_KEYS = {"out": str, "num_proc": int, "chunk_mb": float}
+
+
+def parse_args(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """Split ``argv`` into this tool's own ``key=value`` arguments and Hydra overrides."""
+    own: dict[str, Any] = {"out": None, "num_proc": 1, "chunk_mb": 256.0}
+    overrides = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if sep and key in _OWN_KEYS:
+            try:
+                own[key] = _OWN_KEYS[key](value)
+            except ValueError as err:
+                raise ConfigError(f"{arg}: {key} must be a {_OWN_KEYS[key].__name__}") from err
+        elif arg in ("-h", "--help"):
+            print(__doc__)
+            sys.exit(0)
+        else:
+            overrides.append(arg)
+    if not own["out"]:
+        raise ConfigError("out=DIR is required: the folder to write the prepared shards into")
+    return own, overrides
+
+
+def compose(overrides: list[str]) -> tuple[Any, Optional[int]]:
+    """(data config, model vocab size if a model was named) from Hydra overrides."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from trainer.config import register_configs, to_train_config
+
+    register_configs()
+    try:
+        with initialize_config_dir(config_dir=_CONFIG_DIR, version_base="1.3"):
+            cfg = to_train_config(hydra_compose("train", overrides=overrides))
+    except (HydraException, OmegaConfBaseException) as err:
+        raise ConfigError(f"{err}".strip().splitlines()[0]) from err
+    named_model = any(o.lstrip("+~").startswith(("model", "experiment")) for o in overrides)
+    return cfg.data, cfg.model.vocab_size if named_model else None
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Run the preparation; returns the exit code."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    try:
+        own, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+        data, vocab_size = compose(overrides)
+        if data.sources:
+            raise ConfigError("data.sources: prepare each corpus into its own folder, then mix them at training "
+                              "time with data=tokens data.sources=[{path: DIR, weight: W}, ...]")  # fmt: skip
+        from trainer.data.prepared import prepare
+
+        prepare(data, own["out"], num_proc=own["num_proc"], chunk_mb=own["chunk_mb"], vocab_size=vocab_size)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
