@@ -528,14 +528,8 @@ def _finalize(out: str, tmp: str, results: list[dict[str, Any]], settings: dict[
     return splits
 
 
-def prepare(cfg: Any, out: str, *, num_proc: int = 1, chunk_mb: float = 256.0,
-            vocab_size: Optional[int] = None) -> dict[str, Any]:  # fmt: skip
-    """Tokenize the corpus described by the data config ``cfg`` into ``out``; returns the index.
-
-    A folder already prepared from the same inputs is left as it is (no-op); one prepared
-    from other inputs (tokenizer, settings or source files) is refused with the differences.
-    ``vocab_size`` (the model's) refuses a larger tokenizer before any work.
-    """
+def _check_prepare_inputs(cfg: Any, num_proc: int, vocab_size: Optional[int]) -> tuple[str, Any]:
+    """(canonical source, tokenizer) once the inputs are usable; ``ConfigError`` before any work."""
     source = _SOURCE_ALIASES.get(cfg.source, cfg.source)
     if source not in PREPARABLE:
         raise ConfigError(f"data.source={cfg.source!r} cannot be prepared; use one of {list(PREPARABLE)}")
@@ -552,6 +546,18 @@ def prepare(cfg: Any, out: str, *, num_proc: int = 1, chunk_mb: float = 256.0,
             f"model vocab_size={vocab_size} is smaller than the tokenizer's vocab_size={tokenizer.vocab_size}; "
             f"set model.vocab_size>={tokenizer.vocab_size} or use a smaller tokenizer"
         )
+    return source, tokenizer
+
+
+def prepare(cfg: Any, out: str, *, num_proc: int = 1, chunk_mb: float = 256.0,
+            vocab_size: Optional[int] = None) -> dict[str, Any]:  # fmt: skip
+    """Tokenize the corpus described by the data config ``cfg`` into ``out``; returns the index.
+
+    A folder already prepared from the same inputs is left as it is (no-op); one prepared
+    from other inputs (tokenizer, settings or source files) is refused with the differences.
+    ``vocab_size`` (the model's) refuses a larger tokenizer before any work.
+    """
+    source, tokenizer = _check_prepare_inputs(cfg, num_proc, vocab_size)
     files, keys = _list_files(cfg, source)
     index: dict[str, Any] = {
         "format_version": FORMAT_VERSION,

@@ -37,8 +37,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from models.errors import ConfigError
 from models.common import IGNORE_INDEX
+from models.errors import ConfigError
 from trainer.data.documents import _SOURCE_ALIASES, _expand_path, _root_cause, is_validation
 from trainer.data.loader import _entry, mixture_names
 from trainer.data.prefetch import Prefetcher

@@ -33,8 +33,8 @@ from typing import Optional, Protocol
 import numpy as np
 import torch
 
-from models.errors import ConfigError
 from models.common import IGNORE_INDEX
+from models.errors import ConfigError
 
 RANDPERM_MAX_WINDOWS = 1 << 22  # 32 MiB of int64 per cached epoch permutation at most
 MIX_BLOCK = 10_000  # mixture pattern period: weights are realised exactly every 10k samples
