@@ -85,6 +85,17 @@ def _produce(
         start += global_batch_size
 
 
+def check_dp_shard(dp_rank: int, dp_size: int, global_batch_size: int) -> None:
+    """A data-parallel rank and a global batch that split evenly over the dp degree."""
+    if dp_size < 1 or not 0 <= dp_rank < dp_size:
+        raise ConfigError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size}) and dp_size >= 1")
+    if global_batch_size < 1 or global_batch_size % dp_size:
+        raise ConfigError(
+            f"training.global_batch_size={global_batch_size} must be a positive multiple of the "
+            f"data-parallel degree {dp_size}; change one of them"
+        )
+
+
 class DataLoader:
     """Per data-parallel rank view of the global sample order; state = global samples seen."""
 
@@ -100,13 +111,7 @@ class DataLoader:
         prefetch: int = 0,
         pin_memory: bool = False,
     ) -> None:
-        if dp_size < 1 or not 0 <= dp_rank < dp_size:
-            raise ConfigError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size}) and dp_size >= 1")
-        if global_batch_size < 1 or global_batch_size % dp_size:
-            raise ConfigError(
-                f"training.global_batch_size={global_batch_size} must be a positive multiple of the "
-                f"data-parallel degree {dp_size}; change one of them"
-            )
+        check_dp_shard(dp_rank, dp_size, global_batch_size)
         self.mixture = windows if isinstance(windows, Mixture) else None
         if self.mixture is None:
             _check_enough_windows(windows, global_batch_size, "the data")

@@ -40,7 +40,7 @@ import torch
 from models.common import IGNORE_INDEX
 from models.errors import ConfigError
 from trainer.data.documents import _SOURCE_ALIASES, _expand_path, _root_cause, is_validation
-from trainer.data.loader import _entry, mixture_names
+from trainer.data.loader import _entry, check_dp_shard, mixture_names
 from trainer.data.prefetch import Prefetcher
 from trainer.data.windows import MIX_BLOCK, Batch, mixture_pattern
 from trainer.tokenizer import Tokenizer, encode_documents
@@ -195,13 +195,7 @@ class StreamingDataLoader:
 
     def __init__(self, cfg: Any, tokenizer: Tokenizer, *, split: str, seq_len: int, global_batch_size: int,
                  dp_rank: int, dp_size: int, prefetch: int = 0, pin_memory: bool = False) -> None:  # fmt: skip
-        if dp_size < 1 or not 0 <= dp_rank < dp_size:
-            raise ConfigError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size}) and dp_size >= 1")
-        if global_batch_size < 1 or global_batch_size % dp_size:
-            raise ConfigError(
-                f"training.global_batch_size={global_batch_size} must be a positive multiple of the "
-                f"data-parallel degree {dp_size}; change one of them"
-            )
+        check_dp_shard(dp_rank, dp_size, global_batch_size)
         entries = [_entry(e) for e in (getattr(cfg, "sources", None) or [])] or [(cfg.path, 1.0)]
         for i, (_, w) in enumerate(entries):
             if w <= 0:
