@@ -234,3 +234,160 @@ def test_allgather_attention_equals_full_attention() -> None:
     print("max relative error per case: " + ", ".join(f"{k}={v:.1e}" for k, v in worst.items()))
     assert len(worst) == 2 * 2 * 2 * 4  # cp x mask x layout x (out, dq, dk, dv)
     assert all(v < 1e-5 for v in worst.values()), worst
+
+
+# --------------------------------------------------------------------------------------------
+# Through the Trainer: parity with one process, exact resume, resharding (fp32, CPU, gloo)
+# --------------------------------------------------------------------------------------------
+#
+# One spawn per world size runs every case of that size one after another (spawning dominates
+# the cost on a small machine); the single-process references run in the test process itself.
+
+RTOL = 1e-5
+CP2 = "parallelism.cp=2"
+BLOCK = "model.attention_mask=block_causal"
+NOCLIP = "training.grad_clip=0"
+DETERMINISTIC = "training.deterministic=true"
+CKPT = ("checkpoint.enable=true", "checkpoint.interval=4", DETERMINISTIC)
+DOCS = "DOCS"  # placeholder: a corpus of short documents (the built-in one's files are far longer
+# than the tiny 32-token windows, which would then never cross a document boundary)
+REFERENCES = {"causal": list(CKPT), "block_causal": [DOCS, BLOCK], "causal_docs": [DOCS], "noclip": [NOCLIP]}
+PARITY = {  # name -> (world size, reference, overrides)
+    "cp2": (2, "causal", [CP2]),
+    "cp2_block_causal": (2, "block_causal", [CP2, DOCS, BLOCK]),
+    "cp2_none_noclip": (2, "noclip", [CP2, "parallelism.cp_load_balance=none", NOCLIP]),
+    "cp2_ac_full": (2, "causal", [CP2, "training.activation_checkpoint=full"]),  # recompute re-gathers K/V
+    "cp4": (4, "causal", ["parallelism.cp=4"]),
+    "cp2_fsdp2": (4, "causal", [CP2, "parallelism.dp_shard=2"]),
+    "cp2_tp2": (4, "causal", [CP2, "parallelism.tp=2", "parallelism.dp_shard=1"]),
+    "cp2_pp2": (4, "causal", [CP2, "parallelism.pp=2", "parallelism.dp_shard=1"]),
+    "cp2_pp2_block_causal": (4, "block_causal", [CP2, "parallelism.pp=2", "parallelism.dp_shard=1", DOCS, BLOCK]),
+    "cp2_custom_ddp2": (4, "causal", [CP2, "parallelism.dp_replicate=2", "parallelism.dp_shard=1"]),
+}
+
+
+def _curves(history: list[dict]) -> dict[str, list[float]]:
+    steps = [r for r in history if "loss" in r]
+    return {"steps": [r["step"] for r in steps], "losses": [r["loss"] for r in steps],
+            "norms": [r["grad_norm"] for r in steps]}  # fmt: skip
+
+
+def _write_docs(tmp: str) -> str:
+    """400 short documents (2-8 words, ~25 bytes): ~1.5 document boundaries per 32-token window."""
+    import json
+    import random
+
+    rng = random.Random(0)
+    words = ["def", "return", "self", "import", "x", "y", "for", "in", "range", "if", "else", "print", "(", ")",
+             ":", "=", "+", "1", "0"]  # fmt: skip
+    path = os.path.join(tmp, "docs.jsonl")
+    with open(path, "w", encoding="utf-8") as f:
+        for _ in range(400):
+            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(2, 8)))}) + "\n")
+    return path
+
+
+def _run(folder: str, *overrides: str, until: int | None = None) -> tuple[dict, int]:
+    from trainer.train import Trainer
+
+    docs = os.path.join(os.path.dirname(folder), "docs.jsonl")
+    data = ("data=jsonl", f"data.path={docs}", "data.max_documents=null")
+    overrides = tuple(x for o in overrides for x in (data if o == DOCS else (o,)))
+    trainer = Trainer(tiny_config(folder, *overrides))
+    start = trainer.state.step
+    try:
+        return _curves(trainer.train(until_step=until)), start
+    finally:
+        trainer.close()
+
+
+def _world_worker(rank: int, world_size: int, tmp: str) -> dict:
+    out = {name: _run(os.path.join(tmp, name), *ov)[0] for name, (w, _, ov) in PARITY.items() if w == world_size}
+    if world_size == 2:
+        # Exact resume under CP x 2: 8 steps straight vs 4 steps, stop, resume for 4 more.
+        straight = _run(os.path.join(tmp, "straight"), CP2, *CKPT)[0]
+        first = _run(os.path.join(tmp, "resumed"), CP2, *CKPT, until=4)[0]
+        second, resumed_at = _run(os.path.join(tmp, "resumed"), CP2, *CKPT)
+        out["resume"] = {"straight": straight, "first": first, "second": second, "resumed_at": resumed_at}
+        # Resharding: the CP x 2 step-4 checkpoint continues as FSDP x 2, and the single-process
+        # reference's step-4 checkpoint continues as CP x 2 (full state: model, optimizer, data).
+        for name, source, ov in (
+            ("cp2_to_fsdp2", os.path.join(tmp, "straight"), ["parallelism.dp_shard=2"]),
+            ("single_to_cp2", os.path.join(tmp, "ref_causal"), [CP2]),
+        ):
+            load = [f"checkpoint.initial_load_path={source}/checkpoints/step-4", "checkpoint.initial_load_model_only=false"]
+            out[name] = _run(os.path.join(tmp, name), *ov, *load, until=5)[0]
+    return out
+
+
+def _max_rel(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def cp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """References (in this process), then every CP case: 2-rank and 4-rank spawns."""
+    import torch.distributed as dist
+
+    tmp = str(tmp_path_factory.mktemp("cp"))
+    _write_docs(tmp)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        refs = {name: _run(os.path.join(tmp, f"ref_{name}"), *ov)[0] for name, ov in REFERENCES.items()}
+    finally:
+        torch.set_num_threads(threads)
+    assert not dist.is_initialized()
+    runs = {2: run_distributed(_world_worker, 2, tmp, timeout=900)}
+    runs[4] = run_distributed(_world_worker, 4, tmp, timeout=900)
+    return {"refs": refs, "runs": runs}
+
+
+@pytest.mark.slow
+def test_block_causal_reference_differs_from_causal(cp_runs: dict) -> None:
+    refs = cp_runs["refs"]
+    assert refs["causal"]["losses"][0] == refs["noclip"]["losses"][0]
+    # Same data, same first-step weights: the document mask changes what the model sees.
+    assert _max_rel(refs["block_causal"]["losses"], refs["causal_docs"]["losses"]) > 1e-3
+    for ref in refs.values():
+        assert len(ref["losses"]) == 8 and ref["losses"][-1] < ref["losses"][0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PARITY))
+def test_cp_layout_matches_single_process(name: str, cp_runs: dict) -> None:
+    world, ref_name, _ = PARITY[name]
+    per_rank = [r[name] for r in cp_runs["runs"][world]]
+    got, ref = per_rank[0], cp_runs["refs"][ref_name]
+    assert got["steps"] == ref["steps"] == list(range(1, 9))
+    rel_loss, rel_norm = _max_rel(got["losses"], ref["losses"]), _max_rel(got["norms"], ref["norms"])
+    print(f"{name}: max relative difference vs 1 process over 8 steps: loss {rel_loss:.2e}, "
+          f"grad norm {rel_norm:.2e}")  # fmt: skip
+    assert rel_loss < RTOL and rel_norm < RTOL, (name, got, ref)
+    for other in per_rank[1:]:  # every rank logs the same global numbers
+        assert other == got
+
+
+@pytest.mark.slow
+def test_exact_resume_under_cp(cp_runs: dict) -> None:
+    r = cp_runs["runs"][2][0]["resume"]
+    assert r["resumed_at"] == 4
+    assert r["first"]["steps"] == [1, 2, 3, 4] and r["second"]["steps"] == [5, 6, 7, 8]
+    # Bitwise: the resumed run continues with exactly the uninterrupted run's losses and norms.
+    assert r["first"]["losses"] + r["second"]["losses"] == r["straight"]["losses"]
+    assert r["first"]["norms"] + r["second"]["norms"] == r["straight"]["norms"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name, source", [("cp2_to_fsdp2", "straight"), ("single_to_cp2", "ref")]
+)
+def test_reshard_to_and_from_cp(name: str, source: str, cp_runs: dict) -> None:
+    got = cp_runs["runs"][2][0][name]
+    want = (
+        cp_runs["runs"][2][0]["resume"]["straight"] if source == "straight" else cp_runs["refs"]["causal"]
+    )
+    assert got["steps"] == [5]
+    rel = abs(got["losses"][0] - want["losses"][4]) / want["losses"][4]
+    print(f"{name}: step-5 loss after loading the step-4 checkpoint: relative difference {rel:.2e}")
+    assert rel < RTOL
