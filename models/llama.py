@@ -10,13 +10,16 @@ The module tree and parameter names match torchtitan's Llama 3 model, so tensor-
     norm.weight
     output.weight
 
-Three properties let the parallelism code in ``parallelisms/`` work without touching this file:
+Four properties let the parallelism code in ``parallelisms/`` work without touching this file:
 
 * ``Attention`` derives the number of heads from tensor shapes at runtime, so column-sharded
   ``wq/wk/wv`` (tensor parallel) simply yield fewer local heads. It picks its rotary rows by
   each token's position where the whole (local) sequence is present, so a sequence-sharded
   residual stream (sequence parallel) and a sequence shard (context parallel) both get the
   right rotations.
+* ``Attention`` delegates the attention itself to a swappable ``core`` (``models/attention.py``,
+  one instance shared by all layers) that receives q, k, v after RoPE and before the grouped-query
+  expansion plus the positions, so context parallelism replaces the core and nothing else.
 * ``Transformer.forward`` tolerates a missing ``tok_embeddings`` / ``norm`` / ``output`` and
   deleted entries of the ``layers`` ``ModuleDict``, so a pipeline stage is this same class
   with pieces removed.

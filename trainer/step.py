@@ -52,7 +52,8 @@ def document_positions(tokens: Tensor, bos_id: Optional[int], eos_id: Optional[i
 
     A document starts at a BOS token and right after an EOS token (the loader packs
     ``[bos] doc [eos] [bos] doc [eos] ...``, so the two coincide); the window's first token starts
-    one too. With ``model.attention_mask=block_causal`` these positions drive both RoPE and the
+    one too. A tokenizer whose BOS and EOS are one id starts documents at that id only. With
+    ``model.attention_mask=block_causal`` these positions drive both RoPE and the
     document mask (``models/attention.py``: a document is the tokens sharing ``index - position``).
     """
     B, S = tokens.shape

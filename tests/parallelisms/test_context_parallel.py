@@ -261,7 +261,6 @@ PARITY = {  # name -> (world size, reference, overrides)
     "cp2_fsdp2": (4, "causal", [CP2, "parallelism.dp_shard=2"]),
     "cp2_tp2": (4, "causal", [CP2, "parallelism.tp=2", "parallelism.dp_shard=1"]),
     "cp2_pp2": (4, "causal", [CP2, "parallelism.pp=2", "parallelism.dp_shard=1"]),
-    "cp2_pp2_block_causal": (4, "block_causal", [CP2, "parallelism.pp=2", "parallelism.dp_shard=1", DOCS, BLOCK]),
     "cp2_custom_ddp2": (4, "causal", [CP2, "parallelism.dp_replicate=2", "parallelism.dp_shard=1"]),
 }
 
