@@ -10,13 +10,16 @@ The module tree and parameter names match torchtitan's Llama 3 model, so tensor-
     norm.weight
     output.weight
 
-Three properties let the parallelism code in ``parallelisms/`` work without touching this file:
+Four properties let the parallelism code in ``parallelisms/`` work without touching this file:
 
 * ``Attention`` derives the number of heads from tensor shapes at runtime, so column-sharded
   ``wq/wk/wv`` (tensor parallel) simply yield fewer local heads. It picks its rotary rows by
   each token's position where the whole (local) sequence is present, so a sequence-sharded
   residual stream (sequence parallel) and a sequence shard (context parallel) both get the
   right rotations.
+* ``Attention`` delegates the attention itself to a swappable ``core`` (``models/attention.py``,
+  one instance shared by all layers) that receives q, k, v after RoPE and before the grouped-query
+  expansion plus the positions, so context parallelism replaces the core and nothing else.
 * ``Transformer.forward`` tolerates a missing ``tok_embeddings`` / ``norm`` / ``output`` and
   deleted entries of the ``layers`` ``ModuleDict``, so a pipeline stage is this same class
   with pieces removed.
@@ -38,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from models.attention import AttentionCore, validate_attention_mask
 from models.common import (
     CopyFn,
     ParamInit,
@@ -45,7 +49,6 @@ from models.common import (
     RopeScaling,
     apply_rotary_emb,
     precompute_rope_cache,
-    repeat_kv,
 )
 from models.errors import ConfigError
 from models.spec import ModelArgs, ModelSpec, ParamCounts
@@ -87,6 +90,7 @@ class LlamaArgs(ModelArgs):
     max_seq_len: int = 2048
     tie_embeddings: bool = False
     init_std: float = 0.02
+    attention_mask: str = "causal"  # causal | block_causal (no attention across packed documents)
 
     def validate(self) -> None:
         """Raise ``ConfigError`` naming the bad value and the fix; return None when consistent."""
@@ -105,6 +109,7 @@ class LlamaArgs(ModelArgs):
             if not (isinstance(value, (int, float)) and value > 0):
                 raise ConfigError(f"model.{name}={value!r} must be a positive number.")
         self.rope_scaling.validate()
+        validate_attention_mask(self.attention_mask)
         if self.dim % self.n_heads != 0:
             raise ConfigError(
                 f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}; "
@@ -171,16 +176,20 @@ class Attention(nn.Module):
 
     Head counts are not stored: they are read from tensor shapes in ``forward``, so that
     tensor parallelism (which shards ``wq/wk/wv`` by output features and ``wo`` by input
-    features) needs no change here.
+    features) needs no change here. The attention itself is ``self.core``
+    (``models/attention.py``): it gets q, k, v after RoPE and before the grouped-query
+    expansion, plus the positions, and applies ``model.attention_mask``; context parallelism
+    swaps in a core that gathers keys and values across ranks.
     """
 
-    def __init__(self, args: LlamaArgs) -> None:
+    def __init__(self, args: LlamaArgs, core: Optional[nn.Module] = None) -> None:
         super().__init__()
         self.head_dim = args.head_dim
         self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.core = core if core is not None else AttentionCore(getattr(args, "attention_mask", "causal"))
 
     def init_weights(self, init: ParamInit, prefix: str, std: float, out_std: float) -> None:
         """wq/wk/wv: truncated normal (std, cut at 2 std); wo: depth-scaled ``out_std``."""
@@ -198,16 +207,8 @@ class Attention(nn.Module):
         k = self.wk(x).view(B, S, -1, self.head_dim)  # (B, S, nkv, D)  nkv: local kv heads
         v = self.wv(x).view(B, S, -1, self.head_dim)  # (B, S, nkv, D)
         q, k = apply_rotary_emb(q, k, rope)
-
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, S, D)
-        # Explicit repeat rather than SDPA's enable_gqa: works with every backend, under
-        # torch.compile, and for whatever local head counts tensor parallelism leaves.
-        n_rep = q.size(1) // k.size(1)
-        k = repeat_kv(k, n_rep)  # (B, nh, S, D)
-        v = repeat_kv(v, n_rep)  # (B, nh, S, D)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, S, D)
-        out = out.transpose(1, 2).reshape(B, S, -1)  # (B, S, nh*D)
-        return self.wo(out)  # (B, S, H)
+        out = self.core(q, k, v, positions=positions)  # (B, S, nh, D)
+        return self.wo(out.reshape(B, S, -1))  # (B, S, nh*D) -> (B, S, H)
 
 
 class FeedForward(nn.Module):
@@ -272,6 +273,7 @@ class Transformer(nn.Module):
         self.norm: Optional[RMSNorm] = RMSNorm(args.dim, eps=args.norm_eps)
         self.output: Optional[nn.Linear] = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
+        self.share_attention_core()
         # Non-persistent: derived from args, never checkpointed. Allocated on the ambient device
         # (meta under `with torch.device("meta")`) and filled unless that device is meta.
         self.register_buffer("rope_cache", torch.empty(args.max_seq_len, args.head_dim), persistent=False)
@@ -280,6 +282,12 @@ class Transformer(nn.Module):
     def build_block(self, layer_id: int, args: Any) -> nn.Module:
         """One repeated block; families with other blocks (MoE) override this."""
         return TransformerBlock(layer_id, args)
+
+    def share_attention_core(self) -> None:
+        """Give every block's attention one shared core, so a per-batch mask is built once."""
+        cores = [m for m in self.modules() if isinstance(m, Attention)]
+        for attention in cores[1:]:
+            attention.core = cores[0].core
 
     def tie_weights(self) -> None:
         """With ``tie_embeddings``, make ``output.weight`` the embedding's Parameter (if both exist)."""

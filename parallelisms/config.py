@@ -34,6 +34,8 @@ class ParallelismConfig:
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    cp_impl: str = "allgather"  # allgather (any device) | ring (CUDA: torch's experimental ring attention)
+    cp_load_balance: str = "headtail"  # headtail (zigzag: rank r holds chunks r and 2cp-1-r) | none
     ddp: DDPConfig = field(default_factory=DDPConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     sequence_parallel: bool = True

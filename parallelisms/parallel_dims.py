@@ -12,6 +12,7 @@ node-contiguous) plus the flattened views
 - ``dp``          = dp_replicate x dp_shard   (data loading: ranks that see different batches)
 - ``dp_shard_cp`` = dp_shard x cp             (FSDP parameter sharding)
 - ``dp_cp``       = dp_replicate x dp_shard x cp (loss and gradient-norm reductions)
+- ``dp_replicate_cp`` = dp_replicate x cp     (DDP under context parallel; only built when used)
 
 and answers sub-meshes by name (``get_mesh("dp_shard_cp")``) and this rank's coordinates
 (``dp_rank``, ``pp_rank``, ...). Nobody else slices the mesh or recomputes a rank by hand.
@@ -37,6 +38,8 @@ FLAT_VIEWS: dict[str, tuple[str, ...]] = {
     "dp_shard_cp": ("dp_shard", "cp"),
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
 }
+# Built only when a run needs it (DDP with context parallel), to spare every other run a group.
+OPTIONAL_VIEWS: dict[str, tuple[str, ...]] = {"dp_replicate_cp": ("dp_replicate", "cp")}
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -110,6 +113,13 @@ class ParallelDims:
         )  # fmt: skip
         dims.validate_options(cfg, compile=compile, device_type=device_type)
         dims.validate_model(spec, model_args, seq_len=seq_len, sequence_parallel=cfg.sequence_parallel)
+        from parallelisms.context_parallel import validate_cp
+
+        validate_cp(
+            cp=dims.cp, cp_impl=cfg.cp_impl, load_balance=cfg.cp_load_balance, tp=dims.tp,
+            sequence_parallel=cfg.sequence_parallel, seq_len=seq_len, device_type=device_type,
+            attention_mask=getattr(model_args, "attention_mask", "causal"),
+        )  # fmt: skip
         dims.grad_accum_steps(global_batch_size, micro_batch_size)
         if dims.pp > 1:
             from parallelisms.pipeline_parallel import validate_pp
@@ -136,10 +146,19 @@ class ParallelDims:
                 "parallelism.fsdp.cpu_offload=true offloads GPU memory to the host; on a CPU run the "
                 "parameters already live there. Set parallelism.fsdp.cpu_offload=false."
             )
-        if self.cp > 1:
+        if self.cp > 1 and cfg.ddp.sharded_optimizer and self.ddp_enabled:
             raise ConfigError(
-                f"parallelism.cp={self.cp}: context parallelism is not implemented yet (it would silently "
-                f"train without splitting the sequence); set parallelism.cp=1."
+                f"parallelism.ddp.sharded_optimizer=true with parallelism.cp={self.cp} is not supported (ZeRO-1 "
+                f"shards optimizer state over dp_replicate only); with context parallel use FSDP "
+                f"(parallelism.dp_shard > 1, or dp_replicate=1: FSDP then shards over cp), or set "
+                f"sharded_optimizer=false."
+            )
+        if self.cp > 1 and self.pp > 1 and cfg.pp_schedule.lower() in ("interleavedzerobubble", "zbvzerobubble"):
+            raise ConfigError(
+                f"parallelism.pp_schedule={cfg.pp_schedule} with parallelism.cp={self.cp} is not supported: "
+                f"zero-bubble schedules split backward into input and weight passes, and the context-parallel "
+                f"attention's reduce-scatter of dK/dV is not verified under that split; use 1F1B, GPipe or "
+                f"Interleaved1F1B."
             )
         if cfg.ddp.sharded_optimizer and self.tp > 1:
             raise ConfigError(
@@ -172,11 +191,6 @@ class ParallelDims:
                     f"training.seq_len={seq_len} is not divisible by parallelism.tp={self.tp}, which "
                     f"sequence parallelism needs; change seq_len or set parallelism.sequence_parallel=false."
                 )
-        if self.cp > 1 and seq_len % (2 * self.cp) != 0:
-            raise ConfigError(
-                f"training.seq_len={seq_len} is not divisible by 2*cp = {2 * self.cp} (context parallel "
-                f"splits each sequence into 2*cp load-balanced chunks); change seq_len or parallelism.cp."
-            )
         if self.pp > args.n_layers:
             raise ConfigError(
                 f"parallelism.pp={self.pp} exceeds model.n_layers={args.n_layers}: every pipeline stage needs "
@@ -201,13 +215,14 @@ class ParallelDims:
 
     @property
     def ddp_enabled(self) -> bool:
-        """Pure replication (DDP) on the replicate axis."""
-        return self.dp_replicate > 1 and self.dp_shard == 1 and self.cp == 1
+        """Pure replication (DDP) on the replicate axis (times cp: parameters are replicated there too)."""
+        return self.dp_replicate > 1 and self.dp_shard == 1
 
     @property
     def fsdp_enabled(self) -> bool:
-        """FSDP (or HSDP when dp_replicate > 1) on the shard(+cp) axis."""
-        return self.dp_shard > 1 or self.cp > 1
+        """FSDP (or HSDP when dp_replicate > 1) on the shard(+cp) axis; with dp_shard = 1 and
+        dp_replicate = 1, context parallel alone shards the parameters over cp."""
+        return (self.dp_shard > 1 or self.cp > 1) and not self.ddp_enabled
 
     @property
     def hsdp_enabled(self) -> bool:
@@ -242,7 +257,7 @@ class ParallelDims:
             size = getattr(self, name)
             coords[name] = rest % size
             rest //= size
-        for view, dims in FLAT_VIEWS.items():
+        for view, dims in {**FLAT_VIEWS, **OPTIONAL_VIEWS}.items():
             index = 0
             for name in dims:
                 index = index * getattr(self, name) + coords[name]
@@ -261,11 +276,14 @@ class ParallelDims:
         shape = tuple(getattr(self, name) for name in MESH_DIM_NAMES)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIM_NAMES)
         # Flattened views are registered on the root mesh and can then be sliced by name.
-        for view, dims in FLAT_VIEWS.items():
+        views = dict(FLAT_VIEWS)
+        if self.ddp_enabled and self.cp > 1:
+            views.update(OPTIONAL_VIEWS)
+        for view, dims in views.items():
             mesh[dims]._flatten(view)
         self._mesh = mesh
         coords = self.coordinates(mesh.get_rank())
-        for name in (*MESH_DIM_NAMES, *FLAT_VIEWS):
+        for name in (*MESH_DIM_NAMES, *views):
             if self.get_mesh(name).get_local_rank() != coords[name]:
                 raise RuntimeError(f"mesh layout disagrees with ParallelDims.coordinates on {name!r}")
         return mesh
@@ -296,6 +314,17 @@ class ParallelDims:
             if self.dp_replicate > 1
             else self.get_mesh("dp_shard_cp")
         )
+
+    @property
+    def ddp_mesh(self) -> DeviceMesh:
+        """Where DDP averages gradients: ``dp_replicate``, or ``dp_replicate_cp`` under context parallel
+        (the cp ranks of a replica hold the same parameters and different tokens)."""
+        return self.get_mesh("dp_replicate_cp") if self.cp > 1 else self.get_mesh("dp_replicate")
+
+    @property
+    def cp_mesh(self) -> DeviceMesh:
+        """The context-parallel axis."""
+        return self.get_mesh("cp")
 
     @property
     def loss_mesh(self) -> DeviceMesh:

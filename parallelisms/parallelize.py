@@ -4,13 +4,13 @@ Order (fixed), each step applied only when its axis is active:
 
 1. pipeline split           (pp)           -- parallelisms/pipeline_parallel.py
 2. tensor / sequence par.   (tp)           -- parallelisms/tensor_parallel.py
-3. context parallel         (cp)           -- parallelisms/context_parallel.py (not yet)
+3. context parallel         (cp)           -- parallelisms/context_parallel.py (swaps the attention core)
 4. expert parallel          (ep)           -- parallelisms/expert_parallel.py (not yet)
 5. activation checkpointing                -- parallelisms/activation_checkpoint.py
 6. torch.compile per block                 -- parallelisms/compile.py
 7. FSDP2 / HSDP             (dp_shard x cp [, dp_replicate])  -- parallelisms/fsdp.py
 8. materialise: ``to_empty`` + the caller's deterministic ``init_weights``
-9. DDP                      (dp_replicate only, not under PP) -- parallelisms/ddp.py
+9. DDP                      (dp_replicate [x cp], not under PP) -- parallelisms/ddp.py
 
 Steps 1-7 run on the meta device so no rank ever holds the whole model; DDP comes last
 because it broadcasts real weights from the replicate group's first rank.
@@ -50,6 +50,7 @@ class PartOptions:
     ac_selective: str = "layer"  # layer | op
     ac_layer_interval: int = 2
     compile: bool = False
+    attention_mask: str = "causal"  # the model's mask, for the context-parallel attention core
 
 
 def reshard_after_forward(cfg: ParallelismConfig, dims: ParallelDims) -> bool:
@@ -83,13 +84,20 @@ def parallelize_part(
     *,
     wrap_ddp: bool = True,
 ) -> nn.Module:
-    """Steps 2-9 on one module (a whole model or a pipeline stage, on meta): TP -> AC -> compile
+    """Steps 2-9 on one module (a whole model or a pipeline stage, on meta): TP -> CP -> AC -> compile
     -> FSDP -> to_empty + init_weights -> DDP (when ``wrap_ddp``). Meshes come from ``dims``."""
     device = options.device
     if dims.tp > 1:
         from parallelisms.tensor_parallel import apply_tp
 
         apply_tp(model, spec, dims.get_mesh("tp"), cfg, device_type=device.type)
+    if dims.cp > 1:
+        from parallelisms.context_parallel import apply_cp
+
+        apply_cp(
+            model, dims.cp_mesh, impl=cfg.cp_impl, load_balance=cfg.cp_load_balance,
+            attention_mask=options.attention_mask,
+        )  # fmt: skip
     if options.activation_checkpoint != "none":
         from parallelisms.activation_checkpoint import apply_ac
 
@@ -117,7 +125,7 @@ def parallelize_part(
         from parallelisms.utils import to_dtype
 
         model = apply_ddp(
-            model, dims.get_mesh("dp_replicate"), impl=cfg.ddp.impl, bucket_mb=cfg.ddp.bucket_mb,
+            model, dims.ddp_mesh, impl=cfg.ddp.impl, bucket_mb=cfg.ddp.bucket_mb,
             grad_dtype=to_dtype(cfg.ddp.grad_dtype) if cfg.ddp.grad_dtype else None,
         )  # fmt: skip
     return model

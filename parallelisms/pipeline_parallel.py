@@ -365,18 +365,30 @@ class Pipeline:
         self._micro_sums.append(loss_sum.detach())
         return loss_sum * self._loss_scale
 
-    def step(self, inputs: Optional[Tensor], labels: Tensor, *, loss_scale: Tensor | float) -> Tensor:
+    def step(
+        self,
+        inputs: Optional[Tensor],
+        labels: Tensor,
+        *,
+        loss_scale: Tensor | float,
+        positions: Optional[Tensor] = None,
+    ) -> Tensor:
         """One schedule step over a local batch (B, S); returns this dp rank's summed token loss
         (unscaled, identical on every pp rank). Backward runs on ``loss_sum * loss_scale``
-        per microbatch; gradients accumulate into the parts' parameters."""
+        per microbatch; gradients accumulate into the parts' parameters.
+
+        ``positions`` (B, S) (context-parallel shards, packed documents) reach EVERY stage:
+        torch's schedules hand keyword arguments, split into microbatches along the batch, to
+        each stage's forward, where the attention layers use them for RoPE and the mask."""
         if self.has_first_stage and inputs is None:
             raise ValueError("Pipeline.step: the rank holding the first stage needs the input tokens.")
         self._micro_sums.clear()
         self._loss_scale = loss_scale
         target = labels if self.has_last_stage else None
         args = (inputs,) if self.has_first_stage else ()
+        kwargs = {"positions": _batched(positions, labels)} if positions is not None else {}
         with self.step_context():
-            self.schedule.step(*args, target=target, return_outputs=False)
+            self.schedule.step(*args, target=target, return_outputs=False, **kwargs)
         if self.grad_sync_group is not None:
             for part in self.model_parts:
                 _all_reduce_mean_grads(part, self.grad_sync_group)
@@ -389,7 +401,9 @@ class Pipeline:
         return loss
 
     @torch.no_grad()
-    def forward_loss_sum(self, inputs: Optional[Tensor], labels: Tensor) -> Tensor:
+    def forward_loss_sum(
+        self, inputs: Optional[Tensor], labels: Tensor, positions: Optional[Tensor] = None
+    ) -> Tensor:
         """Forward only: summed token loss of (B, S) ``labels`` on every pp rank.
 
         Runs the stages one after another with blocking send/recv (no microbatching), so any
@@ -408,7 +422,7 @@ class Pipeline:
                     x = h
                 else:
                     x = self._recv(self.stage_to_rank[s - 1])
-                out = part_of[s](x)
+                out = part_of[s](x) if positions is None else part_of[s](x, positions=positions)
                 if s == self.num_stages - 1:
                     loss = self.loss_fn(out, labels).float()
                 elif self.stage_to_rank[s + 1] != self.pp_rank:
@@ -433,6 +447,11 @@ class Pipeline:
         t = torch.empty(shape[:ndim], dtype=_WIRE_DTYPES[dtype_code], device=self.device)
         dist.recv(t, group=self._group, group_src=peer)
         return t
+
+
+def _batched(positions: Tensor, labels: Tensor) -> Tensor:
+    """Positions as (B, S), so the schedule can split them into microbatches like the labels."""
+    return positions if positions.dim() == 2 else positions[None].expand(labels.shape[0], -1)
 
 
 @torch.no_grad()
@@ -485,5 +504,5 @@ def apply_pp(
         parts, stage_ids, pp_mesh, schedule=schedule, num_stages=num_stages,
         n_microbatches=num_microbatches(cfg, local_batch_size=local_batch_size, micro_batch_size=micro_batch_size),
         device=device, loss_fn=loss_fn, step_context=step_context,
-        grad_sync_group=dims.get_mesh("dp_replicate").get_group() if dims.ddp_enabled else None,
+        grad_sync_group=dims.ddp_mesh.get_group() if dims.ddp_enabled else None,
     )  # fmt: skip

@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from models.common import IGNORE_INDEX
 
-__all__ = ["StepBatch", "StepContext", "token_loss_sum"]
+__all__ = ["StepBatch", "StepContext", "document_positions", "token_loss_sum"]
 
 
 def token_loss_sum(logits: Tensor, labels: Tensor) -> Tensor:
@@ -45,6 +45,28 @@ def token_loss_sum(logits: Tensor, labels: Tensor) -> Tensor:
 def count_targets(labels: Tensor) -> Tensor:
     """Number of target tokens (labels not ``IGNORE_INDEX``), as a tensor (no host sync)."""
     return (labels != IGNORE_INDEX).sum()
+
+
+def document_positions(tokens: Tensor, bos_id: Optional[int], eos_id: Optional[int]) -> Tensor:
+    """Per-token positions (B, S) that restart at 0 at every document start of packed ``tokens``.
+
+    A document starts at a BOS token and right after an EOS token (the loader packs
+    ``[bos] doc [eos] [bos] doc [eos] ...``, so the two coincide); the window's first token starts
+    one too. A tokenizer whose BOS and EOS are one id starts documents at that id only. With
+    ``model.attention_mask=block_causal`` these positions drive both RoPE and the
+    document mask (``models/attention.py``: a document is the tokens sharing ``index - position``).
+    """
+    B, S = tokens.shape
+    starts = torch.zeros_like(tokens, dtype=torch.bool)
+    if bos_id is not None:
+        starts |= tokens == bos_id
+    if eos_id is not None and eos_id != bos_id:
+        starts[:, 1:] |= tokens[:, :-1] == eos_id
+    starts[:, 0] = True
+    index = torch.arange(S, device=tokens.device).expand(B, S)
+    # Index of the latest start at or before each token: a running max over the start indices.
+    start_index = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    return index - start_index  # (B, S)
 
 
 @dataclass

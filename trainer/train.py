@@ -35,7 +35,7 @@ from trainer.metrics import MetricsLogger, setup_logging
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.preemption import PreemptionHandler
 from trainer.profiling import StepProfiler
-from trainer.step import StepBatch, StepContext, count_targets, token_loss_sum
+from trainer.step import StepBatch, StepContext, count_targets, document_positions, token_loss_sum
 from trainer.tokenizer import build_tokenizer, check_vocab_size
 
 logger = logging.getLogger("meshwright")
@@ -159,6 +159,11 @@ class Trainer:
             with open(os.path.join(self.dump_folder, "config.yaml"), "w", encoding="utf-8") as f:
                 f.write(to_yaml(self.cfg))
 
+    @property
+    def attention_mask(self) -> str:
+        """``model.attention_mask`` (causal for families without the key)."""
+        return getattr(self.cfg.model, "attention_mask", "causal")
+
     def _build_model(self) -> None:
         cfg, t, p = self.cfg, self.cfg.training, self.parallelism
         with torch.device("meta"):
@@ -171,12 +176,21 @@ class Trainer:
             ac_selective=t.ac_selective,
             ac_layer_interval=t.ac_layer_interval,
             compile=t.compile,
+            attention_mask=self.attention_mask,
         )
         self.step_context = StepContext(
             device_type=self.device.type,
             autocast_dtype=torch.bfloat16 if t.mixed_precision == "bf16" else None,
             loss_parallel=self.dims.tp > 1 and p.loss_parallel,
         )
+        if self.dims.cp > 1:
+            # Context parallel: every batch is cut to this rank's (head-tail) share of each
+            # sequence, and ring attention (cp_impl=ring) enters with the step.
+            from parallelisms.context_parallel import cp_batch_sharder, cp_contexts
+
+            cp_mesh = self.dims.cp_mesh
+            self.step_context.batch_sharder = cp_batch_sharder(cp_mesh, p.cp_load_balance)
+            self.step_context.extra.extend(cp_contexts(cp_mesh, impl=p.cp_impl, load_balance=p.cp_load_balance))
         # Under PP the "model" is this rank's Pipeline (its stages' parts + the schedule); it
         # offers parameters()/train()/eval() and the Checkpointer merges its parts' names.
         self.pipeline: Optional[Pipeline] = None
@@ -254,15 +268,19 @@ class Trainer:
     def _next_batch(self, loader: DataLoader) -> StepBatch:
         batch = loader.next_batch()
         # Per-document positions (restarting at each document) only go with document masking;
-        # with plain causal attention across packed documents, positions run 0..S-1.
-        doc_positions = getattr(self.cfg.model, "attention_mask", "causal") == "block_causal"
+        # with plain causal attention across packed documents, positions run 0..S-1. The
+        # loader's positions (from the prepared index) win; else they are derived from the
+        # BOS/EOS boundaries, before context-parallel sharding.
+        block_causal = self.attention_mask == "block_causal"
+        loader_positions = getattr(batch, "positions", None) if block_causal else None
         step_batch = StepBatch(
             inputs=batch.inputs.to(self.device, non_blocking=True),
             labels=batch.labels.to(self.device, non_blocking=True),
-            positions=getattr(batch, "positions", None) if doc_positions else None,
         )
-        if step_batch.positions is not None:
-            step_batch.positions = step_batch.positions.to(self.device, non_blocking=True)
+        if loader_positions is not None:
+            step_batch.positions = loader_positions.to(self.device, non_blocking=True)
+        elif block_causal:
+            step_batch.positions = document_positions(step_batch.inputs, self.tokenizer.bos_id, self.tokenizer.eos_id)
         return self.step_context.shard_batch(step_batch)
 
     def _forward_loss_sum(self, batch: StepBatch) -> torch.Tensor:
@@ -306,7 +324,9 @@ class Trainer:
         if self.pipeline is not None:
             # The schedule splits the local batch into its microbatches (they replace the
             # accumulation loop), runs the loss on the last stage and reports it everywhere.
-            loss_sum = self.pipeline.step(batch.inputs, batch.labels, loss_scale=scale)
+            loss_sum = self.pipeline.step(
+                batch.inputs, batch.labels, loss_scale=scale, positions=batch.positions
+            )
         else:
             loss_sum = self._accumulate_gradients(batch, scale)
         pp_mesh = self.dims.get_mesh("pp") if self.dims.pp > 1 else None
@@ -332,7 +352,7 @@ class Trainer:
         for _ in range(self.cfg.training.eval_steps):
             batch = self._next_batch(self.val_loader)
             if self.pipeline is not None:
-                loss_sum += self.pipeline.forward_loss_sum(batch.inputs, batch.labels)
+                loss_sum += self.pipeline.forward_loss_sum(batch.inputs, batch.labels, batch.positions)
             else:
                 with self.step_context():
                     loss_sum += self._forward_loss_sum(batch)

@@ -54,7 +54,6 @@ def test_batch_divisibility() -> None:
         ({"tp": 2}, LlamaArgs(dim=64, n_heads=4, n_kv_heads=1), 64, "n_kv_heads=1"),
         ({"tp": 2}, LlamaArgs(vocab_size=511), 64, "vocab_size=511"),
         ({"tp": 2}, LlamaArgs(), 63, "seq_len=63"),
-        ({"cp": 2}, LlamaArgs(), 66, "2\\*cp = 4"),
         ({"pp": 8}, LlamaArgs(n_layers=4), 64, "pp=8 exceeds model.n_layers=4"),
     ],
 )
@@ -72,7 +71,8 @@ def test_model_checks(kw: dict, args: LlamaArgs, seq_len: int, needle: str) -> N
             ("parallelism.tp=2", "parallelism.ddp.sharded_optimizer=true"),
             "sharded_optimizer=true with parallelism.tp=2",
         ),
-        (("parallelism.cp=2",), "context parallelism is not implemented"),
+        (("parallelism.cp=2", "training.seq_len=66"), r"seq_len=66 is not divisible by 4 = 2\*cp"),
+        (("parallelism.cp=2", "parallelism.cp_impl=ring"), "parallelism.cp_impl=allgather, which works on every device"),
     ],
 )
 def test_unsupported_tp_compositions_are_config_errors(overrides: tuple[str, ...], needle: str) -> None:

@@ -1,0 +1,317 @@
+"""Context parallel: every sequence is split across the ``cp`` mesh axis; only attention talks.
+
+Seed article section 7: apart from attention every operator is per token, so a rank holding
+S / cp tokens of each sequence computes its share of the whole network alone. Attention needs
+every key and value:
+
+* ``cp_impl=allgather`` (default; CPU and GPU, any backend incl. gloo): inside each attention
+  layer the keys and values of the cp group are all-gathered AFTER RoPE and BEFORE the
+  grouped-query expansion (only the kv heads travel, one collective for K and V together);
+  the local queries attend to all of them under the mask of their TRUE token indices
+  (causal, or block-causal by document), and backward reduce-scatters dK / dV back to their
+  owners. This is the Llama 3 paper's design and torchtitan's current one. Per layer and rank
+  it moves (cp - 1) / cp x 2 x B x S x n_kv_heads x D elements each way.
+* ``cp_impl=ring`` (CUDA only): torch's experimental ``context_parallel`` replaces SDPA with
+  ring attention (K/V blocks passed around the ring, online softmax). It supports only the
+  causal mask and NCCL, so it is rejected on CPU and with ``model.attention_mask=block_causal``.
+
+Load balance (``cp_load_balance``): with a causal mask, contiguous chunks would give the last
+rank ~cp times the attention work of the first. ``headtail`` (default) cuts each sequence into
+2 x cp chunks and gives rank r chunks r and 2cp-1-r ("zigzag"), which equalises the work;
+``none`` gives rank r the r-th contiguous S / cp tokens.
+
+Wiring (see ``apply_cp`` / ``cp_batch_sharder``): the trainer's ``StepContext.batch_sharder``
+cuts inputs, labels and positions of every batch to this rank's tokens (the data loader gives
+every rank of a cp group the same batch: its dp rank excludes cp); RoPE and the masks use the
+true positions and indices, so the model needs no change beyond its swappable attention core.
+Parameters are replicated over cp, so FSDP shards over dp_shard x cp, DDP averages over
+dp_replicate x cp, and the loss's token count is summed over dp x cp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from models.attention import AttentionCore, MaskCache, MaskSpec, attend, compiled_flex_attention
+from models.errors import ConfigError
+
+__all__ = [
+    "CP_IMPLS",
+    "CP_LOAD_BALANCE",
+    "AllGatherAttention",
+    "apply_cp",
+    "cp_batch_sharder",
+    "cp_contexts",
+    "gather_sequence",
+    "shard_indices",
+    "validate_cp",
+]
+
+CP_IMPLS = ("allgather", "ring")
+CP_LOAD_BALANCE = ("headtail", "none")
+
+
+# --------------------------------------------------------------------------------------------
+# Validation (pure: called by ParallelDims.from_config before any process group)
+# --------------------------------------------------------------------------------------------
+
+
+def validate_cp(
+    *,
+    cp: int,
+    cp_impl: str,
+    load_balance: str,
+    tp: int,
+    sequence_parallel: bool,
+    seq_len: int,
+    device_type: str,
+    attention_mask: str,
+) -> None:
+    """Check the context-parallel options against the sequence, device and mask."""
+    if cp_impl not in CP_IMPLS:
+        raise ConfigError(f"parallelism.cp_impl={cp_impl!r} is not one of {list(CP_IMPLS)}; use allgather.")
+    if load_balance not in CP_LOAD_BALANCE:
+        raise ConfigError(
+            f"parallelism.cp_load_balance={load_balance!r} is not one of {list(CP_LOAD_BALANCE)}; "
+            "use headtail (zigzag, balanced causal work) or none (contiguous chunks)."
+        )
+    if cp == 1:
+        return
+    chunks = 2 * cp if load_balance == "headtail" else cp
+    if seq_len % chunks != 0:
+        raise ConfigError(
+            f"training.seq_len={seq_len} is not divisible by {chunks} = "
+            f"{'2*cp' if load_balance == 'headtail' else 'cp'} (parallelism.cp={cp}, cp_load_balance="
+            f"{load_balance} cuts each sequence into {chunks} chunks); choose a seq_len that is a multiple "
+            f"of {chunks}, or change parallelism.cp."
+        )
+    if tp > 1 and sequence_parallel and (seq_len // cp) % tp != 0:
+        raise ConfigError(
+            f"training.seq_len={seq_len} / parallelism.cp={cp} = {seq_len // cp} local tokens are not "
+            f"divisible by parallelism.tp={tp}, which sequence parallelism needs; choose a seq_len that is a "
+            f"multiple of {_lcm(chunks, cp * tp)}, "
+            f"or set parallelism.sequence_parallel=false."
+        )
+    if cp_impl == "ring":
+        if device_type != "cuda":
+            raise ConfigError(
+                f"parallelism.cp_impl=ring runs torch's experimental ring attention, which needs CUDA "
+                f"(NCCL and flash / memory-efficient SDPA); this run is on {device_type}. Use "
+                f"parallelism.cp_impl=allgather, which works on every device and backend."
+            )
+        if attention_mask != "causal":
+            raise ConfigError(
+                f"parallelism.cp_impl=ring supports only model.attention_mask=causal (torch's ring attention "
+                f"has no document mask), got {attention_mask}; use parallelism.cp_impl=allgather for "
+                f"block_causal."
+            )
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a
+
+
+def _lcm(a: int, b: int) -> int:
+    return a * b // _gcd(a, b)
+
+
+# --------------------------------------------------------------------------------------------
+# Layout and batch sharding
+# --------------------------------------------------------------------------------------------
+
+
+def shard_indices(seq_len: int, cp: int, rank: int, load_balance: str, device: Any = None) -> Tensor:
+    """True token indices (S / cp,) that cp rank ``rank`` holds, in its local order.
+
+    ``headtail``: chunks ``rank`` and ``2cp-1-rank`` of 2cp equal chunks; ``none``: chunk ``rank``
+    of cp.
+    """
+    if load_balance == "none":
+        n = seq_len // cp
+        return torch.arange(rank * n, (rank + 1) * n, device=device)
+    n = seq_len // (2 * cp)
+    tail = 2 * cp - 1 - rank
+    return torch.cat(
+        [torch.arange(rank * n, (rank + 1) * n, device=device), torch.arange(tail * n, (tail + 1) * n, device=device)]
+    )
+
+
+def cp_batch_sharder(cp_mesh: DeviceMesh, load_balance: str) -> Callable[[Any], Any]:
+    """A ``StepContext.batch_sharder``: (B, S) inputs / labels / positions -> this rank's (B, S / cp).
+
+    Positions default to the true indices 0..S-1 (block-causal batches bring their own, which
+    restart at every document); they are always returned as (B, S / cp) so that gradient
+    accumulation and pipeline microbatching can split them along the batch.
+    """
+    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+
+    def shard(batch: Any) -> Any:
+        B, S = batch.inputs.shape
+        device = batch.inputs.device
+        positions = batch.positions
+        if positions is None:
+            positions = torch.arange(S, device=device)
+        if positions.dim() == 1:
+            positions = positions[None].expand(B, S)
+        index = shard_indices(S, cp, rank, load_balance, device)
+        return dataclasses.replace(
+            batch,
+            inputs=batch.inputs.index_select(1, index),
+            labels=batch.labels.index_select(1, index),
+            positions=positions.index_select(1, index),
+        )
+
+    return shard
+
+
+# --------------------------------------------------------------------------------------------
+# All-gather attention
+# --------------------------------------------------------------------------------------------
+
+# Non-deprecated names where this torch has them.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along a new leading rank dim; backward reduce-scatters (sums) the gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup) -> Tensor:  # type: ignore[override]
+        ctx.group = group
+        world = dist.get_world_size(group)
+        out = x.new_empty((world * x.shape[0], *x.shape[1:]))  # (cp * B, ...): rank-major blocks
+        _all_gather_single(out, x.contiguous(), group=group)
+        return out.view(world, *x.shape)  # (cp, B, ...)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        # Every rank's queries contributed to every owner's keys: sum the partial dK / dV and
+        # give each owner its own slice.
+        out = grad.new_empty(grad.shape[1:])
+        _reduce_scatter_single(out, grad.reshape(-1, *grad.shape[2:]).contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
+        return out, None
+
+
+def gather_sequence(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """(B, S_local, ...) from every rank of ``group`` -> (B, cp * S_local, ...) in rank order;
+    differentiable (backward: reduce-scatter)."""
+    g = _GatherSequence.apply(x, group)  # (cp, B, S_local, ...)
+    cp, B, S_local = g.shape[:3]
+    return g.transpose(0, 1).reshape(B, cp * S_local, *g.shape[3:])
+
+
+class AllGatherAttention(nn.Module):
+    """Context-parallel attention core (``cp_impl=allgather``), swapped into every ``Attention``.
+
+    Receives this rank's q (B, S/cp, nh, D) and k/v (B, S/cp, nkv, D) after RoPE, all-gathers
+    K and V over the cp group (one collective: they are stacked), and attends the local
+    queries to all keys under the causal (or block-causal) rule of their TRUE indices. The
+    mask is built once per batch (one-entry cache shared by all layers); under block-causal
+    the positions of all keys are all-gathered once per batch to find their documents.
+    """
+
+    def __init__(self, cp_mesh: DeviceMesh, *, load_balance: str, attention_mask: str) -> None:
+        super().__init__()
+        self.group = cp_mesh.get_group()
+        self.cp = cp_mesh.size()
+        self.rank = cp_mesh.get_local_rank()
+        self.load_balance = load_balance
+        self.attention_mask = attention_mask
+        self.cache = MaskCache()
+        self.flex: Optional[Callable[..., Tensor]] = None
+
+    @torch.compiler.disable  # collectives and a Python-side cache: keep out of compiled graphs
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, positions: Optional[Tensor] = None) -> Tensor:
+        """q (B, S/cp, nh, D), k/v (B, S/cp, nkv, D) -> (B, S/cp, nh, D)."""
+        B, S_local = q.shape[:2]
+        kv = gather_sequence(torch.stack([k, v], dim=2), self.group)  # (B, S, 2, nkv, D)
+        k_all, v_all = kv[:, :, 0], kv[:, :, 1]  # (B, S, nkv, D) in rank order
+        use_flex = q.is_cuda
+        block = self.attention_mask == "block_causal" and positions is not None
+        key = (B, S_local, q.dtype, q.device, use_flex, block)
+        mask = self.cache.get(positions if block else None, key, lambda: self._build_mask(q, positions, block))
+        if use_flex and self.flex is None:
+            self.flex = compiled_flex_attention()
+        return attend(q, k_all, v_all, mask, flex=self.flex if use_flex else None)
+
+    def _build_mask(self, q: Tensor, positions: Optional[Tensor], block: bool) -> Any:
+        B, S_local = q.shape[:2]
+        S = S_local * self.cp
+        device = q.device
+        q_index = shard_indices(S, self.cp, self.rank, self.load_balance, device)  # (S/cp,)
+        k_index = torch.cat(
+            [shard_indices(S, self.cp, r, self.load_balance, device) for r in range(self.cp)]
+        )  # (S,) keys in gathered (rank) order
+        spec = MaskSpec(q_index, k_index)
+        if block:
+            pos = positions.to(device)
+            pos = (pos[None] if pos.dim() == 1 else pos).expand(B, S_local).contiguous()
+            with torch.no_grad():
+                all_pos = gather_sequence(pos, self.group)  # (B, S)
+            spec.q_doc = q_index[None] - pos  # (B, S/cp) document start index
+            spec.k_doc = k_index[None] - all_pos  # (B, S)
+        if q.is_cuda:
+            return spec.block_mask(B)
+        return spec.additive(q.dtype)
+
+    def extra_repr(self) -> str:
+        return (
+            f"cp={self.cp}, rank={self.rank}, load_balance={self.load_balance}, "
+            f"attention_mask={self.attention_mask}"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Entry points
+# --------------------------------------------------------------------------------------------
+
+
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, impl: str, load_balance: str, attention_mask: str) -> int:
+    """Step 3 of ``parallelize``: swap every default attention core for the all-gather core
+    (one instance shared by the model's layers). ``impl=ring`` leaves the model alone (torch's
+    ring attention replaces SDPA inside the step context, see ``cp_contexts``). Returns the
+    number of attention modules changed."""
+    if impl == "ring":
+        return 0
+    core = AllGatherAttention(cp_mesh, load_balance=load_balance, attention_mask=attention_mask)
+    changed = 0
+    for module in list(model.modules()):
+        current = getattr(module, "core", None)
+        if isinstance(current, AttentionCore):
+            module.core = core
+            changed += 1
+    if changed == 0:
+        raise ConfigError(
+            f"context parallel found no attention core to replace in {type(model).__name__}: its attention "
+            "modules must keep their attention in a `core` attribute (models/attention.py AttentionCore)."
+        )
+    return changed
+
+
+def cp_contexts(cp_mesh: DeviceMesh, *, impl: str, load_balance: str) -> list[Callable[[], ContextManager]]:
+    """Context factories a step enters: torch's ring-attention dispatch for ``impl=ring``
+    (the batch is already sharded head-tail by ``cp_batch_sharder``), nothing for allgather."""
+    if impl != "ring":
+        return []
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import _cp_options
+
+    # torch's ring attention assumes its own head-tail layout when load balancing is on; ours is
+    # the same zigzag (chunks r and 2cp-1-r), so the two must agree.
+    _cp_options.enable_load_balance = load_balance == "headtail"
+
+    def ring() -> ContextManager:
+        return context_parallel(cp_mesh)
+
+    return [ring]
