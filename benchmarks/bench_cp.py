@@ -72,7 +72,7 @@ def _memory_worker(rank: int, world: int, seq_len: int) -> dict[int, int]:
         index = shard_indices(seq_len, cp, mesh.get_local_rank(), "headtail")
         x, y = tokens[:, :-1][:, index], tokens[:, 1:][:, index]
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        out[cp] = _saved_bytes(lambda: token_loss_sum(model(x, index[None]), y), params)
+        out[cp] = _saved_bytes(lambda m=model, x=x, i=index, y=y: token_loss_sum(m(x, i[None]), y), params)
     return out
 
 

@@ -28,8 +28,9 @@ every layer through the core's one-entry cache) fed to SDPA's fused CPU kernel; 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F

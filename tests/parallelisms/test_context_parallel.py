@@ -224,7 +224,7 @@ def _compare(mesh) -> dict[str, float]:
             got = {"out": out.detach(), "dq": local[0].grad, "dk": local[1].grad, "dv": local[2].grad}
             for name, value in got.items():
                 want = ref[name][:, index]
-                errors[f"{mask}/{lb}/{name}"] = float(((value - want).abs().max() / want.abs().max()))
+                errors[f"{mask}/{lb}/{name}"] = float((value - want).abs().max() / want.abs().max())
     return errors
 
 
