@@ -42,6 +42,7 @@ from models.errors import ConfigError
 __all__ = [
     "ATTENTION_MASKS",
     "AttentionCore",
+    "KVCacheCore",
     "MaskCache",
     "MaskSpec",
     "attend",
@@ -124,7 +125,9 @@ def compiled_flex_attention() -> Callable[..., Tensor]:
     return torch.compile(flex_attention, dynamic=False)
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, mask: Any, *, flex: Optional[Callable[..., Tensor]] = None) -> Tensor:
+def attend(
+    q: Tensor, k: Tensor, v: Tensor, mask: Any, *, flex: Optional[Callable[..., Tensor]] = None
+) -> Tensor:
     """Attention of q (B, Sq, nh, D) over k/v (B, Sk, nkv, D) -> (B, Sq, nh, D).
 
     ``mask``: None (square causal, ``is_causal=True``), an additive float tensor
@@ -200,3 +203,39 @@ class AttentionCore(nn.Module):
 
     def extra_repr(self) -> str:
         return f"attention_mask={self.attention_mask}"
+
+
+class KVCacheCore(nn.Module):
+    """Inference core that keeps the keys and values of every token seen so far (one per layer).
+
+    Each call appends the new tokens' rotated k/v (B, Sn, nkv, D) to a buffer of ``max_len``
+    positions and attends the new queries over everything cached, causally by index: token i of
+    the cache is visible to new token t iff i <= t. Call ``reset()`` before a new sequence; the
+    caller passes each new token's position (its index in the cache) to the model.
+    """
+
+    def __init__(self, max_len: int) -> None:
+        super().__init__()
+        self.max_len = max_len
+        self.k: Optional[Tensor] = None
+        self.v: Optional[Tensor] = None
+        self.length = 0
+
+    def reset(self) -> None:
+        """Forget the cached tokens (the buffers are kept for the next sequence)."""
+        self.length = 0
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, positions: Optional[Tensor] = None) -> Tensor:
+        """q (B, Sn, nh, D), k/v (B, Sn, nkv, D) for the Sn new tokens -> (B, Sn, nh, D)."""
+        B, Sn = k.shape[:2]
+        if self.length + Sn > self.max_len:
+            raise ValueError(f"KV cache of {self.max_len} positions is full; reset it and prefill again")
+        if self.k is None or self.k.shape[0] != B or self.k.dtype != k.dtype or self.k.device != k.device:
+            self.k = k.new_empty(B, self.max_len, *k.shape[2:])  # (B, L, nkv, D)
+            self.v = v.new_empty(B, self.max_len, *v.shape[2:])
+        self.k[:, self.length : self.length + Sn] = k
+        self.v[:, self.length : self.length + Sn] = v
+        self.length += Sn
+        index = torch.arange(self.length, device=q.device)
+        mask = MaskSpec(index[-Sn:], index).additive(q.dtype)  # (1, 1, Sn, L)
+        return attend(q, self.k[:, : self.length], self.v[:, : self.length], mask)

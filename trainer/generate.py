@@ -4,23 +4,29 @@
     python -m trainer.generate hf/debug --prompt "import " --temperature 0.7 --top-k 40 \\
         --max-new-tokens 200 --num-samples 3 --device cuda
 
-Plain autoregressive sampling without a KV cache (the whole context is re-run per token,
-cropped to ``model.max_seq_len``): simple and fast enough for the small models meant to be
-inspected this way. ``--temperature 0`` is greedy decoding.
+Autoregressive sampling with a KV cache: each layer's attention core is swapped for a
+``KVCacheCore`` that keeps the rotated keys and values, so every step runs only the new token
+(``--no-cache`` re-runs the whole context instead; the greedy tokens are the same). The context
+is the last ``model.max_seq_len`` tokens. ``--temperature 0`` is greedy decoding; the tokens/s
+of each sample are printed to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import time
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from models import get_spec
+from models.attention import KVCacheCore
 from models.errors import ConfigError
 from models.spec import ModelSpec
 from trainer.checkpoint import MARKER, load_full_state, read_marker, verify_files
@@ -69,28 +75,71 @@ def load_model(path: str, device: str | torch.device = "cpu") -> tuple[nn.Module
     return model, (build_tokenizer(tokenizer) if tokenizer else None)
 
 
+def _sample(logits: torch.Tensor, temperature: float, top_k: Optional[int],
+            generator: Optional[torch.Generator]) -> int:  # fmt: skip
+    """Next token from (V,) logits: argmax at temperature 0, else top-k sampling."""
+    if temperature <= 0:
+        return int(logits.argmax())
+    logits = logits / temperature
+    if top_k is not None and 0 < top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1).cpu()
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@contextlib.contextmanager
+def kv_cache(model: nn.Module, max_len: int) -> Iterator[list[KVCacheCore]]:
+    """Swap every attention core of ``model`` for a per-layer ``KVCacheCore``; restore on exit."""
+    attentions = [m for m in model.modules() if isinstance(getattr(m, "core", None), nn.Module)]
+    saved = [m.core for m in attentions]
+    caches = [KVCacheCore(max_len) for _ in attentions]
+    for m, cache in zip(attentions, caches):
+        m.core = cache
+    try:
+        yield caches
+    finally:
+        for m, core in zip(attentions, saved):
+            m.core = core
+
+
 @torch.no_grad()
 def generate(model: nn.Module, ids: list[int], *, max_new_tokens: int, temperature: float = 0.8,
              top_k: Optional[int] = 50, eos_id: Optional[int] = None,
-             generator: Optional[torch.Generator] = None) -> list[int]:  # fmt: skip
-    """Continue ``ids`` by up to ``max_new_tokens`` sampled tokens (stops at ``eos_id``)."""
+             generator: Optional[torch.Generator] = None, use_cache: bool = True) -> list[int]:  # fmt: skip
+    """Continue ``ids`` by up to ``max_new_tokens`` sampled tokens (stops at ``eos_id``).
+
+    With ``use_cache`` each step feeds only the new token and attends over the layers' cached
+    keys/values; without, each step re-runs the whole context. Both see the last
+    ``max_seq_len`` tokens at positions 0..S-1 (when the window slides, the cache is refilled),
+    so greedy decoding gives the same tokens either way.
+    """
     device = next(model.parameters()).device
+    window = model.args.max_seq_len
     out = list(ids)
-    for _ in range(max_new_tokens):
-        context = torch.tensor([out[-model.args.max_seq_len :]], device=device)  # (1, S)
-        logits = model(context)[0, -1].float()  # (V,)
-        if temperature <= 0:
-            token = int(logits.argmax())
-        else:
-            logits = logits / temperature
-            if top_k is not None and 0 < top_k < logits.numel():
-                kth = torch.topk(logits, top_k).values[-1]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            probs = torch.softmax(logits, dim=-1).cpu()
-            token = int(torch.multinomial(probs, 1, generator=generator))
-        out.append(token)
-        if eos_id is not None and token == eos_id:
-            break
+    if not use_cache:
+        for _ in range(max_new_tokens):
+            logits = model(torch.tensor([out[-window:]], device=device))[0, -1].float()  # (V,)
+            out.append(_sample(logits, temperature, top_k, generator))
+            if eos_id is not None and out[-1] == eos_id:
+                break
+        return out
+    with kv_cache(model, window) as caches:
+        cached = 0  # tokens of the current window already in the caches
+        for _ in range(max_new_tokens):
+            if cached == 0 or len(out) > window:  # first step, or the window slid: prefill again
+                for cache in caches:
+                    cache.reset()
+                context = out[-window:]
+                new, start = context, 0
+            else:
+                new, start = out[cached:], cached
+            positions = torch.arange(start, start + len(new), device=device)
+            logits = model(torch.tensor([new], device=device), positions)[0, -1].float()  # (V,)
+            cached = min(len(out), window)
+            out.append(_sample(logits, temperature, top_k, generator))
+            if eos_id is not None and out[-1] == eos_id:
+                break
     return out
 
 
@@ -104,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-samples", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    parser.add_argument("--no-cache", action="store_true", help="re-run the whole context at every step")
     args = parser.parse_args(argv)
     device = args.device
     if device == "auto":
@@ -122,11 +172,18 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     prompt_ids = [tokenizer.bos_id, *tokenizer.encode(args.prompt)]
     for i in range(args.num_samples):
+        start = time.perf_counter()
         ids = generate(model, prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       top_k=args.top_k or None, eos_id=tokenizer.eos_id, generator=gen)  # fmt: skip
+                       top_k=args.top_k or None, eos_id=tokenizer.eos_id, generator=gen,
+                       use_cache=not args.no_cache)  # fmt: skip
+        seconds = time.perf_counter() - start
         if args.num_samples > 1:
             print(f"--- sample {i + 1} ---")
         print(tokenizer.decode(ids[1:]), flush=True)
+        new_tokens = len(ids) - len(prompt_ids)
+        cache = "no KV cache" if args.no_cache else "KV cache"
+        print(f"[{new_tokens} tokens in {seconds:.2f}s = {new_tokens / max(seconds, 1e-9):.1f} tokens/s, {cache}]",
+              file=sys.stderr, flush=True)  # fmt: skip
     return 0
 
 
