@@ -18,6 +18,7 @@ to it, root causes first.
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import socket
 import time
@@ -64,7 +65,13 @@ def describe_exit(exitcode: int | None) -> str:
 
 
 def _worker(
-    rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, conn: Connection, timeout: float
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple,
+    conn: Connection,
+    timeout: float,
 ) -> None:
     os.setpgrp()  # its own process group: the parent can kill it together with its children
     os.environ.update(
@@ -80,9 +87,11 @@ def _worker(
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
         result = fn(rank, world_size, *args)
-        conn.send(("ok", result))
+        # Plain pickle, by value: torch's ForkingPickler would share tensors through file
+        # descriptors that vanish when this process exits before the parent reads them.
+        conn.send_bytes(pickle.dumps(("ok", result)))
     except BaseException:  # report every failure to the parent, then re-raise
-        conn.send(("error", traceback.format_exc()))
+        conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
         raise
     finally:
         conn.close()
@@ -177,8 +186,8 @@ def _poll_rank(conn: Connection, proc: mp.Process) -> tuple[str, Any] | None:
     """('ok', result), ('error', traceback) or ('died', account) once the rank is done; None while it runs."""
     if conn.poll():
         try:
-            status, payload = conn.recv()
-        except (EOFError, OSError):  # it closed the pipe without a word: it died
+            status, payload = pickle.loads(conn.recv_bytes())
+        except EOFError:  # it closed the pipe without a word: it died
             proc.join(timeout=EXIT_GRACE_S)
             return "died", f"{describe_exit(proc.exitcode)} without reporting a result"
         if status == "ok":

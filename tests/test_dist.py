@@ -39,7 +39,9 @@ def test_a_rank_killed_by_a_signal_is_named_and_nothing_hangs() -> None:
     assert info.value.outcomes[1] == "killed by signal SIGKILL (exit code -9) without reporting a result"
     assert message.splitlines()[1].startswith("rank 1: killed by signal SIGKILL"), message  # root cause first
     # Rank 0 either saw its barrier fail (gloo noticed the closed socket) or was killed by the harness.
-    assert "raised" in info.value.outcomes[0] or "killed by the harness after rank 1" in info.value.outcomes[0]
+    assert (
+        "raised" in info.value.outcomes[0] or "killed by the harness after rank 1" in info.value.outcomes[0]
+    )
     assert elapsed < 60, elapsed  # not the 120 s timeout
 
 
