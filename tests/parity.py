@@ -205,7 +205,8 @@ def assert_parallel_run(
 @dataclass
 class Case:
     """One Trainer run: ``world`` ranks, config, and an optional ``setup(trainer)`` called after
-    construction (a test-only hook; a module-level function, since it is pickled)."""
+    construction (a test-only hook; a module-level function, since it is pickled). ``setup`` may
+    return a dict that its hooks fill during training; it comes back as ``observed``."""
 
     world: int
     cfg: Any
@@ -219,9 +220,8 @@ def train_case(case: Case) -> dict[str, Any]:
 
     trainer = Trainer(case.cfg)
     try:
-        if case.setup is not None:
-            case.setup(trainer)
-        out: dict[str, Any] = {"history": trainer.train()}
+        observed = case.setup(trainer) if case.setup is not None else None
+        out: dict[str, Any] = {"history": trainer.train(), "observed": observed}
         if case.params:
             out["params"] = full_params(trainer.model)
     finally:
@@ -241,8 +241,9 @@ def run_cases(rank: int, world_size: int, cases: dict[str, Case]) -> dict[str, d
 
 
 def gather_cases(cases: dict[str, Case], world: int, timeout: float = 600.0) -> dict[str, dict]:
-    """Run ``cases`` (all of world size ``world``) in one launch; per case: rank 0's history,
-    every rank's histories, and the parameters merged over ranks."""
+    """Run ``cases`` (all of world size ``world``) in one launch; per case: rank 0's ``history``,
+    every rank's (``rank_histories``), the ``params`` merged over ranks, and every rank's
+    ``observed`` (what the case's setup hooks recorded)."""
     per_rank = run_distributed(run_cases, world, cases, timeout=timeout)
     out = {}
     for name, case in cases.items():
@@ -251,6 +252,7 @@ def gather_cases(cases: dict[str, Case], world: int, timeout: float = 600.0) -> 
             "history": results[0]["history"],
             "rank_histories": [r["history"] for r in results],
             "params": merge_rank_params([r["params"] for r in results]) if case.params else None,
+            "observed": [r["observed"] for r in results],
         }
     return out
 
