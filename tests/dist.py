@@ -137,11 +137,12 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     if failures or pending:
         outcomes = dict(failures)  # root causes, in the order they were seen
         cause = "after " + ", ".join(f"rank {r}" for r in failures) + " failed" if failures else None
+        late = f"no result within the {timeout:.0f} s timeout, killed by the harness (hung, or too slow)"
         for r in sorted(pending):
             outcomes[r] = (
                 f"no result, killed by the harness {cause} (probably waiting in a collective)"
                 if cause
-                else f"no result within the {timeout:.0f} s timeout, killed by the harness (hung?)"
+                else late
             )
         for r in range(world_size):
             outcomes.setdefault(r, "finished")

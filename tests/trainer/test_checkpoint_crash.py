@@ -137,7 +137,7 @@ def test_one_rank_killed_inside_a_save_resumes_bitwise(tmp_path) -> None:
     dumps = {name: str(tmp_path / name) for name in MULTI_CASES}
     for name, (kill_rank, phase, complete) in MULTI_CASES.items():
         with pytest.raises(DistributedError) as failure:
-            run_distributed(_crash_worker, 2, dumps[name], kill_rank, f"{phase}@6", timeout=300)
+            run_distributed(_crash_worker, 2, dumps[name], kill_rank, f"{phase}@6", timeout=600)
         # e.g. "rank 1: killed by signal SIGKILL ...", "rank 0: raised ... Connection closed by peer"
         print(
             f"{name}: "
@@ -149,7 +149,9 @@ def test_one_rank_killed_inside_a_save_resumes_bitwise(tmp_path) -> None:
         leftovers = [n for n in os.listdir(folder) if ".tmp-" in n]
         assert bool(leftovers) == (phase == "mid_write"), (name, os.listdir(folder))
 
-    results = run_distributed(_resume_worker, 2, {"straight": str(tmp_path / "straight"), **dumps})[0]
+    results = run_distributed(
+        _resume_worker, 2, {"straight": str(tmp_path / "straight"), **dumps}, timeout=900
+    )[0]
     straight = results["straight"]["history"]
     assert results["straight"]["start"] == 0 and sorted(step_metrics(straight)) == list(range(1, 9))
     for name, (_, _, complete) in MULTI_CASES.items():

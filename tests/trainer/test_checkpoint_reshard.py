@@ -195,7 +195,7 @@ def test_reshard_across_layouts(tmp_path) -> None:
         sources = [n for n, (w, _) in SOURCES.items() if w == world]
         targets = [n for n, (_, w, _) in PAIRS.items() if w == world]
         if sources or targets:
-            per_rank = run_distributed(_worker, world, tmp, sources, targets)
+            per_rank = run_distributed(_worker, world, tmp, sources, targets, timeout=1200)
             results.update(per_rank[0])
     report = []
     for name, (source, _, _) in PAIRS.items():

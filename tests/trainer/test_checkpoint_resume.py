@@ -100,7 +100,7 @@ def _resume_worker(rank: int, world_size: int, tmp: str, overrides: list[str]) -
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_exact_resume(layout: str, tmp_path) -> None:
     world, overrides = LAYOUTS[layout]
-    results = run_distributed(_resume_worker, world, str(tmp_path), overrides)
+    results = run_distributed(_resume_worker, world, str(tmp_path), overrides, timeout=900)
     r = results[0]
     assert sorted(r["straight"]) == list(range(1, 9))
     assert r["resumed_step"] == 4 and r["rng_drawn"] and r["rng_restored"]
