@@ -26,10 +26,6 @@ def _rank1_hangs(rank: int, world_size: int) -> int:
     return rank
 
 
-def _echo(rank: int, world_size: int, payload: bytes) -> int:
-    return len(payload) + rank
-
-
 def test_a_rank_killed_by_a_signal_is_named_and_nothing_hangs() -> None:
     start = time.monotonic()
     with pytest.raises(DistributedError) as info:
@@ -46,13 +42,9 @@ def test_a_rank_killed_by_a_signal_is_named_and_nothing_hangs() -> None:
 
 
 def test_a_hung_rank_is_killed_at_the_timeout() -> None:
-    with pytest.raises(DistributedError, match=r"rank 1: no result within the 20 s timeout") as info:
-        run_distributed(_rank1_hangs, 2, timeout=20)
-    assert info.value.outcomes[0] == "finished"
-
-
-def test_large_results_come_back() -> None:
-    assert run_distributed(_echo, 2, b"x" * (8 << 20)) == [8 << 20, (8 << 20) + 1]  # > a pipe's buffer
+    # (Results larger than a pipe's buffer are covered by every parity test: they return weights.)
+    with pytest.raises(DistributedError, match=r"rank 1: no result within the 12 s timeout"):
+        run_distributed(_rank1_hangs, 2, timeout=12)
 
 
 def test_describe_exit() -> None:
