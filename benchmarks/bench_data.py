@@ -70,7 +70,7 @@ def child(prep: str, dump: str, steps: int, t0: float) -> None:
     """In a fresh process: train ``steps`` steps; print start-up, RSS, step time, data wait."""
     import logging
 
-    from tests.configs import make_config
+    from trainer.config import compose_config as make_config
     from trainer.train import Trainer
 
     logging.disable(logging.INFO)

@@ -33,6 +33,12 @@ TINY = (
     "optimizer.lr=3e-3",
 )
 
+# Clipping off. With it on, every step of the tiny run is clipped (pre-clip norms 1.0-2.7),
+# so a gradient scale error never reaches the update; without it, the unclipped path runs.
+# (AdamW is itself nearly scale-invariant: the pre-clip grad norm is what exposes a scale
+# error, which is why parity tests compare it.)
+NO_CLIP = "training.grad_clip=0"
+
 
 def compose_dict(*overrides: str) -> DictConfig:
     """The composed (untyped) Hydra config for ``overrides``."""

@@ -3,9 +3,10 @@
 The harness below mirrors the Trainer's step exactly (global-token loss normalisation scaled
 by dp_cp, AdamW + warmup schedule, global grad-norm clipping, the dp-sharded loader), once
 without PP (the single-process reference) and once with ``parallelize_pipeline`` and
-``Pipeline.step``. Per-step losses, grad norms and eval losses (``forward_loss_sum``, mid-run
-and at the end) must match the reference to relative 1e-5, and a DCP
-checkpoint of the stages must load into one plain model with the reference's weights.
+``Pipeline.step``. Per-step losses, pre-clip grad norms and eval losses (``forward_loss_sum``,
+mid-run and at the end) must match the reference to relative 1e-5 (``tests/parity.py``), and a
+DCP checkpoint of the stages must load into one plain model with the reference's weights.
+Cases named ``*_noclip`` run with clipping off against the unclipped reference.
 Measured (printed with ``-s``): losses bitwise equal for pure PP (the pipeline microbatches
 are the reference's accumulation microbatches) and <= 1.4e-7 with TP / DDP; grad norms
 <= 1.2e-7, and <= 1.7e-6 with FSDP / TP, whose sharded norm sums in another order (the same
@@ -29,11 +30,11 @@ from parallelisms.config import ParallelismConfig
 from parallelisms.pipeline_parallel import SCHEDULES, _build_part, stage_ids_of_rank, stages_per_rank
 from parallelisms.pipeline_parallel import stage_module_names as _stage_module_names
 from parallelisms.pipeline_parallel import validate_pp as _validate_pp
-from tests.configs import tiny_config
+from tests.configs import NO_CLIP, tiny_config
 from tests.dist import run_distributed
+from tests.parity import PARAM_ATOL, assert_parity, history_from
 from trainer.config import TrainConfig
 
-RTOL = 1e-5
 EVAL_BATCH = 4  # validation sequences per eval batch over all dp ranks (same for every layout)
 EVAL_BATCHES = 2
 
@@ -194,13 +195,21 @@ def _cfg(tmp: str, *overrides: str) -> TrainConfig:
 SCHEDULE_CASES = {
     "GPipe": ("parallelism.pp_schedule=GPipe",),
     "1F1B": ("parallelism.pp_schedule=1F1B",),
-    "Interleaved1F1B": ("parallelism.pp_schedule=Interleaved1F1B", "parallelism.pp_stages_per_rank=2"),
+    "Interleaved1F1B_noclip": (
+        "parallelism.pp_schedule=Interleaved1F1B",
+        "parallelism.pp_stages_per_rank=2",
+        NO_CLIP,
+    ),
     "LoopedBFS": ("parallelism.pp_schedule=LoopedBFS", "parallelism.pp_stages_per_rank=2"),
     "InterleavedZeroBubble": (
         "parallelism.pp_schedule=InterleavedZeroBubble",
         "parallelism.pp_stages_per_rank=2",
     ),
-    "ZBVZeroBubble": ("parallelism.pp_schedule=ZBVZeroBubble", "parallelism.pp_stages_per_rank=2"),
+    "ZBVZeroBubble_noclip": (
+        "parallelism.pp_schedule=ZBVZeroBubble",
+        "parallelism.pp_stages_per_rank=2",
+        NO_CLIP,
+    ),
     # Activation checkpointing under the split (B then W) backward of zero bubble.
     "ZBVZeroBubble_ac_full": (
         "parallelism.pp_schedule=ZBVZeroBubble",
@@ -210,7 +219,7 @@ SCHEDULE_CASES = {
 }
 # 4 ranks: pp=2 composed with a data-parallel or tensor-parallel axis.
 COMPOSED_CASES = {
-    "pp2_fsdp2": ("parallelism.dp_shard=2", "parallelism.pp_schedule=1F1B"),
+    "pp2_fsdp2_noclip": ("parallelism.dp_shard=2", "parallelism.pp_schedule=1F1B", NO_CLIP),
     # Zero-bubble's split weight-gradient pass under FSDP (needs the head as its own FSDP unit).
     "pp2_fsdp2_zbv": (
         "parallelism.dp_shard=2",
@@ -218,21 +227,22 @@ COMPOSED_CASES = {
         "parallelism.pp_stages_per_rank=2",
     ),
     "pp2_tp2": ("parallelism.tp=2", "parallelism.pp_schedule=1F1B"),
-    "pp2_ddp2": ("parallelism.dp_replicate=2", "parallelism.pp_schedule=1F1B"),
+    "pp2_ddp2_noclip": ("parallelism.dp_replicate=2", "parallelism.pp_schedule=1F1B", NO_CLIP),
 }
 
 
-def _max_rel(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
-
-
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict:
-    cfg = _cfg(str(tmp_path_factory.mktemp("ref")))
-    (result,) = run_distributed(_run_cases, 1, {"ref": cfg})
-    ref = result["ref"]
-    assert len(ref["losses"]) == 8 and ref["losses"][-1] < ref["losses"][0]
-    return ref
+def reference(tmp_path_factory) -> dict[str, dict]:
+    """The harness without PP, clipped ("clip") and unclipped ("noclip"), in one launch."""
+    tmp = str(tmp_path_factory.mktemp("ref"))
+    (result,) = run_distributed(_run_cases, 1, {"clip": _cfg(tmp), "noclip": _cfg(tmp, NO_CLIP)})
+    for ref in result.values():
+        assert len(ref["losses"]) == 8 and ref["losses"][-1] < ref["losses"][0]
+    return result
+
+
+def _reference_of(name: str, reference: dict[str, dict]) -> dict:
+    return reference["noclip" if name.endswith("_noclip") else "clip"]
 
 
 def _run_pp_cases(
@@ -250,13 +260,23 @@ def schedule_results(tmp_path_factory) -> dict[str, list[dict]]:
     return _run_pp_cases(str(tmp_path_factory.mktemp("pp")), cases, world_size=2, timeout=400)
 
 
+def _evals(result: dict) -> list[dict]:
+    return [{"step": 4 * (i + 1), "loss": e} for i, e in enumerate(result["evals"])]
+
+
 def _check(name: str, results: list[dict], reference: dict) -> None:
-    rel = _max_rel(results[0]["losses"], reference["losses"])
-    rel_norm = _max_rel(results[0]["norms"], reference["norms"])
-    rel_eval = _max_rel(results[0]["evals"], reference["evals"])
-    print(f"{name}: max relative diff vs 1 process over 8 steps: loss {rel:.2e}, grad norm {rel_norm:.2e}, "
-          f"eval {rel_eval:.2e}")  # fmt: skip
-    assert rel < RTOL and rel_norm < RTOL and rel_eval < RTOL, (name, results[0], reference)
+    got = results[0]
+    worst = assert_parity(
+        history_from(reference["losses"], reference["norms"]),
+        history_from(got["losses"], got["norms"]),
+        label=name,
+    )
+    evals = assert_parity(_evals(reference), _evals(got), metrics=("loss",), label=f"{name} eval")
+    worst["eval"] = evals["loss"]
+    print(
+        f"{name}: max relative difference vs 1 process: "
+        + ", ".join(f"{k} {v:.2e}" for k, v in worst.items())
+    )
     for r in results[1:]:  # every rank reports the same losses, norms and eval losses
         assert (r["losses"], r["norms"], r["evals"]) == (
             results[0]["losses"],
@@ -271,7 +291,7 @@ def _check(name: str, results: list[dict], reference: dict) -> None:
     got, want = _load_full(results[0]["ckpt"]), _load_full(reference["ckpt"])
     diff = max((got[k] - want[k]).abs().max().item() for k in want)
     print(f"{name}: checkpoint loads into 1 process; max |weight diff| vs 1 process = {diff:.1e}")
-    assert diff < 1e-5
+    assert diff < PARAM_ATOL
 
 
 def _load_full(path: str) -> dict[str, torch.Tensor]:
@@ -294,7 +314,7 @@ def _load_full(path: str) -> dict[str, torch.Tensor]:
 def test_schedule_matches_single_process(name: str, schedule_results: dict, reference: dict) -> None:
     if name not in schedule_results:
         pytest.skip(f"torch {torch.__version__} has no {name} schedule")
-    _check(name, schedule_results[name], reference)
+    _check(name, schedule_results[name], _reference_of(name, reference))
 
 
 @pytest.fixture(scope="module")
@@ -312,7 +332,7 @@ def composed_results(tmp_path_factory) -> dict[str, list[dict]]:
 def test_composed_layout_matches_single_process(name: str, composed_results: dict, reference: dict) -> None:
     if name not in composed_results:
         pytest.skip(f"torch {torch.__version__} lacks the schedule of {name}")
-    _check(name, composed_results[name], reference)
+    _check(name, composed_results[name], _reference_of(name, reference))
 
 
 # --------------------------------------------------------------------------------------------

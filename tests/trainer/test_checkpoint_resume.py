@@ -1,9 +1,13 @@
 """Exact resume: 2N steps straight == N steps, stop, resume, N steps (bitwise, fp32 CPU, gloo).
 
-Each layout runs three real Trainers inside one spawned process group: the straight run, a
-run stopped after step 4 (it checkpoints there), and a fresh Trainer on the same folder that
+Each layout runs real Trainers inside one spawned process group: the straight run, a run
+stopped after step 4 (it checkpoints there), and a fresh Trainer on the same folder that
 resumes. The async variant also resumes from a checkpoint that was written in the background
 while later steps ran, proving the saved values are those of the saved step.
+
+Training draws from the global RNG (a test-only dropout hook on every block's feed-forward,
+``dropout_noise``), so the per-rank RNG state is part of what must be restored: a resumed
+Trainer whose RNG is reset instead (the negative control at the end) diverges.
 """
 
 from __future__ import annotations
@@ -38,10 +42,29 @@ def _losses(history: list[dict]) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in history if "loss" in r}
 
 
-def _run(cfg: TrainConfig, until: int | None = None) -> tuple[dict[int, float], torch.Tensor]:
+def dropout_noise(trainer) -> None:  # noqa: ANN001
+    """Test hook: dropout (p=0.1) on every block's feed-forward output, drawing its masks from
+    torch's global (per-rank) RNG -- a stand-in for any model component that uses the RNG."""
+    import torch.nn.functional as F
+
+    def hook(module, inputs, output):  # noqa: ANN001, ANN202
+        return F.dropout(output, p=0.1, training=True)
+
+    for part in getattr(trainer.model, "model_parts", [trainer.model]):
+        for block in getattr(part, "module", part).layers.values():
+            block.feed_forward.register_forward_hook(hook)
+
+
+def _trainer(cfg: TrainConfig):  # noqa: ANN202
     from trainer.train import Trainer
 
     trainer = Trainer(cfg)
+    dropout_noise(trainer)
+    return trainer
+
+
+def _run(cfg: TrainConfig, until: int | None = None) -> tuple[dict[int, float], torch.Tensor]:
+    trainer = _trainer(cfg)
     try:
         history = trainer.train(until_step=until)
     finally:
@@ -53,31 +76,41 @@ def _resume_worker(rank: int, world_size: int, tmp: str, overrides: list[str]) -
     ck = ["checkpoint.enable=true", "checkpoint.interval=2", *DETERMINISTIC, *overrides]
     straight, _ = _run(tiny_config(os.path.join(tmp, "straight"), *ck))
     first, rng_at_stop = _run(tiny_config(os.path.join(tmp, "resumed"), *ck), until=4)
+    seed = tiny_config(tmp).training.seed
+    # Training drew from the RNG: its state is not the freshly seeded one a new Trainer starts with.
+    rng_drawn = not torch.equal(rng_at_stop, torch.Generator().manual_seed(seed).get_state())
 
-    from trainer.train import Trainer
-
-    trainer = Trainer(tiny_config(os.path.join(tmp, "resumed"), *ck))  # load_step=-1: the newest
+    trainer = _trainer(tiny_config(os.path.join(tmp, "resumed"), *ck))  # load_step=-1: the newest
     resumed_step = trainer.state.step
     rng_restored = torch.equal(torch.get_rng_state(), rng_at_stop)
     second = _losses(trainer.train())
     trainer.close()
     # Resume again from step 2, written (async: in the background) while steps 3-4 ran.
     from_two, _ = _run(tiny_config(os.path.join(tmp, "resumed"), *ck, "checkpoint.load_step=2"))
+    # Negative control: resume from step 4 but reseed instead of restoring the RNG state.
+    trainer = _trainer(tiny_config(os.path.join(tmp, "resumed"), *ck, "checkpoint.load_step=4"))
+    torch.manual_seed(seed + trainer.state.step)
+    unrestored = _losses(trainer.train())
+    trainer.close()
     return {"straight": straight, "first": first, "second": second, "from_two": from_two,
-            "resumed_step": resumed_step, "rng_restored": rng_restored}  # fmt: skip
+            "resumed_step": resumed_step, "rng_drawn": rng_drawn, "rng_restored": rng_restored,
+            "unrestored": unrestored}  # fmt: skip
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_exact_resume(layout: str, tmp_path) -> None:
     world, overrides = LAYOUTS[layout]
-    results = run_distributed(_resume_worker, world, str(tmp_path), overrides)
+    results = run_distributed(_resume_worker, world, str(tmp_path), overrides, timeout=900)
     r = results[0]
     assert sorted(r["straight"]) == list(range(1, 9))
-    assert r["resumed_step"] == 4 and r["rng_restored"]
+    assert r["resumed_step"] == 4 and r["rng_drawn"] and r["rng_restored"]
     assert sorted(r["first"]) == [1, 2, 3, 4] and sorted(r["second"]) == [5, 6, 7, 8]
     # Bitwise: the resumed run continues with exactly the uninterrupted run's losses.
     assert {**r["first"], **r["second"]} == r["straight"], layout
     assert r["from_two"] == {s: r["straight"][s] for s in range(3, 9)}
+    # Without the RNG state the same checkpoint gives other losses: the check above can fail.
+    assert sorted(r["unrestored"]) == [5, 6, 7, 8]
+    assert all(r["unrestored"][s] != r["straight"][s] for s in range(5, 9)), r["unrestored"]
     for other in results[1:]:  # every rank reports the same (globally reduced) losses
         assert other["straight"] == r["straight"] and other["second"] == r["second"]
 
