@@ -107,8 +107,14 @@ class MetricsLogger:
         self._last_time = time.perf_counter()
         self._last_step = step
 
-    def log_step(self, step: int, loss: float, grad_norm: float, lr: float) -> dict[str, Any]:
-        """Log one training step's metrics; throughput is averaged since the previous call."""
+    def log_step(
+        self, step: int, loss: float, grad_norm: float, lr: float, extra: Optional[dict[str, Any]] = None
+    ) -> dict[str, Any]:
+        """Log one training step's metrics; throughput is averaged since the previous call.
+
+        ``extra`` (e.g. the MoE statistics: ``aux_loss``, ``moe_imbalance_max/mean``, per-layer
+        ``moe_imbalance`` and ``moe_tokens_per_expert``) is merged into the record; nested values
+        become ``key/sub/...`` TensorBoard scalars."""
         now = time.perf_counter()
         steps = step - (self._last_step if self._last_step is not None else step - 1)
         elapsed = max(now - self._last_time, 1e-9)
@@ -128,6 +134,7 @@ class MetricsLogger:
             "memory_gib": memory_gib(self.device),
             "step_time_s": elapsed / steps,
             "eta_s": eta_s,
+            **(extra or {}),
         }
         mfu_str = "n/a" if mfu is None else f"{mfu:.1f}%"
         logger.info(
@@ -135,6 +142,15 @@ class MetricsLogger:
             f"tok/s/dev {tokens_per_sec:9.0f}  TFLOP/s {tflops:7.3f}  MFU {mfu_str}  "
             f"mem {record['memory_gib']:.2f} GiB  eta {_fmt_time(eta_s)}"
         )
+        if "moe_imbalance_max" in record:
+            aux = record.get("aux_loss")
+            logger.info(
+                f"moe    {step:>6}  aux_loss {'n/a' if aux is None else f'{aux:.5f}'}  load imbalance max/mean "
+                f"{record['moe_imbalance_max']:.2f} (worst layer), {record['moe_imbalance_mean']:.2f} (layer mean)"
+            )
+            for layer, counts in record.get("moe_tokens_per_expert", {}).items():
+                shown = counts if len(counts) <= 16 else f"{counts[:16]} ... ({len(counts)} experts)"
+                logger.info(f"moe    {step:>6}  {layer} tokens per expert {shown}")
         self._write(record, step)
         return record
 
@@ -157,8 +173,8 @@ class MetricsLogger:
             self._jsonl.write(json.dumps(record) + "\n")
             self._jsonl.flush()
         if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and value is not None:
+            for key, value in _scalars(record):
+                if key != "step":
                     self._tb.add_scalar(key, value, step)
             self._tb.flush()
 
@@ -169,6 +185,20 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+def _scalars(record: dict[str, Any], prefix: str = "") -> list[tuple[str, float]]:
+    """Flatten a record's numbers: nested dicts and lists become ``key/sub`` and ``key/i``."""
+    out: list[tuple[str, float]] = []
+    for key, value in record.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out += _scalars(value, f"{name}/")
+        elif isinstance(value, (list, tuple)):
+            out += _scalars({str(i): v for i, v in enumerate(value)}, f"{name}/")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out.append((name, value))
+    return out
 
 
 def _fmt_time(seconds: float) -> str:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from models import get_spec
 from models.errors import ConfigError
+from parallelisms.expert_parallel import LoadBalancer
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import PartOptions, parallelize, parallelize_pipeline
 from parallelisms.pipeline_parallel import Pipeline
@@ -167,6 +168,11 @@ class Trainer:
         else:
             self.model = parallelize(model, self.spec, self.dims, p, options)
         self.model.train()
+        # MoE families: per-step expert statistics, aux-loss weight and expert-bias update.
+        parts = self.pipeline.model_parts if self.pipeline is not None else [self.model]
+        self.load_balancer = LoadBalancer.build(
+            parts, self.spec, self.dims, cfg.model, tokens_per_step=t.global_batch_size * t.seq_len
+        )
 
     def _build_optimizer(self) -> None:
         p = self.parallelism
@@ -276,6 +282,8 @@ class Trainer:
         # result equals the single-process mean over the whole global batch.
         num_tokens = self._global_sum(count_targets(batch.labels)).clamp(min=1)
         scale = self.dims.dp_cp / num_tokens
+        if self.load_balancer is not None:
+            self.load_balancer.begin_step()
         if self.pipeline is not None:
             # The schedule splits the local batch into its microbatches (they replace the
             # accumulation loop), runs the loss on the last stage and reports it everywhere.
@@ -291,6 +299,8 @@ class Trainer:
                 f"gradients overflowed. Nothing was applied. Lower optimizer.lr, keep training.grad_clip > 0, "
                 f"use training.mixed_precision=fp32, or resume from an earlier checkpoint."
             )
+        if self.load_balancer is not None:  # tokens per expert over dp x cp -> expert-bias update
+            self.load_balancer.end_step()
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -338,8 +348,9 @@ class Trainer:
                 if step % log_freq == 0 or step == t.steps or step == 1:
                     # Losses are local sums over this rank's tokens: add them up over dp/cp.
                     global_loss = self._global_sum(loss.detach())
+                    extra = self.load_balancer.log_stats(self.device) if self.load_balancer is not None else None
                     record = self.metrics.log_step(
-                        step, global_loss.item(), grad_norm.item(), self.lr_scheduler.get_last_lr()[0]
+                        step, global_loss.item(), grad_norm.item(), self.lr_scheduler.get_last_lr()[0], extra=extra
                     )
                     self.state.history.append(record)
                 if self.val_loader is not None and (step % t.eval_freq == 0 or step == t.steps):
