@@ -28,8 +28,8 @@ One MoE layer, for the T = B*S tokens of a forward (seed article section 8):
 4. combine: each copy is scaled by its routing weight and added back to its token (``index_add``),
    plus the shared experts' output.
 
-Load balancing. Each MoE module counts the tokens each expert receives (``tokens_per_expert``) and
-the auxiliary loss it saw during a step; the trainer reduces the counts over the data-parallel ranks
+Load balancing. Each MoE module records, per forward of a step, the tokens each expert receives
+and the auxiliary loss (``step_records``); the trainer reduces the counts over the data-parallel ranks
 (``parallelisms.expert_parallel.LoadBalancer``) and calls ``update_bias`` before the optimizer step:
 ``expert_bias += bias_update_coeff * sign(mean - count)`` (DeepSeek-V3's auxiliary-loss-free
 balancing). The auxiliary loss (``aux_loss_coeff > 0``, Switch-style ``E * sum_e f_e P_e`` over the
@@ -351,10 +351,9 @@ class MoE(nn.Module):
         self.aux_loss_type = args.aux_loss_type
         self.bias_update_coeff = args.bias_update_coeff
         self.register_buffer("expert_bias", torch.zeros(args.num_experts), persistent=True)
-        # Per-step statistics (reset by the trainer through ``reset_stats``), never checkpointed.
-        self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
-        self.register_buffer("aux_loss_sum", torch.zeros(()), persistent=False)  # sum of aux * tokens
-        self.register_buffer("tokens_seen", torch.zeros(()), persistent=False)
+        # Per-forward statistics of the current step (cleared by ``reset_stats``), never
+        # checkpointed: one (E + 2,) row per forward = [tokens per expert, aux * tokens, tokens].
+        self.step_records: list[Tensor] = []
         self.aux_grad_scale: Optional[float] = None  # None: weight 1 per forward (outside the trainer)
         self.dispatcher: Optional[Dispatcher] = None  # set by expert parallelism
 
@@ -367,12 +366,18 @@ class MoE(nn.Module):
             self.expert_bias.zero_()
             self.reset_stats()
 
-    @torch.no_grad()
     def reset_stats(self) -> None:
-        """Zero the per-step statistics (start of an optimizer step)."""
-        self.tokens_per_expert.zero_()
-        self.aux_loss_sum.zero_()
-        self.tokens_seen.zero_()
+        """Forget the per-step statistics (start of an optimizer step)."""
+        self.step_records = []
+
+    @torch.no_grad()
+    def step_stats(self, skip: int = 0) -> Tensor:
+        """(E + 2,) sums over this step's forwards but the first ``skip`` (e.g. a pipeline schedule's
+        one-time shape-inference pass): [tokens per expert..., sum of aux * tokens, tokens]."""
+        records = self.step_records[skip:]
+        if not records:
+            return self.expert_bias.new_zeros(self.num_experts + 2, dtype=torch.float32)
+        return torch.stack(records).sum(0)
 
     @torch.no_grad()
     def update_bias(self, counts: Tensor) -> None:
@@ -438,12 +443,9 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def _record(self, indices: Tensor, aux: Optional[Tensor], num_tokens: int) -> None:
-        self.tokens_per_expert += torch.bincount(indices.reshape(-1), minlength=self.num_experts).to(
-            self.tokens_per_expert.dtype
-        )
-        self.tokens_seen += num_tokens
-        if aux is not None:
-            self.aux_loss_sum += aux.detach().float() * num_tokens
+        counts = torch.bincount(indices.reshape(-1), minlength=self.num_experts).float()  # (E,)
+        aux_sum = aux.detach().float() * num_tokens if aux is not None else counts.new_zeros(())
+        self.step_records.append(torch.cat([counts, aux_sum.view(1), counts.new_full((1,), num_tokens)]))
 
 
 class MoEBlock(nn.Module):
@@ -489,7 +491,8 @@ def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
     out = []
     for name, module in model.named_modules():
         if isinstance(module, MoE):
-            out.append((name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""), module))
+            name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+            out.append((name.removeprefix("module."), module))
     return out
 
 

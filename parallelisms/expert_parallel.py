@@ -32,6 +32,7 @@ data/context-parallel ranks, moves the aux-loss-free expert bias, and reports th
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any, Optional
 
 import torch
@@ -188,14 +189,23 @@ def apply_ep(model: nn.Module, spec: ModelSpec, dims: ParallelDims) -> nn.Module
 # --------------------------------------------------------------------------------------------
 
 
+def _layer_id(name: str) -> int:
+    """Block index of an MoE module name such as ``layers.3.moe`` (wrapper prefixes allowed)."""
+    match = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+    if match is None:
+        raise ValueError(f"MoE module {name!r} is not inside a block ``layers.<i>``")
+    return int(match.group(1))
+
+
 class LoadBalancer:
     """The trainer's MoE hook: ``begin_step`` before the first forward of an optimizer step,
     ``end_step`` after the gradients are complete and before ``optimizer.step()``, ``log_stats`` on
     logging steps (collective over pp). Same calls on every rank."""
 
     def __init__(
-        self, parts: list[nn.Module], spec: ModelSpec, dims: ParallelDims, args: Any, *, tokens_per_step: int
-    ) -> None:
+        self, parts: list[nn.Module], spec: ModelSpec, dims: ParallelDims, args: Any, *, tokens_per_step: int,
+        forwards_per_step: int,
+    ) -> None:  # fmt: skip
         self.layers = [(name, moe) for part in parts for name, moe in spec.extra["moe_layers"](part)]
         self.num_experts = args.num_experts
         self.n_layers = args.n_layers
@@ -206,16 +216,20 @@ class LoadBalancer:
         # Weight of one forward's aux term per token: with FSDP/DDP averaging over dp_cp, the
         # summed objective is coeff * (token-weighted mean of the aux losses over the step).
         self.aux_grad_scale = dims.dp_cp / tokens_per_step
+        # Forwards of each MoE layer per step (microbatches); a pipeline schedule's first step
+        # adds a shape-inference forward, whose statistics are left out.
+        self.forwards_per_step = forwards_per_step
         self._reduced: Optional[Tensor] = None
 
     @classmethod
     def build(
-        cls, parts: list[nn.Module], spec: ModelSpec, dims: ParallelDims, args: Any, *, tokens_per_step: int
-    ) -> Optional[LoadBalancer]:
+        cls, parts: list[nn.Module], spec: ModelSpec, dims: ParallelDims, args: Any, *, tokens_per_step: int,
+        forwards_per_step: int,
+    ) -> Optional[LoadBalancer]:  # fmt: skip
         """A balancer for MoE families, None for dense ones."""
         if "moe_layers" not in spec.extra:
             return None
-        return cls(parts, spec, dims, args, tokens_per_step=tokens_per_step)
+        return cls(parts, spec, dims, args, tokens_per_step=tokens_per_step, forwards_per_step=forwards_per_step)
 
     def begin_step(self) -> None:
         for _, moe in self.layers:
@@ -228,9 +242,8 @@ class LoadBalancer:
         if not self.layers:
             return
         local = torch.stack([
-            torch.cat([moe.tokens_per_expert.float(), moe.aux_loss_sum.float().view(1), moe.tokens_seen.float().view(1)])
-            for _, moe in self.layers
-        ])  # (L_local, E + 2)  # fmt: skip
+            moe.step_stats(skip=max(0, len(moe.step_records) - self.forwards_per_step)) for _, moe in self.layers
+        ])  # (L_local, E + 2): tokens per expert, aux * tokens, tokens  # fmt: skip
         if self.dp_group is not None:
             dist.all_reduce(local, group=self.dp_group)
         for i, (_, moe) in enumerate(self.layers):
@@ -245,7 +258,7 @@ class LoadBalancer:
         full = torch.zeros(self.n_layers, E + 2, device=device)
         if self._reduced is not None:
             for i, (name, _) in enumerate(self.layers):
-                full[int(name.split(".")[1])] = self._reduced[i]
+                full[_layer_id(name)] = self._reduced[i]
         if self.pp_group is not None:
             dist.all_reduce(full, group=self.pp_group)
         full = full.cpu()

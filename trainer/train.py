@@ -171,8 +171,9 @@ class Trainer:
         # MoE families: per-step expert statistics, aux-loss weight and expert-bias update.
         parts = self.pipeline.model_parts if self.pipeline is not None else [self.model]
         self.load_balancer = LoadBalancer.build(
-            parts, self.spec, self.dims, cfg.model, tokens_per_step=t.global_batch_size * t.seq_len
-        )
+            parts, self.spec, self.dims, cfg.model, tokens_per_step=t.global_batch_size * t.seq_len,
+            forwards_per_step=self.pipeline.n_microbatches if self.pipeline is not None else self.grad_accum_steps,
+        )  # fmt: skip
 
     def _build_optimizer(self) -> None:
         p = self.parallelism
