@@ -98,29 +98,29 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, x: Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup, stats: dict
+        ctx: Any, x: Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup, stats: dict, tag: str
     ) -> Tensor:
-        ctx.send, ctx.recv, ctx.group, ctx.stats = send, recv, group, stats
+        ctx.send, ctx.recv, ctx.group, ctx.stats, ctx.tag = send, recv, group, stats, tag
         out = x.new_empty((sum(recv), *x.shape[1:]))
         dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
-        _count(stats, "forward", x, send, group)
+        _count(stats, f"{tag}_forward", x, send, recv, group)
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], None, None, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], None, None, None, None, None]:
         out = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
         dist.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
-        _count(ctx.stats, "backward", grad, ctx.recv, ctx.group)
-        return out, None, None, None, None
+        _count(ctx.stats, f"{ctx.tag}_backward", grad, ctx.recv, ctx.send, ctx.group)
+        return out, None, None, None, None, None
 
 
-def _count(stats: dict, phase: str, x: Tensor, send: list[int], group: dist.ProcessGroup) -> None:
-    """Bytes this rank hands to all_to_all (all of it, and the part that leaves the rank)."""
-    row = x[0].numel() * x.element_size() if x.shape[0] else 0
+def _count(stats: dict, key: str, x: Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> None:
+    """Bytes this rank hands to / gets from one all_to_all (all, and the part crossing ranks)."""
+    row = x[0].numel() * x.element_size() if x.dim() > 1 else x.element_size()
     me = dist.get_rank(group)
-    stats[f"{phase}_bytes"] = stats.get(f"{phase}_bytes", 0) + sum(send) * row
-    stats[f"{phase}_remote_bytes"] = stats.get(f"{phase}_remote_bytes", 0) + (sum(send) - send[me]) * row
-    stats[f"{phase}_calls"] = stats.get(f"{phase}_calls", 0) + 1
+    for direction, splits in (("sent", send), ("recv", recv)):
+        for name, rows in ((f"{key}_{direction}_bytes", sum(splits)), (f"{key}_{direction}_remote_bytes", sum(splits) - splits[me])):
+            stats[name] = stats.get(name, 0) + rows * row
 
 
 class AllToAllDispatcher:
@@ -146,7 +146,7 @@ class AllToAllDispatcher:
         recv_counts = recv_counts.view(ep, num_local)  # (ep, E_l)
         # One host sync for the splits (all_to_all needs them on the host).
         send_splits, recv_splits = torch.stack([counts.view(ep, num_local).sum(1), recv_counts.sum(1)]).tolist()
-        arrived = _AllToAll.apply(rows, send_splits, recv_splits, self.group, self.stats)  # (M, H) by (src, e)
+        arrived = _AllToAll.apply(rows, send_splits, recv_splits, self.group, self.stats, "dispatch")  # (M, H)
         # Regroup (src, e) -> (e, src): each local expert's rows become contiguous.
         segment = torch.repeat_interleave(
             torch.arange(ep * num_local, device=rows.device), recv_counts.reshape(-1)
@@ -155,7 +155,7 @@ class AllToAllDispatcher:
         perm = torch.argsort(key, stable=True)  # (M,)
         out = experts(arrived[perm], recv_counts.sum(0))  # (M, H) grouped by local expert
         out = out[torch.argsort(perm)]  # back to arrival order
-        return _AllToAll.apply(out, recv_splits, send_splits, self.group, self.stats)  # (N, H)
+        return _AllToAll.apply(out, recv_splits, send_splits, self.group, self.stats, "combine")  # (N, H)
 
 
 # --------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from models.moe import MOE_SPEC
-from trainer.hf import read_hf, save_hf
+from trainer.hf import load_hf_into, read_hf, save_hf
 
 transformers = pytest.importorskip("transformers", reason="transformers (the dev extra) is not installed")
 
@@ -63,6 +63,14 @@ def test_import_and_export_match_transformers_logits(build, tmp_path) -> None:
     diff = (ours - expected).abs().max().item()
     print(f"{type(hf).__name__}: import max |logit diff| = {diff:.2e}")
     assert diff < ATOL
+
+    # The sliced reader (what every rank of a parallel run uses) stacks the per-expert tensors too.
+    with torch.device("meta"):
+        sliced = spec.build(args)
+    sliced.to_empty(device="cpu")
+    load_hf_into(sliced, str(tmp_path / "hf"), spec, args)
+    for name, p in sliced.named_parameters():
+        assert torch.equal(p, state[name]), name
 
     full = {k: v for k, v in model.state_dict().items()}
     save_hf(full, spec, args, str(tmp_path / "export"))
