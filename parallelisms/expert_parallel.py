@@ -72,6 +72,11 @@ def validate_ep(spec: ModelSpec, args: Any, dims: ParallelDims, *, compile: bool
             raise ConfigError(
                 f"parallelism.ep={dims.ep} with parallelism.cp={dims.cp} is not supported yet; set cp=1."
             )
+        if compile:
+            raise ConfigError(
+                f"training.compile=true with parallelism.ep={dims.ep} is not supported yet (the all_to_all "
+                f"splits are synchronised to the host inside each block); set training.compile=false."
+            )
     mode = getattr(args, "grouped_mm", "auto")
     if mode == "on":
         if not hasattr(torch, "_grouped_mm"):

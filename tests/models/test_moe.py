@@ -149,16 +149,18 @@ def test_bad_moe_config(overrides: list[str], needle: str) -> None:
         ("moe_debug", dict(ep=2, dp_shard=1, dp_replicate=2), 2, "must divide dp_shard\\*cp"),
         ("moe_debug", dict(ep=4, dp_shard=2, tp=2), 4, "must divide dp_shard\\*cp"),
         ("debug", dict(ep=2, dp_shard=2), 2, "needs a mixture-of-experts model"),
+        ("moe_debug", dict(ep=2, dp_shard=2, compile=True), 2, "training.compile=true with parallelism.ep=2"),
     ],
 )
 def test_ep_layout_checks(model: str, kw: dict, world: int, needle: str) -> None:
     cfg = make_config(f"model={model}")
+    compile = kw.pop("compile", False)
     for key, value in kw.items():
         setattr(cfg.parallelism, key, value)
     with pytest.raises(ConfigError, match=needle):
         ParallelDims.from_config(
             cfg.parallelism, world, spec=get_spec(cfg.model.family), model_args=cfg.model, seq_len=256,
-            global_batch_size=24, micro_batch_size=2,
+            global_batch_size=24, micro_batch_size=2, compile=compile,
         )  # fmt: skip
 
 
