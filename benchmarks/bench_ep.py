@@ -122,7 +122,9 @@ def main() -> None:
     for rank in sorted(results):
         ep = results[rank]["ep"]
         bytes_per_elem = 4  # fp32
-        formula = 2 * ep["top_k"] * ep["local_tokens_per_step"] * ep["dim"] * bytes_per_elem * ep["num_moe_layers"]
+        formula = (
+            2 * ep["top_k"] * ep["local_tokens_per_step"] * ep["dim"] * bytes_per_elem * ep["num_moe_layers"]
+        )
         s = {k: v / args.steps for k, v in ep["stats"].items()}
         # The article's view: a rank's tokens go out k times (dispatch) and come back k times (combine).
         own = s["dispatch_forward_sent_bytes"] + s["combine_forward_recv_bytes"]

@@ -60,7 +60,6 @@ from models.errors import ConfigError
 from models.llama import (
     LLAMA_HF_LAYER_NAMES,
     LLAMA_HF_TOP_NAMES,
-    TP_PLAN as LLAMA_TP_PLAN,
     Attention,
     FeedForward,
     LlamaArgs,
@@ -70,6 +69,9 @@ from models.llama import (
     num_flops_per_token,
     rope_scaling_from_hf,
     rope_scaling_to_hf,
+)
+from models.llama import (
+    TP_PLAN as LLAMA_TP_PLAN,
 )
 from models.spec import ModelSpec, ParamCounts
 
@@ -102,7 +104,7 @@ class MoEArgs(LlamaArgs):
     """A Llama decoder plus the mixture-of-experts hyper-parameters."""
 
     family: str = "moe"
-    attn_head_dim: Optional[int] = None  # explicit head size (Qwen3: 128 with dim 2048, 32 heads); None = dim / n_heads
+    attn_head_dim: Optional[int] = None  # explicit head size (Qwen3: 128); None = dim / n_heads
     qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3)
     num_experts: int = 8  # routed experts E per MoE layer
     top_k: int = 2  # experts per token
@@ -116,7 +118,9 @@ class MoEArgs(LlamaArgs):
     bias_update_coeff: float = 0.0  # aux-loss-free balancing step (DeepSeek-V3: 1e-3); 0 = off
     aux_loss_coeff: float = 0.0  # auxiliary load-balancing loss weight; 0 = off
     aux_loss_type: str = "global"  # global (over a forward's tokens) | sequence (per sequence, averaged)
-    capacity_factor: float = 0.0  # > 0: each expert takes at most ceil(cf * T * k / E) tokens, the rest are dropped
+    capacity_factor: float = (
+        0.0  # > 0: each expert takes at most ceil(cf * T * k / E) tokens, the rest are dropped
+    )
     grouped_mm: str = "auto"  # auto (torch._grouped_mm on CUDA sm90+ in bf16) | on | off (padded bmm)
 
     def validate(self) -> None:
@@ -323,7 +327,9 @@ class AddAuxGrad(torch.autograd.Function):
         return grad, torch.ones(shape, dtype=dtype, device=device)
 
 
-Dispatcher = Callable[[Tensor, Tensor, nn.Module], Tensor]  # (rows sorted by expert, counts (E,), experts) -> rows
+Dispatcher = Callable[
+    [Tensor, Tensor, nn.Module], Tensor
+]  # (rows sorted by expert, counts (E,), experts) -> rows
 
 
 def _recomputing() -> bool:
@@ -421,7 +427,9 @@ class MoE(nn.Module):
         w = weights.reshape(-1)[order].unsqueeze(-1).to(out_rows.dtype)  # (N, 1)
         return tokens.new_zeros(T, tokens.shape[1]).index_add(0, token, out_rows * w)  # (T, H)
 
-    def _drop_over_capacity(self, flat: Tensor, order: Tensor, counts: Tensor, T: int) -> tuple[Tensor, Tensor]:
+    def _drop_over_capacity(
+        self, flat: Tensor, order: Tensor, counts: Tensor, T: int
+    ) -> tuple[Tensor, Tensor]:
         """Keep the first ``ceil(cf * T * k / E)`` copies (in token order) of each expert."""
         capacity = math.ceil(self.capacity_factor * T * self.top_k / self.num_experts)
         starts = torch.cumsum(counts, 0) - counts  # (E,)
@@ -433,7 +441,9 @@ class MoE(nn.Module):
         """``E / (k T) * sum_e count_e * P_e`` over the forward's tokens ("global") or per sequence
         then averaged ("sequence"); P_e is the mean (normalised) router probability of expert e."""
         E, k = self.num_experts, self.top_k
-        probs = scores if self.router.score_func == "softmax" else scores / (scores.sum(-1, keepdim=True) + 1e-20)
+        probs = (
+            scores if self.router.score_func == "softmax" else scores / (scores.sum(-1, keepdim=True) + 1e-20)
+        )
         chosen = torch.zeros_like(probs).scatter_(1, indices, 1.0)  # (T, E) one-hot of the top-k
         if self.aux_loss_type == "sequence":
             f = chosen.view(B, S, E).sum(1) * (E / (k * S))  # (B, E)
@@ -474,7 +484,9 @@ class MoEBlock(nn.Module):
         self.ffn_norm.init_weights(init, f"{prefix}.ffn_norm")
 
     def forward(self, x: Tensor, *, rope_cache: Tensor, positions: Optional[Tensor] = None) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cache=rope_cache, positions=positions)  # (B, S, H)
+        h = x + self.attention(
+            self.attention_norm(x), rope_cache=rope_cache, positions=positions
+        )  # (B, S, H)
         ffn = self.moe if self.moe is not None else self.feed_forward
         return h + ffn(self.ffn_norm(h))  # (B, S, H)
 
@@ -518,7 +530,9 @@ def param_counts(args: MoEArgs) -> ParamCounts:
     n_dense = args.n_layers - n_moe
     embedding = args.vocab_size * dim
     head = 0 if args.tie_embeddings else args.vocab_size * dim
-    common = embedding + head + dim + args.n_layers * attention + n_dense * dense_ffn + n_moe * (router + shared)
+    common = (
+        embedding + head + dim + args.n_layers * attention + n_dense * dense_ffn + n_moe * (router + shared)
+    )
     total = common + n_moe * E * expert
     active = common + n_moe * args.top_k * expert
     return ParamCounts(total=total, active=active, embedding=embedding)
@@ -530,7 +544,11 @@ def flops_per_token(args: MoEArgs, seq_len: int) -> int:
 
 
 def tp_divisible(args: MoEArgs) -> dict[str, int]:
-    sizes = {"model.n_heads": args.n_heads, "model.n_kv_heads": args.kv_heads, "model.vocab_size": args.vocab_size}
+    sizes = {
+        "model.n_heads": args.n_heads,
+        "model.n_kv_heads": args.kv_heads,
+        "model.vocab_size": args.vocab_size,
+    }
     if len(args.moe_layer_ids) < args.n_layers:
         sizes["model FFN hidden size"] = args.hidden_dim
     return sizes
@@ -600,7 +618,9 @@ class MoEHF:
             )
         return fmt
 
-    def to_hf_config(self, args: MoEArgs, *, bos_id: Optional[int], eos_id: Optional[int], dtype: str) -> dict:
+    def to_hf_config(
+        self, args: MoEArgs, *, bos_id: Optional[int], eos_id: Optional[int], dtype: str
+    ) -> dict:
         fmt = self.format_of(args)
         scaling = rope_scaling_to_hf(args.rope_scaling, args.rope_theta)
         cfg: dict[str, Any] = {
@@ -630,7 +650,9 @@ class MoEHF:
             "use_cache": True,
         }
         if fmt == "mixtral":
-            cfg.update(intermediate_size=args.moe_hidden_dim, num_local_experts=args.num_experts, sliding_window=None)
+            cfg.update(
+                intermediate_size=args.moe_hidden_dim, num_local_experts=args.num_experts, sliding_window=None
+            )
         else:
             cfg.update(
                 intermediate_size=args.hidden_dim, moe_intermediate_size=args.moe_hidden_dim,
@@ -643,7 +665,9 @@ class MoEHF:
     def args_from_hf_config(self, cfg: dict[str, Any]) -> dict[str, Any]:
         fmt = cfg.get("model_type")
         if fmt not in self.model_types:
-            raise ConfigError(f"config.json has model_type={fmt!r}; the moe family reads {list(self.model_types)}.")
+            raise ConfigError(
+                f"config.json has model_type={fmt!r}; the moe family reads {list(self.model_types)}."
+            )
         if cfg.get("attention_bias"):
             raise ConfigError("config.json has attention_bias=true; meshwright's attention has no biases.")
         theta, scaling = rope_scaling_from_hf(cfg)

@@ -119,12 +119,17 @@ class _AllToAll(torch.autograd.Function):
         return out, None, None, None, None, None
 
 
-def _count(stats: dict, key: str, x: Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> None:
+def _count(
+    stats: dict, key: str, x: Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup
+) -> None:
     """Bytes this rank hands to / gets from one all_to_all (all, and the part crossing ranks)."""
     row = x[0].numel() * x.element_size() if x.dim() > 1 else x.element_size()
     me = dist.get_rank(group)
     for direction, splits in (("sent", send), ("recv", recv)):
-        for name, rows in ((f"{key}_{direction}_bytes", sum(splits)), (f"{key}_{direction}_remote_bytes", sum(splits) - splits[me])):
+        for name, rows in (
+            (f"{key}_{direction}_bytes", sum(splits)),
+            (f"{key}_{direction}_remote_bytes", sum(splits) - splits[me]),
+        ):
             stats[name] = stats.get(name, 0) + rows * row
 
 
@@ -147,11 +152,17 @@ class AllToAllDispatcher:
         ep = self.ep
         num_local = counts.numel() // ep
         recv_counts = torch.empty_like(counts)
-        dist.all_to_all_single(recv_counts, counts, group=self.group)  # [src * E_l + e]: src's rows for my expert e
+        dist.all_to_all_single(
+            recv_counts, counts, group=self.group
+        )  # [src * E_l + e]: src's rows for my expert e
         recv_counts = recv_counts.view(ep, num_local)  # (ep, E_l)
         # One host sync for the splits (all_to_all needs them on the host).
-        send_splits, recv_splits = torch.stack([counts.view(ep, num_local).sum(1), recv_counts.sum(1)]).tolist()
-        arrived = _AllToAll.apply(rows, send_splits, recv_splits, self.group, self.stats, "dispatch")  # (M, H)
+        send_splits, recv_splits = torch.stack(
+            [counts.view(ep, num_local).sum(1), recv_counts.sum(1)]
+        ).tolist()
+        arrived = _AllToAll.apply(
+            rows, send_splits, recv_splits, self.group, self.stats, "dispatch"
+        )  # (M, H)
         # Regroup (src, e) -> (e, src): each local expert's rows become contiguous.
         segment = torch.repeat_interleave(
             torch.arange(ep * num_local, device=rows.device), recv_counts.reshape(-1)
@@ -177,7 +188,9 @@ def apply_ep(model: nn.Module, spec: ModelSpec, dims: ParallelDims) -> nn.Module
         for name, param in list(experts.named_parameters(recurse=False)):
             if param.shape[0] % ep != 0:
                 raise ConfigError(f"{param.shape[0]} experts are not divisible by parallelism.ep={ep}.")
-            local = torch.empty((param.shape[0] // ep, *param.shape[1:]), dtype=param.dtype, device=param.device)
+            local = torch.empty(
+                (param.shape[0] // ep, *param.shape[1:]), dtype=param.dtype, device=param.device
+            )
             sharded = DTensor.from_local(
                 local, ep_mesh, [Shard(0)], run_check=False, shape=param.shape, stride=param.stride()
             )
@@ -234,7 +247,9 @@ class LoadBalancer:
         """A balancer for MoE families, None for dense ones."""
         if "moe_layers" not in spec.extra:
             return None
-        return cls(parts, spec, dims, args, tokens_per_step=tokens_per_step, forwards_per_step=forwards_per_step)
+        return cls(
+            parts, spec, dims, args, tokens_per_step=tokens_per_step, forwards_per_step=forwards_per_step
+        )
 
     def begin_step(self) -> None:
         for _, moe in self.layers:

@@ -349,10 +349,10 @@ class Trainer:
                 if step % log_freq == 0 or step == t.steps or step == 1:
                     # Losses are local sums over this rank's tokens: add them up over dp/cp.
                     global_loss = self._global_sum(loss.detach())
-                    extra = self.load_balancer.log_stats(self.device) if self.load_balancer is not None else None
-                    record = self.metrics.log_step(
-                        step, global_loss.item(), grad_norm.item(), self.lr_scheduler.get_last_lr()[0], extra=extra
-                    )
+                    # MoE: tokens per expert, load imbalance, aux loss (collective over pp).
+                    moe = self.load_balancer.log_stats(self.device) if self.load_balancer else None
+                    lr = self.lr_scheduler.get_last_lr()[0]
+                    record = self.metrics.log_step(step, global_loss.item(), grad_norm.item(), lr, extra=moe)
                     self.state.history.append(record)
                 if self.val_loader is not None and (step % t.eval_freq == 0 or step == t.steps):
                     eval_loss, eval_tokens = self.evaluate()

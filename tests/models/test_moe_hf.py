@@ -37,7 +37,10 @@ def _randomise(model: torch.nn.Module) -> None:
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() > 1 else 0.2) + (1.0 if p.dim() == 1 else 0))
+            p.copy_(
+                torch.randn(p.shape, generator=g) * (0.3 if p.dim() > 1 else 0.2)
+                + (1.0 if p.dim() == 1 else 0)
+            )
 
 
 @pytest.mark.parametrize("build", [_mixtral, _qwen3_moe], ids=["mixtral", "qwen3_moe"])

@@ -34,7 +34,9 @@ def _round_trips(rank: int, world_size: int) -> list[str]:
         n = int(torch.randint(0, 40, (1,), generator=g))
         # Some trials route only to a few experts (the others receive nothing from anyone).
         allowed = torch.arange(num_experts) if trial % 3 else torch.tensor([0, 5])
-        expert = allowed[torch.randint(0, len(allowed), (n,), generator=g)].sort().values  # rows sorted by expert
+        expert = (
+            allowed[torch.randint(0, len(allowed), (n,), generator=g)].sort().values
+        )  # rows sorted by expert
         counts = torch.bincount(expert, minlength=num_experts)
         rows = torch.randn(n, 6, generator=g, dtype=torch.float64).requires_grad_()
         experts = _Identity()
@@ -78,7 +80,9 @@ def _layer_grads(rank: int, world_size: int) -> dict:
     from models.moe import MoE, MoEArgs
     from parallelisms.expert_parallel import AllToAllDispatcher
 
-    args = MoEArgs(dim=16, n_layers=1, n_heads=2, num_experts=8, top_k=2, moe_hidden_dim=12, num_shared_experts=1)
+    args = MoEArgs(
+        dim=16, n_layers=1, n_heads=2, num_experts=8, top_k=2, moe_hidden_dim=12, num_shared_experts=1
+    )
     torch.manual_seed(0)
     full = MoE(args)
     with torch.no_grad():

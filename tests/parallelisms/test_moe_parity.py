@@ -28,8 +28,14 @@ MOE = [
 ]  # fmt: skip
 CONFIGS = {
     "A": MOE,
-    "B": [*MOE, "model.bias_update_coeff=0.01", "model.aux_loss_coeff=0.01", "model.aux_loss_type=sequence",
-          "training.grad_clip=0", "training.deterministic=true"],  # fmt: skip
+    "B": [
+        *MOE,
+        "model.bias_update_coeff=0.01",
+        "model.aux_loss_coeff=0.01",
+        "model.aux_loss_type=sequence",
+        "training.grad_clip=0",
+        "training.deterministic=true",
+    ],  # fmt: skip
 }
 EP2 = ["parallelism.ep=2", "parallelism.dp_shard=2"]
 DDP2 = ["parallelism.dp_replicate=2", "parallelism.dp_shard=1"]
@@ -100,7 +106,9 @@ def _worker(rank: int, world_size: int, tmp: str, runs: list[str], resumes: list
 def results(tmp_path_factory) -> dict:
     tmp = str(tmp_path_factory.mktemp("moe"))
     out = run_distributed(_worker, 1, tmp, list(CONFIGS), [])[0]
-    out.update(run_distributed(_worker, 2, tmp, [n for n, (w, _, _) in LAYOUTS.items() if w == 2], list(RESUMES))[0])
+    out.update(
+        run_distributed(_worker, 2, tmp, [n for n, (w, _, _) in LAYOUTS.items() if w == 2], list(RESUMES))[0]
+    )
     out.update(run_distributed(_worker, 4, tmp, [n for n, (w, _, _) in LAYOUTS.items() if w == 4], [])[0])
     return out
 
@@ -117,12 +125,16 @@ def test_moe_layout_matches_single_process(layout: str, results: dict) -> None:
     ref, got = results[config]["records"], results[layout]["records"]
     assert len(got) == len(ref) == 8 and ref[-1][0] < ref[0][0]
     loss_rel, norm_rel = _max_rel(got, ref)
-    print(f"{layout}: max relative difference vs 1 process over 8 steps: loss {loss_rel:.1e}, grad norm {norm_rel:.1e}")
+    print(
+        f"{layout}: max relative difference vs 1 process over 8 steps: loss {loss_rel:.1e}, grad norm {norm_rel:.1e}"
+    )
     assert loss_rel < RTOL and norm_rel < RTOL, (layout, got, ref)
     if config == "B":  # the bias moved, identically in both runs
         for key, bias in results["B"]["biases"].items():
             assert any(bias)
-            torch.testing.assert_close(torch.tensor(results[layout]["biases"][key]), torch.tensor(bias), rtol=0, atol=1e-6)
+            torch.testing.assert_close(
+                torch.tensor(results[layout]["biases"][key]), torch.tensor(bias), rtol=0, atol=1e-6
+            )
 
 
 def test_moe_metrics_are_logged(results: dict) -> None:
