@@ -70,7 +70,7 @@ def _train(tmp: str, name: str, config: str, overrides: list[str]) -> dict:
 
     trainer = Trainer(tiny_config(os.path.join(tmp, name), *CONFIGS[config], *overrides))
     history = trainer.train()
-    out = {"records": _records(history), "last": history[-1], "biases": _biases(trainer)}
+    out = {"records": _records(history), "first": history[0], "last": history[-1], "biases": _biases(trainer)}
     trainer.close()
     return out
 
@@ -129,6 +129,11 @@ def test_moe_layout_matches_single_process(layout: str, results: dict) -> None:
         f"{layout}: max relative difference vs 1 process over 8 steps: loss {loss_rel:.1e}, grad norm {norm_rel:.1e}"
     )
     assert loss_rel < RTOL and norm_rel < RTOL, (layout, got, ref)
+    # Tokens per expert are all-reduced to the same global counts in every layout (step 1 under
+    # pp excludes the schedule's shape-inference forward).
+    for record in ("first", "last"):
+        want = results[config][record]["moe_tokens_per_expert"]
+        assert results[layout][record]["moe_tokens_per_expert"] == want, (layout, record)
     if config == "B":  # the bias moved, identically in both runs
         for key, bias in results["B"]["biases"].items():
             assert any(bias)
