@@ -197,6 +197,11 @@ class Attention(nn.Module):
             init.trunc_normal(f"{prefix}.{proj}.weight", getattr(self, proj).weight, std, 2.0)
         init.trunc_normal(f"{prefix}.wo.weight", self.wo.weight, out_std, 2.0)
 
+    def norm_qk(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """Per-head transform of q and k before RoPE: the identity here; Qwen3-style models
+        override it with RMSNorm over each head (``models.moe.QKNormAttention``)."""
+        return q, k
+
     def forward(self, x: Tensor, *, rope_cache: Tensor, positions: Optional[Tensor] = None) -> Tensor:
         """``x`` (B, S, H); ``rope_cache`` (max_seq_len, D); ``positions`` (S,) or (B, S) or None (0..S-1)."""
         B, S, _ = x.shape  # (B, S, H)
@@ -206,6 +211,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, S, -1, self.head_dim)  # (B, S, nh, D)   nh: local query heads
         k = self.wk(x).view(B, S, -1, self.head_dim)  # (B, S, nkv, D)  nkv: local kv heads
         v = self.wv(x).view(B, S, -1, self.head_dim)  # (B, S, nkv, D)
+        q, k = self.norm_qk(q, k)
         q, k = apply_rotary_emb(q, k, rope)
         out = self.core(q, k, v, positions=positions)  # (B, S, nh, D)
         return self.wo(out.reshape(B, S, -1))  # (B, S, nh*D) -> (B, S, H)

@@ -10,6 +10,8 @@ the caller then runs ``to_empty`` + ``init_weights`` (see parallelize.py).
 
 from __future__ import annotations
 
+from typing import Optional
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -20,7 +22,13 @@ from parallelisms.utils import to_dtype
 
 
 def apply_fsdp(
-    model: nn.Module, spec: ModelSpec, mesh: DeviceMesh, cfg: FSDPConfig, *, reshard_after_forward: bool
+    model: nn.Module,
+    spec: ModelSpec,
+    mesh: DeviceMesh,
+    cfg: FSDPConfig,
+    *,
+    reshard_after_forward: bool,
+    expert_mesh: Optional[DeviceMesh] = None,
 ) -> nn.Module:
     """Shard ``model`` over ``mesh``: 1-D = FSDP on dp_shard(_cp); 2-D (replicate, shard) = HSDP.
 
@@ -29,6 +37,11 @@ def apply_fsdp(
     less communication, more memory). The last block never reshards after forward since
     backward needs it immediately. The units are the spec's repeated blocks, then its last
     modules (final norm + head) together, then the root.
+
+    With ``expert_mesh`` (expert parallel), each block's stacked experts (``spec.extra
+    ["expert_modules"]``, DTensors on the ``ep`` mesh) first become their own unit sharded over
+    ``expert_mesh`` (dp_shard x cp / ep, x dp_replicate for HSDP): experts and dense parameters
+    are reduced over different groups.
     """
     mp_policy = MixedPrecisionPolicy(
         param_dtype=to_dtype(cfg.param_dtype), reduce_dtype=to_dtype(cfg.reduce_dtype)
@@ -37,6 +50,12 @@ def apply_fsdp(
     blocks = [block for _, block in spec.block_items(model)]
     for i, block in enumerate(blocks):
         reshard = reshard_after_forward and i < len(blocks) - 1
+        if expert_mesh is not None:
+            for experts in spec.extra["expert_modules"](block):
+                fully_shard(
+                    experts, mesh=expert_mesh, mp_policy=mp_policy, offload_policy=offload,
+                    reshard_after_forward=reshard,
+                )  # fmt: skip
         fully_shard(
             block, mesh=mesh, mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=reshard
         )

@@ -16,6 +16,17 @@ node-contiguous) plus the flattened views
 
 and answers sub-meshes by name (``get_mesh("dp_shard_cp")``) and this rank's coordinates
 (``dp_rank``, ``pp_rank``, ...). Nobody else slices the mesh or recomputes a rank by hand.
+
+Expert parallel (``ep > 1``) carves the ``ep`` axis out of ``dp_shard x cp``: the mesh then has
+``dp_shard`` split in two real dims, ``dp_shard_mod_ep`` (outer) x ``dp_shard_in_ep`` (inner, so an
+ep group stays as close as possible), and the extra views
+
+- ``dp_shard``  = dp_shard_mod_ep x dp_shard_in_ep (the same ranks as without ep)
+- ``ep``        = dp_shard_in_ep x cp             (experts sharded; tokens all_to_all'd)
+
+Dense parameters keep FSDP on ``dp_shard_cp``; expert parameters are sharded over ``ep`` and
+FSDP-sharded over ``dp_shard_mod_ep`` = dp_shard x cp / ep (``expert_fsdp_mesh``; HSDP: replicated
+over ``dp_replicate`` too).
 """
 
 from __future__ import annotations
@@ -32,6 +43,8 @@ from models.spec import ModelSpec
 from parallelisms.config import ParallelismConfig
 
 MESH_DIM_NAMES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# With expert parallel dp_shard is split into (dp_shard / (ep / cp), ep / cp).
+EP_MESH_DIM_NAMES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp", "tp")
 # Flattened views: name -> the mesh dims they merge.
 FLAT_VIEWS: dict[str, tuple[str, ...]] = {
     "dp": ("dp_replicate", "dp_shard"),
@@ -85,11 +98,14 @@ class ParallelDims:
                 f"size is {self.world_size}; make the product equal the number of processes "
                 f"(e.g. set parallelism.dp_shard=-1 to fill it, or launch {product} processes)."
             )
-        if self.ep > 1 and self.dp_cp % self.ep != 0:
-            raise ConfigError(
-                f"parallelism.ep={self.ep} must divide dp_replicate*dp_shard*cp = {self.dp_cp} "
-                f"(experts are carved out of the data/context axes); choose an ep that divides {self.dp_cp}."
-            )
+        if self.ep > 1:
+            shard_cp = self.dp_shard * self.cp
+            if shard_cp % self.ep != 0 or self.ep % self.cp != 0:
+                raise ConfigError(
+                    f"parallelism.ep={self.ep} must divide dp_shard*cp = {self.dp_shard}*{self.cp} = {shard_cp} "
+                    f"(and be a multiple of cp={self.cp}): experts are carved out of the FSDP axes, not of "
+                    f"dp_replicate, tp or pp. Choose an ep that divides {shard_cp}, or raise parallelism.dp_shard."
+                )
 
     # -- construction from the config, with every check --------------------------------
     @classmethod
@@ -121,6 +137,10 @@ class ParallelDims:
             attention_mask=getattr(model_args, "attention_mask", "causal"),
         )  # fmt: skip
         dims.grad_accum_steps(global_batch_size, micro_batch_size)
+        if dims.ep > 1 or getattr(model_args, "num_experts", 0) > 0:
+            from parallelisms.expert_parallel import validate_ep
+
+            validate_ep(spec, model_args, dims, compile=compile, device_type=device_type)
         if dims.pp > 1:
             from parallelisms.pipeline_parallel import validate_pp
 
@@ -253,16 +273,41 @@ class ParallelDims:
         """
         coords: dict[str, int] = {}
         rest = rank
-        for name in reversed(MESH_DIM_NAMES):  # innermost first
-            size = getattr(self, name)
+        for name in reversed(self.mesh_dim_names):  # innermost first
+            size = self.axis_size(name)
             coords[name] = rest % size
             rest //= size
-        for view, dims in {**FLAT_VIEWS, **OPTIONAL_VIEWS}.items():
+        for view, dims in {**self.flat_views, **OPTIONAL_VIEWS}.items():
             index = 0
             for name in dims:
-                index = index * getattr(self, name) + coords[name]
+                index = index * self.axis_size(name) + coords[name]
             coords[view] = index
         return coords
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        """The real dims of the world mesh, outermost first (dp_shard split in two under ep)."""
+        return EP_MESH_DIM_NAMES if self.ep > 1 else MESH_DIM_NAMES
+
+    @property
+    def flat_views(self) -> dict[str, tuple[str, ...]]:
+        """Flattened views: name -> the real mesh dims they merge."""
+        if self.ep == 1:
+            return FLAT_VIEWS
+        shard = ("dp_shard_mod_ep", "dp_shard_in_ep")
+        views = {view: tuple(d for name in dims for d in (shard if name == "dp_shard" else (name,)))
+                 for view, dims in FLAT_VIEWS.items()}  # fmt: skip
+        return {"dp_shard": shard, **views, "ep": ("dp_shard_in_ep", "cp")}
+
+    def axis_size(self, name: str) -> int:
+        """Size of a real mesh dim or flattened view."""
+        if name == "dp_shard_in_ep":
+            return self.ep // self.cp
+        if name == "dp_shard_mod_ep":
+            return self.dp_shard * self.cp // self.ep
+        if name in self.flat_views and name not in MESH_DIM_NAMES and name != "ep":
+            return math.prod(self.axis_size(d) for d in self.flat_views[name])
+        return getattr(self, name)
 
     def dp_rank_of(self, rank: int) -> int:
         """Data-parallel rank (which batch shard) of a global rank."""
@@ -273,17 +318,20 @@ class ParallelDims:
         """Create the world mesh once (call after init_process_group) with the flattened views."""
         if self._mesh is not None:
             return self._mesh
-        shape = tuple(getattr(self, name) for name in MESH_DIM_NAMES)
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIM_NAMES)
+        names = self.mesh_dim_names
+        shape = tuple(self.axis_size(name) for name in names)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
         # Flattened views are registered on the root mesh and can then be sliced by name.
-        views = dict(FLAT_VIEWS)
+        views = dict(self.flat_views)
         if self.ddp_enabled and self.cp > 1:
             views.update(OPTIONAL_VIEWS)
-        for view, dims in views.items():
-            mesh[dims]._flatten(view)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+            for view, dims in views.items():
+                mesh[dims]._flatten(view)
         self._mesh = mesh
         coords = self.coordinates(mesh.get_rank())
-        for name in (*MESH_DIM_NAMES, *views):
+        for name in (*names, *views):
             if self.get_mesh(name).get_local_rank() != coords[name]:
                 raise RuntimeError(f"mesh layout disagrees with ParallelDims.coordinates on {name!r}")
         return mesh
@@ -325,6 +373,16 @@ class ParallelDims:
     def cp_mesh(self) -> DeviceMesh:
         """The context-parallel axis."""
         return self.get_mesh("cp")
+
+    @property
+    def expert_fsdp_mesh(self) -> DeviceMesh:
+        """Where FSDP shards expert parameters under ep: ``dp_shard_mod_ep`` (dp_shard x cp / ep), or
+        2-D (``dp_replicate``, ``dp_shard_mod_ep``) for HSDP. The experts' own ``ep`` axis is their DTensor mesh."""
+        return (
+            self.get_mesh("dp_replicate", "dp_shard_mod_ep")
+            if self.dp_replicate > 1
+            else self.get_mesh("dp_shard_mod_ep")
+        )
 
     @property
     def loss_mesh(self) -> DeviceMesh:

@@ -5,7 +5,7 @@ Order (fixed), each step applied only when its axis is active:
 1. pipeline split           (pp)           -- parallelisms/pipeline_parallel.py
 2. tensor / sequence par.   (tp)           -- parallelisms/tensor_parallel.py
 3. context parallel         (cp)           -- parallelisms/context_parallel.py (swaps the attention core)
-4. expert parallel          (ep)           -- parallelisms/expert_parallel.py (not yet)
+4. expert parallel          (ep)           -- parallelisms/expert_parallel.py
 5. activation checkpointing                -- parallelisms/activation_checkpoint.py
 6. torch.compile per block                 -- parallelisms/compile.py
 7. FSDP2 / HSDP             (dp_shard x cp [, dp_replicate])  -- parallelisms/fsdp.py
@@ -84,8 +84,8 @@ def parallelize_part(
     *,
     wrap_ddp: bool = True,
 ) -> nn.Module:
-    """Steps 2-9 on one module (a whole model or a pipeline stage, on meta): TP -> CP -> AC -> compile
-    -> FSDP -> to_empty + init_weights -> DDP (when ``wrap_ddp``). Meshes come from ``dims``."""
+    """Steps 2-9 on one module (a whole model or a pipeline stage, on meta): TP -> CP -> EP -> AC ->
+    compile -> FSDP -> to_empty + init_weights -> DDP (when ``wrap_ddp``). Meshes come from ``dims``."""
     device = options.device
     if dims.tp > 1:
         from parallelisms.tensor_parallel import apply_tp
@@ -98,6 +98,10 @@ def parallelize_part(
             model, dims.cp_mesh, impl=cfg.cp_impl, load_balance=cfg.cp_load_balance,
             attention_mask=options.attention_mask,
         )  # fmt: skip
+    if dims.ep > 1:
+        from parallelisms.expert_parallel import apply_ep
+
+        apply_ep(model, spec, dims)
     if options.activation_checkpoint != "none":
         from parallelisms.activation_checkpoint import apply_ac
 
@@ -113,8 +117,9 @@ def parallelize_part(
         from parallelisms.fsdp import apply_fsdp
 
         apply_fsdp(
-            model, spec, dims.fsdp_mesh, cfg.fsdp, reshard_after_forward=reshard_after_forward(cfg, dims)
-        )
+            model, spec, dims.fsdp_mesh, cfg.fsdp, reshard_after_forward=reshard_after_forward(cfg, dims),
+            expert_mesh=dims.expert_fsdp_mesh if dims.ep > 1 else None,
+        )  # fmt: skip
 
     # With CPU offload FSDP keeps the sharded parameters on the host.
     model.to_empty(device="cpu" if (dims.fsdp_enabled and cfg.fsdp.cpu_offload) else device)

@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -118,6 +119,16 @@ def _style(kind: str, *, sequence_parallel: bool, loss_parallel: bool) -> Parall
         )
     if kind == "replicate":
         return ReplicateParallel()
+    if kind == "head_norm":  # per-head norm (qk-norm) on this rank's heads: weight replicated
+        return SequenceParallel(sequence_dim=2, use_local_output=True)
+    if kind == "moe_io":
+        # A token-wise module run replicated inside the tp group (MoE: experts are expert-
+        # parallel over the data axes instead): gather the tokens on entry (f) and keep this
+        # rank's share of the residual stream on exit (a local slice; all-gather in backward).
+        return PrepareModuleInputOutput(
+            input_layouts=(stream,), desired_input_layouts=(Replicate(),), use_local_input=True,
+            output_layouts=(Replicate(),), desired_output_layouts=(stream,), use_local_output=True,
+        )  # fmt: skip
     raise ValueError(f"unknown tensor-parallel style {kind!r} in the model's TP plan")
 
 

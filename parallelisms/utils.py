@@ -54,24 +54,34 @@ def clip_grad_norm_(
     """Clip gradients by their global 2-norm; return the norm (same value on every rank).
 
     Works for plain tensors (replicated by DDP), DTensors (FSDP/TP shards: the per-tensor
-    norms come back as Partial DTensors and ``full_tensor()`` reduces them over the mesh)
+    norms come back as Partial DTensors and ``full_tensor()`` reduces them over the mesh),
+    parameters on different meshes (expert parallel: experts on (efsdp, ep), dense ones on
+    (dp_shard_cp[, tp])) -- one norm per mesh, combined as the root of the sum of squares --
     and pipeline stages (squared norms of the stages are summed over ``pp_mesh``).
     ``max_norm <= 0`` only measures.
     """
     params = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in params]
-    if not grads:
+    groups: dict[tuple[str, ...], list[nn.Parameter]] = {}
+    for p in params:  # grouped by mesh dim names: the same groups, in the same order, on every rank
+        key = tuple(p.grad.device_mesh.mesh_dim_names or ("?",)) if isinstance(p.grad, DTensor) else ()
+        groups.setdefault(key, []).append(p)
+    norms = []
+    for key in sorted(groups, key=str):
+        norm = torch.nn.utils.get_total_norm([p.grad for p in groups[key]], 2.0, False, foreach)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if not norms:
         total_norm = torch.zeros(())
+    elif len(norms) == 1:
+        total_norm = norms[0]
     else:
-        total_norm = torch.nn.utils.get_total_norm(grads, 2.0, False, foreach)
-        if isinstance(total_norm, DTensor):
-            total_norm = total_norm.full_tensor()
+        total_norm = torch.stack([n.float() for n in norms]).pow(2).sum().sqrt()
     if pp_mesh is not None and pp_mesh.size() > 1:
         total_norm = total_norm**2
         dist.all_reduce(total_norm, group=pp_mesh.get_group())
         total_norm = total_norm.sqrt()
-    if max_norm > 0 and grads:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm, foreach)
+    if max_norm > 0 and params:
+        for key in sorted(groups, key=str):
+            torch.nn.utils.clip_grads_with_norm_(groups[key], max_norm, total_norm, foreach)
     return total_norm
 
 

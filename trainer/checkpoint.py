@@ -130,7 +130,7 @@ def unwrap(model: Any) -> nn.Module:
 
 def describe_layout(dims: Any, parallelism: Any) -> dict[str, Any]:
     """What wrote the checkpoint (informational; loading never depends on it)."""
-    layout = {k: getattr(dims, k) for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}
+    layout = {k: getattr(dims, k) for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")}
     if dims.dp_replicate > 1 and dims.dp_shard == 1:
         layout["ddp"] = parallelism.ddp.impl
         layout["sharded_optimizer"] = parallelism.ddp.sharded_optimizer

@@ -41,9 +41,12 @@ def spec_for_hf_config(cfg: dict[str, Any]) -> ModelSpec:
     """The family whose HF adapter reads this ``config.json`` (by ``model_type``)."""
     model_type = cfg.get("model_type")
     for spec in MODEL_SPECS.values():
-        if spec.hf is not None and spec.hf.model_type == model_type:
+        if spec.hf is not None and model_type in getattr(spec.hf, "model_types", (spec.hf.model_type,)):
             return spec
-    known = sorted(spec.hf.model_type for spec in MODEL_SPECS.values() if spec.hf is not None)
+    known = sorted(
+        t for spec in MODEL_SPECS.values() if spec.hf is not None
+        for t in getattr(spec.hf, "model_types", (spec.hf.model_type,))
+    )  # fmt: skip
     raise ConfigError(f"config.json has model_type={model_type!r}; meshwright reads {known}.")
 
 

@@ -120,10 +120,13 @@ class MetricsLogger:
         self._last_step = step
 
     def log_step(
-        self, step: int, loss: float, grad_norm: float, lr: float, extra: Optional[dict[str, float]] = None
+        self, step: int, loss: float, grad_norm: float, lr: float, extra: Optional[dict[str, Any]] = None
     ) -> dict[str, Any]:
         """Log one training step's metrics; throughput is averaged since the previous call.
-        ``extra`` (e.g. the loader's ``data_wait_s``) is added to the record as it is."""
+
+        ``extra`` (the loader's ``data_wait_s``; the MoE statistics ``aux_loss``,
+        ``moe_imbalance_max/mean``, per-layer ``moe_imbalance`` and ``moe_tokens_per_expert``) is
+        merged into the record; nested values become ``key/sub/...`` tracker scalars."""
         now = time.perf_counter()
         steps = step - (self._last_step if self._last_step is not None else step - 1)
         elapsed = max(now - self._last_time, 1e-9)
@@ -151,6 +154,15 @@ class MetricsLogger:
             f"tok/s/dev {tokens_per_sec:9.0f}  TFLOP/s {tflops:7.3f}  MFU {mfu_str}  "
             f"mem {record['memory_gib']:.2f} GiB  eta {_fmt_time(eta_s)}"
         )
+        if "moe_imbalance_max" in record:
+            aux = record.get("aux_loss")
+            logger.info(
+                f"moe    {step:>6}  aux_loss {'n/a' if aux is None else f'{aux:.5f}'}  load imbalance max/mean "
+                f"{record['moe_imbalance_max']:.2f} (worst layer), {record['moe_imbalance_mean']:.2f} (layer mean)"
+            )
+            for layer, counts in record.get("moe_tokens_per_expert", {}).items():
+                shown = counts if len(counts) <= 16 else f"{counts[:16]} ... ({len(counts)} experts)"
+                logger.info(f"moe    {step:>6}  {layer} tokens per expert {shown}")
         self._write(record, step)
         return record
 

@@ -28,12 +28,20 @@ class Tracker(Protocol):
     def close(self) -> None: ...
 
 
-def _scalars(record: dict[str, Any]) -> dict[str, float]:
-    return {
-        k: v
-        for k, v in record.items()
-        if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
-    }
+def _scalars(record: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """A record's numbers but ``step``, flattened: nested dicts and lists become ``key/sub`` and ``key/i``."""
+    out: dict[str, float] = {}
+    for key, value in record.items():
+        name = f"{prefix}{key}"
+        if not prefix and key == "step":
+            continue
+        if isinstance(value, dict):
+            out.update(_scalars(value, f"{name}/"))
+        elif isinstance(value, (list, tuple)):
+            out.update(_scalars({str(i): v for i, v in enumerate(value)}, f"{name}/"))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[name] = value
+    return out
 
 
 class TensorBoardTracker:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from models import get_spec
 from models.errors import ConfigError
+from parallelisms.expert_parallel import LoadBalancer
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import PartOptions, parallelize, parallelize_pipeline
 from parallelisms.pipeline_parallel import Pipeline
@@ -203,6 +204,12 @@ class Trainer:
         else:
             self.model = parallelize(model, self.spec, self.dims, p, options)
         self.model.train()
+        # MoE families: per-step expert statistics, aux-loss weight and expert-bias update.
+        parts = self.pipeline.model_parts if self.pipeline is not None else [self.model]
+        self.load_balancer = LoadBalancer.build(
+            parts, self.spec, self.dims, cfg.model, tokens_per_step=t.global_batch_size * t.seq_len,
+            forwards_per_step=self.pipeline.n_microbatches if self.pipeline is not None else self.grad_accum_steps,
+        )  # fmt: skip
 
     def _build_optimizer(self) -> None:
         p = self.parallelism
@@ -321,6 +328,8 @@ class Trainer:
         # result equals the single-process mean over the whole global batch.
         num_tokens = self._global_sum(count_targets(batch.labels)).clamp(min=1)
         scale = self.dims.dp_cp / num_tokens
+        if self.load_balancer is not None:
+            self.load_balancer.begin_step()
         if self.pipeline is not None:
             # The schedule splits the local batch into its microbatches (they replace the
             # accumulation loop), runs the loss on the last stage and reports it everywhere.
@@ -335,6 +344,8 @@ class Trainer:
         message = non_finite_message(grad_norm, loss_sum, self.state.step + 1)  # names the rank(s)
         if message is not None:
             raise TrainingError(message)
+        if self.load_balancer is not None:  # tokens per expert over dp x cp -> expert-bias update
+            self.load_balancer.end_step()
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -385,13 +396,12 @@ class Trainer:
                 if step % log_freq == 0 or step == t.steps or step == 1:
                     # Losses are local sums over this rank's tokens: add them up over dp/cp.
                     global_loss = self._global_sum(loss.detach())
-                    record = self.metrics.log_step(
-                        step,
-                        global_loss.item(),
-                        grad_norm.item(),
-                        self.lr_scheduler.get_last_lr()[0],
-                        extra=self.train_loader.pop_metrics(),  # data_wait_s (+ mixture shares)
-                    )
+                    # MoE: tokens per expert, load imbalance, aux loss (collective over pp).
+                    extra = self.train_loader.pop_metrics()  # data_wait_s (+ mixture shares)
+                    if self.load_balancer is not None:
+                        extra.update(self.load_balancer.log_stats(self.device))
+                    lr = self.lr_scheduler.get_last_lr()[0]
+                    record = self.metrics.log_step(step, global_loss.item(), grad_norm.item(), lr, extra=extra)
                     self.state.history.append(record)
                 if self.val_loader is not None and (step % t.eval_freq == 0 or step == t.steps):
                     eval_loss, eval_tokens = self.evaluate()

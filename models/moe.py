@@ -1,0 +1,803 @@
+"""Mixture-of-experts decoder (Mixtral / Qwen3-MoE / DeepSeek-MoE shapes), free of any parallelism.
+
+The model is the Llama decoder (``models/llama.py``) whose feed-forward is, in chosen layers, a
+mixture of experts: layer ``i`` is an MoE layer when ``i >= first_k_dense`` and
+``i % moe_layer_freq == 0`` (DeepSeek's rule), the others keep Llama's dense SwiGLU. Module tree::
+
+    tok_embeddings.weight
+    layers.{i}.attention.{wq,wk,wv,wo}.weight        (+ attention.{q_norm,k_norm}.weight with qk_norm)
+    layers.{i}.{attention_norm,ffn_norm}.weight
+    layers.{i}.feed_forward.{w1,w2,w3}.weight         dense layers
+    layers.{i}.moe.router.gate.weight                 (E, H)      MoE layers
+    layers.{i}.moe.experts.{w1,w3}                    (E, F, H)   stacked, one nn.Linear layout per expert
+    layers.{i}.moe.experts.w2                         (E, H, F)
+    layers.{i}.moe.shared_experts.{w1,w2,w3}.weight   optional always-on SwiGLU
+    layers.{i}.moe.expert_bias                        (E,) buffer: aux-loss-free balancing (checkpointed)
+    norm.weight, output.weight
+
+One MoE layer, for the T = B*S tokens of a forward (seed article section 8):
+
+1. router (``TopKRouter``): scores = softmax or sigmoid of ``gate(x)`` in fp32; the top-k experts are
+   chosen on ``scores + expert_bias`` (the bias steers only the choice), their weights are the
+   unbiased scores, optionally renormalised to sum 1, times ``route_scale``;
+2. the T*k (token, expert) pairs are sorted by expert, optionally cut to a capacity per expert;
+3. the sorted token copies go through the experts -- locally, or through ``dispatcher`` when expert
+   parallelism is on (``parallelisms/expert_parallel.py`` sets it: all_to_all to the experts' owners
+   and back); ``GroupedExperts`` runs each expert on its contiguous group of rows, with
+   ``torch._grouped_mm`` or a padded batched matmul;
+4. combine: each copy is scaled by its routing weight and added back to its token (``index_add``),
+   plus the shared experts' output.
+
+Load balancing. Each MoE module records, per forward of a step, the tokens each expert receives
+and the auxiliary loss (``step_records``); the trainer reduces the counts over the data-parallel ranks
+(``parallelisms.expert_parallel.LoadBalancer``) and calls ``update_bias`` before the optimizer step:
+``expert_bias += bias_update_coeff * sign(mean - count)`` (DeepSeek-V3's auxiliary-loss-free
+balancing). The auxiliary loss (``aux_loss_coeff > 0``, Switch-style ``E * sum_e f_e P_e`` over the
+forward's tokens, or per sequence) is added to the gradient only: ``AddAuxGrad`` returns the layer
+output unchanged and feeds ``d(aux)/d(scores)`` into backward, so the language-model loss value is
+untouched and works with pipeline stages. The weight of each forward's aux term is
+``aux_grad_scale * tokens`` (the trainer sets ``aux_grad_scale`` = dp_cp / tokens per step, so that
+over all microbatches and ranks the objective is ``LM mean + coeff * token-weighted mean aux``).
+
+``MOE_SPEC`` at the bottom is what the rest of the stack sees; its ``extra`` holds
+``moe_layers(model)`` (the MoE modules by name) and ``expert_modules(model)`` (the stacked experts),
+which expert parallelism, FSDP and the load balancer use.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from models.common import ParamInit, RMSNorm
+from models.errors import ConfigError
+from models.llama import (
+    LLAMA_HF_LAYER_NAMES,
+    LLAMA_HF_TOP_NAMES,
+    Attention,
+    FeedForward,
+    LlamaArgs,
+    Transformer,
+    _attention_params,
+    _positive_int,
+    num_flops_per_token,
+    rope_scaling_from_hf,
+    rope_scaling_to_hf,
+)
+from models.llama import (
+    TP_PLAN as LLAMA_TP_PLAN,
+)
+from models.spec import ModelSpec, ParamCounts
+
+__all__ = [
+    "MOE_SPEC",
+    "GroupedExperts",
+    "MoE",
+    "MoEArgs",
+    "MoEBlock",
+    "MoETransformer",
+    "QKNormAttention",
+    "TopKRouter",
+    "expert_modules",
+    "moe_layers",
+    "param_counts",
+]
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+AUX_LOSS_TYPES = ("global", "sequence")
+GROUPED_MM = ("auto", "on", "off")
+
+
+# --------------------------------------------------------------------------------------------
+# Arguments
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MoEArgs(LlamaArgs):
+    """A Llama decoder plus the mixture-of-experts hyper-parameters."""
+
+    family: str = "moe"
+    attn_head_dim: Optional[int] = None  # explicit head size (Qwen3: 128); None = dim / n_heads
+    qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3)
+    num_experts: int = 8  # routed experts E per MoE layer
+    top_k: int = 2  # experts per token
+    moe_hidden_dim: int = 256  # SwiGLU hidden size F of one routed expert
+    moe_layer_freq: int = 1  # layer i >= first_k_dense is MoE when i % moe_layer_freq == 0
+    first_k_dense: int = 0  # the first k layers keep the dense FFN (hidden ffn_hidden_dim)
+    num_shared_experts: int = 0  # always-on experts, fused into one SwiGLU of hidden num_shared * F
+    score_func: str = "softmax"  # softmax | sigmoid (router scores, in fp32)
+    route_norm: bool = True  # renormalise the top-k scores to sum 1
+    route_scale: float = 1.0  # multiply the routing weights
+    bias_update_coeff: float = 0.0  # aux-loss-free balancing step (DeepSeek-V3: 1e-3); 0 = off
+    aux_loss_coeff: float = 0.0  # auxiliary load-balancing loss weight; 0 = off
+    aux_loss_type: str = "global"  # global (over a forward's tokens) | sequence (per sequence, averaged)
+    capacity_factor: float = (
+        0.0  # > 0: each expert takes at most ceil(cf * T * k / E) tokens, the rest are dropped
+    )
+    grouped_mm: str = "auto"  # auto (torch._grouped_mm on CUDA sm90+ in bf16) | on | off (padded bmm)
+
+    def validate(self) -> None:
+        """Raise ``ConfigError`` naming the bad value and the fix; return None when consistent."""
+        super().validate()
+        for name in ("num_experts", "top_k", "moe_hidden_dim", "moe_layer_freq"):
+            _positive_int(getattr(self, name), f"model.{name}")
+        if self.attn_head_dim is not None:
+            _positive_int(self.attn_head_dim, "model.attn_head_dim", "or null (dim / n_heads)")
+        for name in ("first_k_dense", "num_shared_experts"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"model.{name}={value!r} must be an integer >= 0.")
+        if self.top_k > self.num_experts:
+            raise ConfigError(
+                f"model.top_k={self.top_k} exceeds model.num_experts={self.num_experts}: a token cannot pick more "
+                f"experts than exist; use top_k <= {self.num_experts}."
+            )
+        for value, allowed, key in (
+            (self.score_func, SCORE_FUNCS, "model.score_func"),
+            (self.aux_loss_type, AUX_LOSS_TYPES, "model.aux_loss_type"),
+            (self.grouped_mm, GROUPED_MM, "model.grouped_mm"),
+        ):
+            if value not in allowed:
+                raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}; set {key} to one of them.")
+        for name in ("bias_update_coeff", "aux_loss_coeff", "capacity_factor"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ConfigError(f"model.{name}={value!r} must be a finite number >= 0 (0 turns it off).")
+        if not (isinstance(self.route_scale, (int, float)) and self.route_scale > 0):
+            raise ConfigError(f"model.route_scale={self.route_scale!r} must be a positive number.")
+        if not self.moe_layer_ids:
+            raise ConfigError(
+                f"no layer is an MoE layer (model.n_layers={self.n_layers}, first_k_dense={self.first_k_dense}, "
+                f"moe_layer_freq={self.moe_layer_freq}); lower first_k_dense or use the llama family."
+            )
+
+    @property
+    def head_dim(self) -> int:
+        """Size of one attention head: ``attn_head_dim`` if set, else dim // n_heads."""
+        return self.attn_head_dim if self.attn_head_dim is not None else self.dim // self.n_heads
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Whether block ``layer_id`` has an MoE feed-forward (else Llama's dense one)."""
+        return layer_id >= self.first_k_dense and layer_id % self.moe_layer_freq == 0
+
+    @property
+    def moe_layer_ids(self) -> list[int]:
+        return [i for i in range(self.n_layers) if self.is_moe_layer(i)]
+
+
+# --------------------------------------------------------------------------------------------
+# Modules
+# --------------------------------------------------------------------------------------------
+
+
+class QKNormAttention(Attention):
+    """Llama attention with an RMSNorm over each query and key head before RoPE (Qwen3)."""
+
+    def __init__(self, args: MoEArgs) -> None:
+        super().__init__(args)
+        self.q_norm = RMSNorm(args.head_dim, eps=args.norm_eps)
+        self.k_norm = RMSNorm(args.head_dim, eps=args.norm_eps)
+
+    def init_weights(self, init: ParamInit, prefix: str, std: float, out_std: float) -> None:
+        super().init_weights(init, prefix, std, out_std)
+        self.q_norm.init_weights(init, f"{prefix}.q_norm")
+        self.k_norm.init_weights(init, f"{prefix}.k_norm")
+
+    def norm_qk(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        return self.q_norm(q), self.k_norm(k)  # (B, S, nh, D), (B, S, nkv, D)
+
+
+class TopKRouter(nn.Module):
+    """Scores in fp32, top-k choice on ``scores + bias``, weights from the unbiased scores."""
+
+    def __init__(self, args: MoEArgs) -> None:
+        super().__init__()
+        self.gate = nn.Linear(args.dim, args.num_experts, bias=False)
+        self.top_k = args.top_k
+        self.score_func = args.score_func
+        self.route_norm = args.route_norm
+        self.route_scale = args.route_scale
+
+    def init_weights(self, init: ParamInit, prefix: str, std: float) -> None:
+        init.trunc_normal(f"{prefix}.gate.weight", self.gate.weight, std, 2.0)
+
+    def forward(self, x: Tensor, bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+        """``x`` (T, H) -> (weights (T, k) fp32, expert ids (T, k), scores (T, E) fp32)."""
+        logits = self.gate(x).float()  # (T, E)
+        scores = logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()
+        with torch.no_grad():
+            choice = scores if bias is None else scores + bias  # the bias only steers the choice
+            indices = torch.topk(choice, self.top_k, dim=-1).indices  # (T, k)
+        weights = scores.gather(1, indices)  # (T, k)
+        if self.route_norm and self.top_k > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.route_scale != 1.0:
+            weights = weights * self.route_scale
+        return weights, indices, scores
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; gradient times ``factor`` (expert parallel's extra 1/ep, see GroupedExperts)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, factor: float) -> Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad * ctx.factor, None
+
+
+def _local(t: Tensor) -> Tensor:
+    """The local block of an expert-parallel DTensor (duck-typed: models/ never imports distributed)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts stored stacked: ``w1/w3`` (E, F, H), ``w2`` (E, H, F) (each expert in
+    ``nn.Linear`` layout), run on rows already grouped by expert.
+
+    ``forward(x, counts)``: rows ``x`` (N, H) sorted by expert, ``counts`` (E_local,) rows per
+    expert. Under expert parallelism the parameters are DTensors sharded on dim 0 and this module
+    sees only its E_local experts (``_local``). ``grad_scale`` multiplies the weights' gradients
+    (expert parallel sets 1/ep: the experts' data-parallel group is ep times smaller than the
+    dense parameters', yet each expert's gradient holds the whole ep group's tokens).
+    """
+
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int, grouped_mm: str = "auto") -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.grouped_mm = grouped_mm
+        self.grad_scale = 1.0
+
+    def init_weights(self, init: ParamInit, prefix: str, std: float, out_std: float) -> None:
+        """Like ``FeedForward``: w1 truncated normal (std); w2/w3 depth-scaled ``out_std``."""
+        init.trunc_normal(f"{prefix}.w1", self.w1, std, 2.0)
+        init.trunc_normal(f"{prefix}.w2", self.w2, out_std, 2.0)
+        init.trunc_normal(f"{prefix}.w3", self.w3, out_std, 2.0)
+
+    def use_grouped_mm(self, x: Tensor) -> bool:
+        """``on``; ``off``; ``auto`` = CUDA with compute capability >= 9.0 and bf16 activations."""
+        if self.grouped_mm != "auto":
+            return self.grouped_mm == "on"
+        return (
+            x.is_cuda
+            and x.dtype == torch.bfloat16
+            and hasattr(torch, "_grouped_mm")
+            and torch.cuda.get_device_capability(x.device) >= (9, 0)
+        )
+
+    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
+        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))  # (E_l, F, H), (E_l, H, F), (E_l, F, H)
+        if self.grad_scale != 1.0:
+            w1, w2, w3 = (_ScaleGrad.apply(w, self.grad_scale) for w in (w1, w2, w3))
+        if self.use_grouped_mm(x):
+            return self._grouped(x, counts, w1, w2, w3)
+        return self._padded(x, counts, w1, w2, w3)
+
+    @staticmethod
+    def _grouped(x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor) -> Tensor:
+        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)  # (E_l,) end row of each group
+        w1t, w2t, w3t = (w.transpose(-2, -1) for w in (w1, w2, w3))  # (E_l, H, F), (E_l, F, H)
+        h = F.silu(torch._grouped_mm(x, w1t, offs=offs)) * torch._grouped_mm(x, w3t, offs=offs)  # (N, F)
+        return torch._grouped_mm(h.contiguous(), w2t, offs=offs)  # (N, H)
+
+    @staticmethod
+    def _padded(x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor) -> Tensor:
+        """Batched fallback: scatter the groups into a zero-padded (E_l, C, H) batch (C = largest
+        group), three ``bmm``, gather the rows back. Padding rows stay zero (silu(0) * 0 = 0)."""
+        n, dim = x.shape
+        num_local = counts.numel()
+        capacity = int(counts.max()) if n > 0 else 0  # one host sync per layer
+        starts = torch.cumsum(counts, 0) - counts  # (E_l,)
+        expert = torch.repeat_interleave(torch.arange(num_local, device=x.device), counts)  # (N,)
+        pos = torch.arange(n, device=x.device) - starts[expert]  # (N,) row within its group
+        batch = x.new_zeros(num_local, capacity, dim).index_put((expert, pos), x)  # (E_l, C, H)
+        h = F.silu(torch.bmm(batch, w1.transpose(1, 2))) * torch.bmm(batch, w3.transpose(1, 2))  # (E_l, C, F)
+        y = torch.bmm(h, w2.transpose(1, 2))  # (E_l, C, H)
+        return y[expert, pos]  # (N, H)
+
+
+class AddAuxGrad(torch.autograd.Function):
+    """``forward(out, aux) = out``; backward adds ``d aux`` as if ``aux`` were added to the loss.
+
+    The auxiliary loss thus shapes the router's gradient without changing the reported loss, and
+    reaches the router from any pipeline stage (its gradient rides on the stage's activations).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, out: Tensor, aux: Tensor) -> Tensor:
+        ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
+        shape, dtype, device = ctx.aux_meta
+        return grad, torch.ones(shape, dtype=dtype, device=device)
+
+
+Dispatcher = Callable[
+    [Tensor, Tensor, nn.Module], Tensor
+]  # (rows sorted by expert, counts (E,), experts) -> rows
+
+
+def _recomputing() -> bool:
+    """True inside backward (e.g. activation checkpointing re-running a forward): statistics are
+    recorded once per real forward."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class MoE(nn.Module):
+    """Router + stacked routed experts (+ shared experts), with load-balancing statistics."""
+
+    def __init__(self, args: MoEArgs) -> None:
+        super().__init__()
+        self.num_experts = args.num_experts
+        self.top_k = args.top_k
+        self.router = TopKRouter(args)
+        self.experts = GroupedExperts(args.num_experts, args.dim, args.moe_hidden_dim, args.grouped_mm)
+        self.shared_experts: Optional[FeedForward] = (
+            FeedForward(args.dim, args.num_shared_experts * args.moe_hidden_dim)
+            if args.num_shared_experts > 0
+            else None
+        )
+        self.capacity_factor = args.capacity_factor
+        self.aux_loss_coeff = args.aux_loss_coeff
+        self.aux_loss_type = args.aux_loss_type
+        self.bias_update_coeff = args.bias_update_coeff
+        self.register_buffer("expert_bias", torch.zeros(args.num_experts), persistent=True)
+        # Per-forward statistics of the current step (cleared by ``reset_stats``), never
+        # checkpointed: one (E + 2,) row per forward = [tokens per expert, aux * tokens, tokens].
+        self.step_records: list[Tensor] = []
+        self.aux_grad_scale: Optional[float] = None  # None: weight 1 per forward (outside the trainer)
+        self.dispatcher: Optional[Dispatcher] = None  # set by expert parallelism
+
+    def init_weights(self, init: ParamInit, prefix: str, std: float, out_std: float) -> None:
+        self.router.init_weights(init, f"{prefix}.router", std)
+        self.experts.init_weights(init, f"{prefix}.experts", std, out_std)
+        if self.shared_experts is not None:
+            self.shared_experts.init_weights(init, f"{prefix}.shared_experts", std, out_std)
+        with torch.no_grad():
+            self.expert_bias.zero_()
+            self.reset_stats()
+
+    def reset_stats(self) -> None:
+        """Forget the per-step statistics (start of an optimizer step)."""
+        self.step_records = []
+
+    @torch.no_grad()
+    def step_stats(self, skip: int = 0) -> Tensor:
+        """(E + 2,) sums over this step's forwards but the first ``skip`` (e.g. a pipeline schedule's
+        one-time shape-inference pass): [tokens per expert..., sum of aux * tokens, tokens]."""
+        records = self.step_records[skip:]
+        if not records:
+            return self.expert_bias.new_zeros(self.num_experts + 2, dtype=torch.float32)
+        return torch.stack(records).sum(0)
+
+    @torch.no_grad()
+    def update_bias(self, counts: Tensor) -> None:
+        """Aux-loss-free balancing: ``bias += coeff * sign(mean - count)`` from the step's global
+        ``counts`` (E,) -- under-loaded experts become more likely to be chosen."""
+        if self.bias_update_coeff > 0:
+            counts = counts.to(self.expert_bias.dtype)
+            self.expert_bias.add_(self.bias_update_coeff * torch.sign(counts.mean() - counts))
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, S, H = x.shape  # (B, S, H)
+        tokens = x.reshape(B * S, H)  # (T, H)
+        weights, indices, scores = self.router(tokens, self.expert_bias)  # (T, k), (T, k), (T, E)
+        training = self.training and torch.is_grad_enabled()
+        aux = self._aux_loss(scores, indices, B, S) if training and self.aux_loss_coeff > 0 else None
+        if training and not _recomputing():
+            self._record(indices, aux, B * S)
+        out = self._routed(tokens, weights, indices)  # (T, H)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
+        out = out.view(B, S, H)
+        if aux is not None:
+            weight = (self.aux_grad_scale * B * S) if self.aux_grad_scale is not None else 1.0
+            out = AddAuxGrad.apply(out, aux * (self.aux_loss_coeff * weight))
+        return out
+
+    def _routed(self, tokens: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
+        """Sort the (token, expert) pairs by expert, run the experts, scatter-add weighted outputs."""
+        T, k = indices.shape
+        flat = indices.reshape(-1)  # (T*k,) expert of each copy
+        order = torch.argsort(flat, stable=True)  # copies grouped by expert, token order inside
+        counts = torch.bincount(flat, minlength=self.num_experts)  # (E,)
+        if self.capacity_factor > 0:
+            order, counts = self._drop_over_capacity(flat, order, counts, T)
+        token = order // k  # (N,) source token of each sorted copy
+        rows = tokens[token]  # (N, H)
+        if self.dispatcher is not None:
+            out_rows = self.dispatcher(rows, counts, self.experts)  # (N, H)
+        else:
+            out_rows = self.experts(rows, counts)  # (N, H)
+        w = weights.reshape(-1)[order].unsqueeze(-1).to(out_rows.dtype)  # (N, 1)
+        return tokens.new_zeros(T, tokens.shape[1]).index_add(0, token, out_rows * w)  # (T, H)
+
+    def _drop_over_capacity(
+        self, flat: Tensor, order: Tensor, counts: Tensor, T: int
+    ) -> tuple[Tensor, Tensor]:
+        """Keep the first ``ceil(cf * T * k / E)`` copies (in token order) of each expert."""
+        capacity = math.ceil(self.capacity_factor * T * self.top_k / self.num_experts)
+        starts = torch.cumsum(counts, 0) - counts  # (E,)
+        pos = torch.arange(order.numel(), device=order.device) - starts[flat[order]]  # (T*k,)
+        keep = pos < capacity
+        return order[keep], counts.clamp(max=capacity)
+
+    def _aux_loss(self, scores: Tensor, indices: Tensor, B: int, S: int) -> Tensor:
+        """``E / (k T) * sum_e count_e * P_e`` over the forward's tokens ("global") or per sequence
+        then averaged ("sequence"); P_e is the mean (normalised) router probability of expert e."""
+        E, k = self.num_experts, self.top_k
+        probs = (
+            scores if self.router.score_func == "softmax" else scores / (scores.sum(-1, keepdim=True) + 1e-20)
+        )
+        chosen = torch.zeros_like(probs).scatter_(1, indices, 1.0)  # (T, E) one-hot of the top-k
+        if self.aux_loss_type == "sequence":
+            f = chosen.view(B, S, E).sum(1) * (E / (k * S))  # (B, E)
+            return (f * probs.view(B, S, E).mean(1)).sum(-1).mean()
+        f = chosen.sum(0) * (E / (k * B * S))  # (E,)
+        return (f * probs.mean(0)).sum()
+
+    @torch.no_grad()
+    def _record(self, indices: Tensor, aux: Optional[Tensor], num_tokens: int) -> None:
+        counts = torch.bincount(indices.reshape(-1), minlength=self.num_experts).float()  # (E,)
+        aux_sum = aux.detach().float() * num_tokens if aux is not None else counts.new_zeros(())
+        self.step_records.append(torch.cat([counts, aux_sum.view(1), counts.new_full((1,), num_tokens)]))
+
+
+class MoEBlock(nn.Module):
+    """Pre-norm decoder block whose feed-forward is an ``MoE`` (MoE layers) or Llama's SwiGLU."""
+
+    def __init__(self, layer_id: int, args: MoEArgs) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention = QKNormAttention(args) if args.qk_norm else Attention(args)
+        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.moe: Optional[MoE] = MoE(args) if args.is_moe_layer(layer_id) else None
+        self.feed_forward: Optional[FeedForward] = (
+            None if self.moe is not None else FeedForward(args.dim, args.hidden_dim)
+        )
+
+    def init_weights(self, init: ParamInit, prefix: str, init_std: float) -> None:
+        """Llama's scheme; experts like FFN weights (output projections depth-scaled)."""
+        out_std = init_std / math.sqrt(2 * (self.layer_id + 1))
+        self.attention.init_weights(init, f"{prefix}.attention", init_std, out_std)
+        if self.moe is not None:
+            self.moe.init_weights(init, f"{prefix}.moe", init_std, out_std)
+        else:
+            self.feed_forward.init_weights(init, f"{prefix}.feed_forward", init_std, out_std)
+        self.attention_norm.init_weights(init, f"{prefix}.attention_norm")
+        self.ffn_norm.init_weights(init, f"{prefix}.ffn_norm")
+
+    def forward(self, x: Tensor, *, rope_cache: Tensor, positions: Optional[Tensor] = None) -> Tensor:
+        h = x + self.attention(
+            self.attention_norm(x), rope_cache=rope_cache, positions=positions
+        )  # (B, S, H)
+        ffn = self.moe if self.moe is not None else self.feed_forward
+        return h + ffn(self.ffn_norm(h))  # (B, S, H)
+
+
+class MoETransformer(Transformer):
+    """The Llama decoder with ``MoEBlock`` blocks (pipeline-stage friendly like ``Transformer``)."""
+
+    def build_block(self, layer_id: int, args: Any) -> nn.Module:
+        return MoEBlock(layer_id, args)
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
+    """The ``MoE`` modules of ``model`` (or a stage of it) with canonical names, in layer order."""
+    out = []
+    for name, module in model.named_modules():
+        if isinstance(module, MoE):
+            name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+            out.append((name.removeprefix("module."), module))
+    return out
+
+
+def expert_modules(model: nn.Module) -> list[GroupedExperts]:
+    """The stacked-expert modules of ``model`` (the units expert parallelism shards)."""
+    return [m for m in model.modules() if isinstance(m, GroupedExperts)]
+
+
+# --------------------------------------------------------------------------------------------
+# Counting
+# --------------------------------------------------------------------------------------------
+
+
+def param_counts(args: MoEArgs) -> ParamCounts:
+    """Parameters of ``MoETransformer(args)``; ``active`` counts the top-k routed experts only."""
+    dim, E, Fe = args.dim, args.num_experts, args.moe_hidden_dim
+    attention = _attention_params(args) + 2 * dim + (2 * args.head_dim if args.qk_norm else 0)
+    dense_ffn = 3 * dim * args.hidden_dim
+    expert = 3 * dim * Fe
+    shared = 3 * dim * args.num_shared_experts * Fe
+    router = dim * E
+    n_moe = len(args.moe_layer_ids)
+    n_dense = args.n_layers - n_moe
+    embedding = args.vocab_size * dim
+    head = 0 if args.tie_embeddings else args.vocab_size * dim
+    common = (
+        embedding + head + dim + args.n_layers * attention + n_dense * dense_ffn + n_moe * (router + shared)
+    )
+    total = common + n_moe * E * expert
+    active = common + n_moe * args.top_k * expert
+    return ParamCounts(total=total, active=active, embedding=embedding)
+
+
+def flops_per_token(args: MoEArgs, seq_len: int) -> int:
+    """Training FLOPs per token from the ACTIVE parameters (see ``llama.num_flops_per_token``)."""
+    return num_flops_per_token(args, seq_len, param_counts(args))
+
+
+def tp_divisible(args: MoEArgs) -> dict[str, int]:
+    sizes = {
+        "model.n_heads": args.n_heads,
+        "model.n_kv_heads": args.kv_heads,
+        "model.vocab_size": args.vocab_size,
+    }
+    if len(args.moe_layer_ids) < args.n_layers:
+        sizes["model FFN hidden size"] = args.hidden_dim
+    return sizes
+
+
+# Attention and dense FFN layers are tensor-parallel as in Llama. The MoE layer runs replicated
+# inside the tp group ("moe_io": its input tokens are gathered, its output keeps this rank's share
+# of the residual stream): the experts are expert-parallel over the data axes, the router and the
+# shared experts are replicated DTensors, and q/k head norms see this rank's heads ("head_norm").
+TP_PLAN: dict[str, str] = {
+    **LLAMA_TP_PLAN,
+    "layers.*.attention.q_norm": "head_norm",
+    "layers.*.attention.k_norm": "head_norm",
+    "layers.*.moe": "moe_io",
+    "layers.*.moe.router.gate": "replicate",
+    "layers.*.moe.shared_experts": "replicate",
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Hugging Face adapter (MixtralForCausalLM, Qwen3MoeForCausalLM)
+# --------------------------------------------------------------------------------------------
+#
+# Attention, norms and embeddings use Llama's names. MoE layers (Mixtral / Qwen3-MoE):
+#
+#   layers.{i}.moe.router.gate.weight   block_sparse_moe.gate.weight  / mlp.gate.weight
+#   layers.{i}.moe.experts.w1[j]        block_sparse_moe.experts.{j}.w1.weight / mlp.experts.{j}.gate_proj.weight
+#   layers.{i}.moe.experts.w3[j]        ...experts.{j}.w3.weight  / mlp.experts.{j}.up_proj.weight
+#   layers.{i}.moe.experts.w2[j]        ...experts.{j}.w2.weight  / mlp.experts.{j}.down_proj.weight
+#   layers.{i}.attention.q_norm/k_norm  self_attn.q_norm / self_attn.k_norm (Qwen3)
+#
+# Stacked expert tensors are the per-expert HF tensors stacked on a new dim 0 (no transpose).
+
+_EXPERT_NAMES = {
+    "mixtral": ("block_sparse_moe", {"w1": "w1", "w2": "w2", "w3": "w3"}),
+    "qwen3_moe": ("mlp", {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}),
+}
+_ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+class MoEHF:
+    """Hugging Face Mixtral / Qwen3-MoE <-> meshwright MoE. ``model_types`` lists both; the format
+    of an export follows the args (``qk_norm`` -> Qwen3-MoE, else Mixtral)."""
+
+    architecture = "MixtralForCausalLM"
+    model_type = "mixtral"
+    model_types = ("mixtral", "qwen3_moe")
+
+    @staticmethod
+    def format_of(args: MoEArgs) -> str:
+        """The HF format for ``args``; ``ConfigError`` when neither can represent the model."""
+        fmt = "qwen3_moe" if args.qk_norm else "mixtral"
+        problems = []
+        if args.num_shared_experts:
+            problems.append("shared experts")
+        if args.score_func != "softmax":
+            problems.append("sigmoid router scores")
+        if args.route_scale != 1.0:
+            problems.append(f"route_scale={args.route_scale}")
+        if fmt == "mixtral" and (not args.route_norm or len(args.moe_layer_ids) != args.n_layers):
+            problems.append("Mixtral needs route_norm=true and every layer MoE")
+        if fmt == "qwen3_moe" and (args.moe_layer_freq != 1):
+            problems.append("moe_layer_freq != 1")
+        if problems:
+            raise ConfigError(
+                f"the MoE model cannot be written as Hugging Face {fmt}: {', '.join(problems)} have no equivalent there."
+            )
+        return fmt
+
+    def to_hf_config(
+        self, args: MoEArgs, *, bos_id: Optional[int], eos_id: Optional[int], dtype: str
+    ) -> dict:
+        fmt = self.format_of(args)
+        scaling = rope_scaling_to_hf(args.rope_scaling, args.rope_theta)
+        cfg: dict[str, Any] = {
+            "architectures": [_ARCHITECTURES[fmt]],
+            "model_type": fmt,
+            "hidden_size": args.dim,
+            "num_hidden_layers": args.n_layers,
+            "num_attention_heads": args.n_heads,
+            "num_key_value_heads": args.kv_heads,
+            "head_dim": args.head_dim,
+            "vocab_size": args.vocab_size,
+            "max_position_embeddings": args.max_seq_len,
+            "rms_norm_eps": args.norm_eps,
+            "rope_theta": args.rope_theta,
+            "rope_scaling": scaling,
+            "rope_parameters": {"rope_theta": args.rope_theta, **(scaling or {"rope_type": "default"})},
+            "hidden_act": "silu",
+            "attention_dropout": 0.0,
+            "tie_word_embeddings": bool(args.tie_embeddings),
+            "initializer_range": args.init_std,
+            "num_experts_per_tok": args.top_k,
+            "output_router_logits": False,
+            "router_aux_loss_coef": args.aux_loss_coeff,
+            "bos_token_id": bos_id,
+            "eos_token_id": eos_id,
+            "torch_dtype": dtype,
+            "use_cache": True,
+        }
+        if fmt == "mixtral":
+            cfg.update(
+                intermediate_size=args.moe_hidden_dim, num_local_experts=args.num_experts, sliding_window=None
+            )
+        else:
+            cfg.update(
+                intermediate_size=args.hidden_dim, moe_intermediate_size=args.moe_hidden_dim,
+                num_experts=args.num_experts, num_local_experts=args.num_experts, norm_topk_prob=bool(args.route_norm), decoder_sparse_step=1,
+                mlp_only_layers=list(range(args.first_k_dense)), attention_bias=False,
+                use_sliding_window=False, sliding_window=None,
+            )  # fmt: skip
+        return cfg
+
+    def args_from_hf_config(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        fmt = cfg.get("model_type")
+        if fmt not in self.model_types:
+            raise ConfigError(
+                f"config.json has model_type={fmt!r}; the moe family reads {list(self.model_types)}."
+            )
+        if cfg.get("attention_bias"):
+            raise ConfigError("config.json has attention_bias=true; meshwright's attention has no biases.")
+        theta, scaling = rope_scaling_from_hf(cfg)
+        dim, n_heads = cfg["hidden_size"], cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or dim // n_heads
+        out: dict[str, Any] = {
+            "family": "moe",
+            "dim": dim,
+            "n_layers": cfg["num_hidden_layers"],
+            "n_heads": n_heads,
+            "n_kv_heads": cfg.get("num_key_value_heads", n_heads),
+            "attn_head_dim": None if head_dim == dim // n_heads else head_dim,
+            "vocab_size": cfg["vocab_size"],
+            "norm_eps": cfg.get("rms_norm_eps", 1e-6),
+            "rope_theta": theta,
+            "rope_scaling": scaling,
+            "max_seq_len": cfg.get("max_position_embeddings", 2048),
+            "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+            "top_k": cfg["num_experts_per_tok"],
+            "score_func": "softmax",
+            "route_scale": 1.0,
+        }
+        if fmt == "mixtral":
+            out.update(
+                num_experts=cfg["num_local_experts"], moe_hidden_dim=cfg["intermediate_size"],
+                ffn_hidden_dim=cfg["intermediate_size"], route_norm=True, qk_norm=False,
+            )  # fmt: skip
+            return out
+        step = cfg.get("decoder_sparse_step", 1)
+        dense = sorted(cfg.get("mlp_only_layers") or [])
+        if step != 1 or dense != list(range(len(dense))):
+            raise ConfigError(
+                f"config.json: decoder_sparse_step={step}, mlp_only_layers={dense}; meshwright reads Qwen3-MoE with "
+                f"every layer sparse except a leading run of dense layers."
+            )
+        out.update(
+            num_experts=cfg.get("num_experts", cfg.get("num_local_experts")), moe_hidden_dim=cfg["moe_intermediate_size"],
+            ffn_hidden_dim=cfg["intermediate_size"], route_norm=bool(cfg.get("norm_topk_prob", False)),
+            qk_norm=True, first_k_dense=len(dense),
+        )  # fmt: skip
+        return out
+
+    # -- names ------------------------------------------------------------------------
+    def _layer_map(self, args: MoEArgs) -> dict[str, str]:
+        fmt = self.format_of(args)
+        moe_prefix, _ = _EXPERT_NAMES[fmt]
+        names = {k + ".weight": v + ".weight" for k, v in LLAMA_HF_LAYER_NAMES.items()}
+        names.update({
+            "attention.q_norm.weight": "self_attn.q_norm.weight",
+            "attention.k_norm.weight": "self_attn.k_norm.weight",
+            "moe.router.gate.weight": f"{moe_prefix}.gate.weight",
+        })  # fmt: skip
+        return names
+
+    def hf_names_of(self, name: str, args: MoEArgs) -> list[str]:
+        """HF tensor(s) of our ``name``: one, or one per expert for stacked expert weights."""
+        if name in LLAMA_HF_TOP_NAMES:
+            return [LLAMA_HF_TOP_NAMES[name]]
+        parts = name.split(".")
+        if len(parts) >= 3 and parts[0] == "layers":
+            layer, local = parts[1], ".".join(parts[2:])
+            if local.startswith("moe.experts.") and parts[-1] in ("w1", "w2", "w3"):
+                moe_prefix, proj = _EXPERT_NAMES[self.format_of(args)]
+                return [
+                    f"model.layers.{layer}.{moe_prefix}.experts.{j}.{proj[parts[-1]]}.weight"
+                    for j in range(args.num_experts)
+                ]
+            mapping = self._layer_map(args)
+            if local in mapping:
+                return [f"model.layers.{layer}.{mapping[local]}"]
+        raise ConfigError(f"parameter {name!r} has no Hugging Face {self.format_of(args)} equivalent.")
+
+    def full_shape(self, name: str, hf_shapes: list[list[int]], args: Any) -> list[int]:
+        if name.split(".")[-1] in ("w1", "w2", "w3") and ".moe.experts." in name:
+            return [len(hf_shapes), *hf_shapes[0]]
+        return hf_shapes[0]
+
+    def read_slice(self, name: str, index: tuple[slice, ...], reader: Any, args: Any) -> Tensor:
+        hf_names = self.hf_names_of(name, args)
+        if len(hf_names) == 1 and ".moe.experts." not in name:
+            return reader.read(hf_names[0], index)
+        experts = range(args.num_experts)[index[0]]
+        return torch.stack([reader.read(hf_names[j], index[1:]) for j in experts])
+
+    def to_hf_state(self, state: dict[str, Tensor], args: MoEArgs) -> Iterator[tuple[str, Tensor]]:
+        for name, tensor in state.items():
+            if name.endswith("expert_bias"):
+                if torch.count_nonzero(tensor):
+                    raise ConfigError(
+                        f"{name} is non-zero (aux-loss-free balancing moved it); Hugging Face "
+                        f"{self.format_of(args)} has no expert bias, so routing would change. Export a model "
+                        f"trained with model.bias_update_coeff=0."
+                    )
+                continue
+            if args.tie_embeddings and name == "output.weight":
+                continue
+            hf_names = self.hf_names_of(name, args)
+            if len(hf_names) == 1 and ".moe.experts." not in name:
+                yield hf_names[0], tensor
+            else:
+                yield from zip(hf_names, tensor.unbind(0))
+
+    def from_hf_state(self, hf_state: dict[str, Tensor], args: MoEArgs) -> dict[str, Tensor]:
+        with torch.device("meta"):
+            names = [n for n, _ in MoETransformer(args).named_parameters()]
+        state = {}
+        for name in names:
+            hf_names = self.hf_names_of(name, args)
+            missing = [n for n in hf_names if n not in hf_state]
+            if missing:
+                if name == "output.weight" and args.tie_embeddings:
+                    continue
+                raise ConfigError(f"Hugging Face state has no tensor {missing[0]!r} (for {name!r}).")
+            if len(hf_names) == 1 and ".moe.experts." not in name:
+                state[name] = hf_state[hf_names[0]]
+            else:
+                state[name] = torch.stack([hf_state[n] for n in hf_names])
+        if args.tie_embeddings and "output.weight" not in state:
+            state["output.weight"] = state["tok_embeddings.weight"]
+        return state
+
+
+MOE_SPEC = ModelSpec(
+    family="moe",
+    args_cls=MoEArgs,
+    model_cls=MoETransformer,
+    param_counts=param_counts,
+    flops_per_token=flops_per_token,
+    tp_plan=TP_PLAN,
+    tp_divisible=tp_divisible,
+    hf=MoEHF(),
+    extra={"moe_layers": moe_layers, "expert_modules": expert_modules},
+)
