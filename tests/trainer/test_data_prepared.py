@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from models.common import IGNORE_INDEX
 from models.errors import ConfigError
-from parallelisms.pipeline_parallel import IGNORE_INDEX
 from tests.trainer.test_tokenizer import make_hf_tokenizer
 from trainer.config import DataConfig, MixtureSource
 from trainer.data import (
