@@ -36,7 +36,6 @@ import json
 import math
 import os
 import sys
-import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -645,6 +644,4 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    start = time.perf_counter()
-    code = main()
-    sys.exit(code)
+    sys.exit(main())
