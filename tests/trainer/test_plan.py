@@ -1,0 +1,158 @@
+"""The planner reproduces the seed article's worked figures (case study, FSDP/HSDP and TP
+sections), to the precision the article states them, and prints its report quickly.
+
+Each check names the article's figure next to ours. Two kinds of checks:
+- the article's own arithmetic (it rounds the 7B model to P = 7e9): the pure formulas with
+  its inputs must give its numbers to the digits it prints;
+- the planner on our presets (llama2_7b has 6.74B parameters, 38m 37.89M): within the
+  relative gap that P itself introduces (6.74 / 7 = -3.7%).
+Pure computation: no process group, no model built.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from trainer.config import compose_config
+from trainer.plan import (
+    ClusterConfig,
+    activation_bytes_per_token_layer,
+    build_plan,
+    compose_cluster,
+    main,
+    pp_bubble,
+    ring_wire_bytes,
+)
+
+GB, MB = 1e9, 1e6
+H100 = ClusterConfig()
+
+
+def _plan(*overrides: str, cluster: ClusterConfig = H100):
+    return build_plan(compose_config(*overrides), cluster)
+
+
+def _by_name(plan, prefix: str):
+    (x,) = [c for c in plan.collectives if c.name.startswith(prefix)]
+    return x
+
+
+# -- the article's arithmetic (P = 7e9, its own rounding) ---------------------------------------
+
+
+def test_article_7b_fsdp_and_hsdp_arithmetic() -> None:
+    p = 7e9
+    static = 16 * p / 8
+    assert round(static / GB) == 14  # article: "静态 16P/8 = 14 GB"
+    logical = 2 * (2 * p) + 4 * p  # all_gather x 2 of bf16 params + reduce_scatter of fp32 grads
+    assert round(logical / GB) == 56  # article: "56 GB / rank / step"
+    intra = 2 * ring_wire_bytes("all_gather", 2 * p, 8) + ring_wire_bytes("reduce_scatter", 4 * p, 8)
+    assert round(intra / GB) == 49  # article: "节点内 ... ≈ 49 GB"
+    inter = ring_wire_bytes("all_reduce", 4 * p / 8, 4)
+    assert inter / GB == pytest.approx(5.3, abs=0.05)  # article: "3.5 GB × 2 × 3/4 ≈ 5.3 GB" (5.25)
+
+
+def test_article_activation_rule() -> None:
+    per_tok = activation_bytes_per_token_layer(4096, 32, 32)
+    assert per_tok == 34 * 4096  # article: "每层每 token 约 34 × H 字节" = 136 KB (KiB)
+    tokens, layers = 8 * 4096, 32
+    assert round(per_tok / 1024) == 136  # article: "H=4096 时 136 KB"
+    no_ac = per_tok * tokens * layers
+    assert no_ac / GB == pytest.approx(143, rel=0.03)  # article: 143 GB; ours 146.0 GB (136 GiB)
+    kept = 2 * 4096 * tokens * layers  # block inputs only: "每层每 token 2H = 8 KB"
+    assert round(kept / GB, 1) == 8.6  # article: "激活值降到约 8.6 GB"
+    assert round(per_tok * tokens / GB, 1) == 4.6  # article: "重算时一层的完整激活 4.5 GB" (4.56)
+    assert round((kept + per_tok * tokens) / GB) == 13  # article: "共约 13 GB"
+    # SP divides all 34 by tp; GQA (8 of 64 heads) shrinks K and V; TP without SP only the inside 24.
+    assert activation_bytes_per_token_layer(4096, 32, 32, tp=8, sequence_parallel=True) == 34 * 4096 / 8
+    assert activation_bytes_per_token_layer(4096, 32, 32, tp=8) == (10 + 24 / 8) * 4096
+    assert activation_bytes_per_token_layer(8192, 64, 8) == (34 - 4 * 7 / 8) * 8192
+
+
+def test_article_pp_bubble() -> None:
+    assert round(pp_bubble("1F1B", 4, 4, 1), 2) == 0.43  # article: "M=4,K=4 → 43%"
+    assert round(pp_bubble("GPipe", 4, 32, 1), 2) == 0.09  # article: "M=32,K=4 → 9%"
+    assert pp_bubble("Interleaved1F1B", 16, 64, 2) == pytest.approx(15 / 79 / 2)  # 405b_4d: ~9.5%
+
+
+# -- the planner on the presets -----------------------------------------------------------------
+
+
+def test_38m_ddp_on_8_gpus() -> None:
+    plan = _plan("+experiment=38m_ddp")
+    (stage,) = plan.stages
+    grads = stage.params_local * 4
+    assert grads / MB == pytest.approx(151, rel=0.01)  # article: "38M × 4 B = 151 MB"; ours 151.6 MB
+    ar = _by_name(plan, "DDP all_reduce")
+    assert ar.link == "intra" and ar.group_size == 8
+    assert ar.wire_bytes / MB == pytest.approx(264, rel=0.01)  # article: "2 × 7/8 × 151 ≈ 264 MB"; ours 265.3
+    assert ar.hidden  # article: "全部藏在约 19 ms 的反向里"
+    assert stage.buffers["ddp_buckets"] == pytest.approx(grads)
+
+
+def test_7b_fsdp_on_8_gpus() -> None:
+    plan = _plan("+experiment=7b_fsdp")
+    (s,) = plan.stages
+    static = s.params_bytes + s.grads_bytes + s.optimizer_bytes
+    assert static / GB == pytest.approx(14, rel=0.04)  # article: 14 GB (P=7e9); ours 13.48 GB (P=6.74e9)
+    prefetch = s.buffers["fsdp_unsharded_params"]
+    assert round(prefetch / GB, 1) == 0.8  # article: "prefetch 时两层完整 bf16 参数 0.8 GB"
+    ag, rs = _by_name(plan, "FSDP all_gather"), _by_name(plan, "FSDP reduce_scatter")
+    logical = ag.logical_bytes + rs.logical_bytes
+    assert logical / GB == pytest.approx(56, rel=0.04)  # article: 56 GB; ours 53.9 GB
+    assert ag.calls == 2 and ag.link == "intra" and ag.hidden and rs.hidden
+    assert plan.verdict["fits"]
+
+
+def test_7b_hsdp_on_4_nodes() -> None:
+    plan = _plan("+experiment=7b_hsdp")
+    intra = sum(x.wire_bytes for x in plan.collectives if x.link == "intra")
+    inter = sum(x.wire_bytes for x in plan.collectives if x.link == "inter")
+    assert intra / GB == pytest.approx(49, rel=0.04)  # article: ≈ 49 GB over NVLink; ours 47.2 GB
+    assert inter / GB == pytest.approx(5.3, rel=0.05)  # article: ≈ 5.3 GB over IB; ours 5.05 GB
+    assert _by_name(plan, "HSDP all_reduce").group_size == 4
+    # Plain FSDP over the same 32 GPUs: the same 56 GB now crosses IB (article: "56 GB 要 1.1 s").
+    fsdp32 = _plan("+experiment=7b_hsdp", "parallelism.dp_replicate=1", "parallelism.dp_shard=32")
+    assert {x.link for x in fsdp32.collectives} == {"inter"}
+    assert sum(x.time_s for x in fsdp32.collectives) > 2 * sum(x.time_s for x in plan.collectives)
+
+
+def test_tp_example_b8_s4096_h4096() -> None:
+    plan = _plan(
+        "+experiment=7b_fsdp", "parallelism.dp_shard=1", "parallelism.tp=8", "parallelism.sequence_parallel=false",
+        "training.global_batch_size=8", "training.activation_checkpoint=none",
+    )  # fmt: skip
+    ar = _by_name(plan, "TP all_reduce")
+    assert round(ar.size_bytes / MB) == 268  # article: "每次 all_reduce 268 MB"
+    assert ar.calls == 4 * 32  # forward 2 + backward 2 per layer
+    assert round(ar.logical_bytes / GB) == 34  # article: "32 × 4 × 268 MB ≈ 34 GB"
+    assert not ar.hidden and ar.link == "intra"  # on the critical path
+
+
+def test_70b_tp_all_reduce() -> None:
+    plan = _plan("+experiment=70b_tp_fsdp", "parallelism.sequence_parallel=false")
+    ar = _by_name(plan, "TP all_reduce")
+    assert round(ar.size_bytes / MB) == 134  # article: "B=2、S=4096、H=8192 时每次 134 MB"
+    # Time: the article divides the logical 134 MB by 300 GB/s (0.4 ms); the ring model divides
+    # the bytes each rank sends, 2 x 7/8 x 134 MB, by the bus bandwidth: 0.8 ms.
+    assert ar.time_s / ar.calls * 1e3 == pytest.approx(0.8, abs=0.05)
+
+
+def test_cluster_presets_and_overrides() -> None:
+    assert compose_cluster(["cluster=h200_node"]).memory_gib > 140
+    c = compose_cluster(["cluster=cpu", "cluster.nodes=2"])
+    assert c.nodes == 2 and c.gpus_per_node == 2
+
+
+@pytest.mark.parametrize("name", ["7b_hsdp", "405b_4d"])
+def test_cli_prints_quickly(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    start = time.perf_counter()
+    assert main([f"+experiment={name}"]) == 0
+    elapsed = time.perf_counter() - start
+    out = capsys.readouterr().out
+    assert "verdict: fits with" in out and "communication per step" in out
+    assert elapsed < 5, f"planner took {elapsed:.1f} s"
+    assert main([f"+experiment={name}", "--json"]) == 0
+    assert '"verdict"' in capsys.readouterr().out
