@@ -142,7 +142,7 @@ class ParallelDims:
 
             validate_ep(spec, model_args, dims, compile=compile, device_type=device_type)
         if dims.pp > 1:
-            from parallelisms.pipeline_parallel import validate_pp
+            from parallelisms.pipeline_split import validate_pp
 
             validate_pp(
                 spec, model_args, cfg, pp=dims.pp, local_batch_size=global_batch_size // dims.dp,

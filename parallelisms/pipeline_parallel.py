@@ -36,6 +36,17 @@ from models.errors import ConfigError
 from models.spec import ModelSpec
 from parallelisms.config import ParallelismConfig
 from parallelisms.parallel_dims import ParallelDims
+from parallelisms.pipeline_split import (
+    SCHEDULE_SPECS,
+    canonical_schedule,
+    num_microbatches,
+    schedule_kind,
+    stage_ids_of_rank,
+    stage_module_names,
+    stage_names,
+    stages_per_rank,
+    validate_pp,
+)
 
 __all__ = [
     "SCHEDULES",
@@ -50,216 +61,21 @@ __all__ = [
 
 LossFn = Callable[[Tensor, Tensor], Tensor]  # (logits, labels) -> summed token loss
 
-# Schedule name -> (torch class name, kind). "single": one stage per rank; "loop": v stages per
-# rank, stage s on rank s % pp; "v": exactly 2 stages per rank, V-shaped (rank r owns r and
-# 2*pp-1-r, so rank 0 holds both the first and the last stage).
-_SCHEDULE_SPECS: dict[str, tuple[str, str]] = {
-    "GPipe": ("ScheduleGPipe", "single"),
-    "1F1B": ("Schedule1F1B", "single"),
-    "Interleaved1F1B": ("ScheduleInterleaved1F1B", "loop"),
-    "LoopedBFS": ("ScheduleLoopedBFS", "loop"),
-    "InterleavedZeroBubble": ("ScheduleInterleavedZeroBubble", "loop"),
-    "ZBVZeroBubble": ("ScheduleZBVZeroBubble", "v"),
-}
 # The schedules the installed torch provides, by canonical name.
 SCHEDULES: dict[str, type] = {
-    name: getattr(_schedules, cls) for name, (cls, _) in _SCHEDULE_SPECS.items() if hasattr(_schedules, cls)
+    name: getattr(_schedules, cls) for name, (cls, _) in SCHEDULE_SPECS.items() if hasattr(_schedules, cls)
 }
-# Zero-bubble schedules split backward into input (B) and weight (W) gradients; torch cannot
-# do that split through torch.compile'd modules.
-ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble")
 
 
 def _canonical_schedule(name: str) -> str:
-    by_lower = {k.lower(): k for k in SCHEDULES}
-    if not isinstance(name, str) or name.lower() not in by_lower:
-        missing = sorted(set(_SCHEDULE_SPECS) - set(SCHEDULES))
-        extra = f" (not in this torch {torch.__version__}: {missing})" if missing else ""
+    """``canonical_schedule``, also checking that the installed torch has the schedule's class."""
+    schedule = canonical_schedule(name)
+    if schedule not in SCHEDULES:
         raise ConfigError(
-            f"parallelism.pp_schedule={name!r} is not a known pipeline schedule; choose one of "
-            f"{sorted(SCHEDULES)}{extra}."
+            f"parallelism.pp_schedule={schedule} is not in this torch {torch.__version__}; choose one of "
+            f"{sorted(SCHEDULES)}."
         )
-    return by_lower[name.lower()]
-
-
-def _kind(schedule: str) -> str:
-    return _SCHEDULE_SPECS[_canonical_schedule(schedule)][1]
-
-
-# --------------------------------------------------------------------------------------------
-# Splitting (pure)
-# --------------------------------------------------------------------------------------------
-
-
-def _distribute(total: int, num_stages: int) -> list[int]:
-    """``total`` units over stages: equal shares, the remainder to middle stages first."""
-    sizes = [total // num_stages] * num_stages
-    order = list(range(1, num_stages - 1)) + [0, num_stages - 1]
-    for i in order[: total % num_stages]:
-        sizes[i] += 1
-    return sizes
-
-
-def stage_module_names(
-    spec: ModelSpec, n_layers: int, num_stages: int, layers_per_stage: Optional[int]
-) -> list[list[str]]:
-    """Module names owned by each of ``num_stages`` stages, in pipeline order.
-
-    Default (``layers_per_stage=None``): the spec's first modules (embedding) and last modules
-    (final norm + head) each weigh as much as one block, so ``n_layers + 2`` units are spread
-    evenly and the first and last stages get one block fewer, e.g. 126 blocks on 16 stages ->
-    7, 8 x 14, 7. When that would leave the first or last stage without a block, blocks are
-    spread evenly (the remainder to middle stages). ``layers_per_stage`` asks for exactly that
-    many blocks on every stage, and must then multiply with ``num_stages`` to ``n_layers``.
-    """
-    if num_stages < 1:
-        raise ConfigError(f"number of pipeline stages {num_stages} must be >= 1.")
-    if n_layers < num_stages:
-        raise ConfigError(
-            f"model.n_layers={n_layers} < {num_stages} pipeline stages (parallelism.pp x pp_stages_per_rank): "
-            f"every stage needs at least one block; use fewer stages or more layers."
-        )
-    if layers_per_stage is not None:
-        if layers_per_stage < 1 or layers_per_stage * num_stages != n_layers:
-            raise ConfigError(
-                f"parallelism.pp_layers_per_stage={layers_per_stage} x {num_stages} stages != model.n_layers="
-                f"{n_layers}; set it to {n_layers // num_stages if n_layers % num_stages == 0 else 'null'} "
-                f"or null for the balanced default."
-            )
-        counts = [layers_per_stage] * num_stages
-    elif num_stages == 1:
-        counts = [n_layers]
-    else:
-        units = _distribute(n_layers + 2, num_stages)
-        counts = [u - (i == 0) - (i == num_stages - 1) for i, u in enumerate(units)]
-        if min(counts) < 1:
-            counts = _distribute(n_layers, num_stages)
-    names: list[list[str]] = []
-    start = 0
-    for i, count in enumerate(counts):
-        stage = list(spec.first_modules) if i == 0 else []
-        stage += [f"{spec.blocks}.{j}" for j in range(start, start + count)]
-        if i == num_stages - 1:
-            stage += list(spec.last_modules)
-        names.append(stage)
-        start += count
-    return names
-
-
-def _stage_names(spec: ModelSpec, args: object, cfg: ParallelismConfig, num_stages: int) -> list[list[str]]:
-    """The configured split: ``pp_module_names`` if set (checked), else ``stage_module_names``."""
-    if cfg.pp_module_names is None:
-        return stage_module_names(spec, args.n_layers, num_stages, cfg.pp_layers_per_stage)
-    names = [list(stage) for stage in cfg.pp_module_names]
-    canonical = spec.module_names(args)
-    flat = [n for stage in names for n in stage]
-    if len(names) != num_stages or any(not stage for stage in names) or flat != canonical:
-        raise ConfigError(
-            f"parallelism.pp_module_names must be {num_stages} non-empty lists (pp x pp_stages_per_rank) "
-            f"that together list, in order, {canonical[0]!r}, '{spec.blocks}.0' ... "
-            f"'{spec.blocks}.{args.n_layers - 1}', {', '.join(repr(m) for m in spec.last_modules)} exactly "
-            f"once; got {names}. Set it to null for the balanced default."
-        )
-    return names
-
-
-def stage_ids_of_rank(pp_rank: int, pp: int, stages_per_rank: int, style: str) -> list[int]:
-    """Global stage indices owned by ``pp_rank``: loop style ``r, r+pp, ...``; V style ``r, 2pp-1-r``."""
-    if style == "v":
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + k * pp for k in range(stages_per_rank)]
-
-
-def stages_per_rank(cfg: ParallelismConfig) -> int:
-    """``pp_stages_per_rank``, or when unset 1 for GPipe / 1F1B and 2 for interleaved and ZBV."""
-    if cfg.pp_stages_per_rank is not None:
-        return cfg.pp_stages_per_rank
-    return 1 if _kind(cfg.pp_schedule) == "single" else 2
-
-
-def num_microbatches(cfg: ParallelismConfig, *, local_batch_size: int, micro_batch_size: int) -> int:
-    """Pipeline microbatches per step: ``pp_microbatches``, or local batch / ``micro_batch_size``
-    (the non-pipelined trainer's gradient-accumulation count) when it is null."""
-    if cfg.pp_microbatches is not None:
-        return cfg.pp_microbatches
-    return max(1, local_batch_size // max(1, micro_batch_size))
-
-
-def validate_pp(
-    spec: ModelSpec,
-    args: object,
-    cfg: ParallelismConfig,
-    *,
-    pp: int,
-    local_batch_size: int,
-    micro_batch_size: int,
-    compile: bool = False,
-) -> None:
-    """Check every pipeline option against the model and batch; raise ``ConfigError`` naming the fix.
-
-    Pure: ``ParallelDims.from_config`` calls it before any process group exists.
-    ``local_batch_size`` is the number of sequences one data-parallel rank processes per
-    optimizer step (global batch / dp); ``compile`` is ``training.compile``.
-    """
-    if pp <= 1:
-        return
-    schedule = _canonical_schedule(cfg.pp_schedule)
-    if compile and schedule in ZERO_BUBBLE:
-        raise ConfigError(
-            f"parallelism.pp_schedule={schedule} splits backward into input and weight gradients, which torch "
-            f"cannot do through compiled blocks; set training.compile=false or use 1F1B / Interleaved1F1B."
-        )
-    if getattr(args, "tie_embeddings", False):
-        raise ConfigError(
-            f"model.tie_embeddings=true cannot be pipelined (parallelism.pp={pp}): the embedding lives on the "
-            f"first stage and the output head on the last, so one shared weight would need its gradient summed "
-            f"across stages. Set model.tie_embeddings=false or parallelism.pp=1."
-        )
-    _validate_stages_per_rank(cfg, schedule)
-    _stage_names(spec, args, cfg, pp * stages_per_rank(cfg))
-    _validate_microbatches(cfg, schedule, pp, local_batch_size, micro_batch_size)
-
-
-def _validate_stages_per_rank(cfg: ParallelismConfig, schedule: str) -> None:
-    v = cfg.pp_stages_per_rank
-    if v is None:
-        return
-    low, high, text = {"single": (1, 1, "1"), "loop": (2, None, "2 or more"), "v": (2, 2, "2")}[
-        _kind(schedule)
-    ]
-    if isinstance(v, bool) or not isinstance(v, int) or v < low or (high is not None and v > high):
-        raise ConfigError(
-            f"parallelism.pp_stages_per_rank={v!r} does not fit parallelism.pp_schedule={schedule}, which needs "
-            f"{text} virtual stages per rank (GPipe / 1F1B: 1; interleaved schedules: 2 or more; ZBVZeroBubble: "
-            f"2). Set pp_stages_per_rank={low}, or null to use that default."
-        )
-
-
-def _validate_microbatches(
-    cfg: ParallelismConfig, schedule: str, pp: int, local_batch_size: int, micro_batch_size: int
-) -> None:
-    if cfg.pp_microbatches is None and (micro_batch_size < 1 or local_batch_size % micro_batch_size != 0):
-        raise ConfigError(
-            f"the local batch of {local_batch_size} sequences (global batch / dp) is not divisible by "
-            f"training.micro_batch_size={micro_batch_size}; change either, or set parallelism.pp_microbatches."
-        )
-    m = num_microbatches(cfg, local_batch_size=local_batch_size, micro_batch_size=micro_batch_size)
-    if isinstance(m, bool) or not isinstance(m, int) or m < pp:
-        raise ConfigError(
-            f"{m!r} pipeline microbatches (parallelism.pp_microbatches, or local batch {local_batch_size} / "
-            f"training.micro_batch_size {micro_batch_size}) is fewer than parallelism.pp={pp} stages, so a "
-            f"stage would always idle; use at least {pp} (e.g. lower training.micro_batch_size)."
-        )
-    if local_batch_size % m != 0:
-        raise ConfigError(
-            f"parallelism.pp_microbatches={m} does not divide the local batch of {local_batch_size} sequences "
-            f"(global batch / dp); choose a divisor of {local_batch_size} that is >= {pp}."
-        )
-    if _kind(schedule) == "loop" and m % max(1, m // pp) != 0:
-        raise ConfigError(
-            f"parallelism.pp_schedule={schedule} with {m} microbatches and pp={pp} needs the microbatches to be "
-            f"a multiple of the number of rounds max(1, M // pp) = {m // pp}; use a multiple of {pp}."
-        )
+    return schedule
 
 
 # --------------------------------------------------------------------------------------------
@@ -321,7 +137,7 @@ class Pipeline:
         self._group = pp_mesh.get_group()
         self.pp_rank = pp_mesh.get_local_rank()
         pp = pp_mesh.size()
-        style = "v" if _kind(self.schedule_name) == "v" else "loop"
+        style = "v" if schedule_kind(self.schedule_name) == "v" else "loop"
         self.stage_to_rank = {
             s: r for r in range(pp) for s in stage_ids_of_rank(r, pp, num_stages // pp, style)
         }
@@ -336,7 +152,7 @@ class Pipeline:
         self.has_last_stage = num_stages - 1 in stage_ids
         cls = SCHEDULES[self.schedule_name]
         self.schedule = cls(
-            self.stages if _kind(self.schedule_name) != "single" else self.stages[0],
+            self.stages if schedule_kind(self.schedule_name) != "single" else self.stages[0],
             n_microbatches=n_microbatches,
             loss_fn=self._scaled_loss,
             scale_grads=False,  # the loss is already normalised by the global token count
@@ -496,8 +312,8 @@ def apply_pp(
     schedule = _canonical_schedule(cfg.pp_schedule)
     v = stages_per_rank(cfg)
     num_stages = dims.pp * v
-    names = _stage_names(spec, model.args, cfg, num_stages)
-    style = "v" if _kind(schedule) == "v" else "loop"
+    names = stage_names(spec, model.args, cfg, num_stages)
+    style = "v" if schedule_kind(schedule) == "v" else "loop"
     stage_ids = stage_ids_of_rank(pp_mesh.get_local_rank(), dims.pp, v, style)
     parts = [parallelize_part(_build_part(model, spec, names[s])) for s in stage_ids]
     return Pipeline(

@@ -44,6 +44,7 @@ from omegaconf import OmegaConf
 from models import get_spec
 from models.errors import ConfigError
 from parallelisms.parallel_dims import ParallelDims
+from trainer.plan_params import ModuleParams, ParamTable, param_table
 
 __all__ = [
     "ClusterConfig",
@@ -80,6 +81,7 @@ class ClusterConfig:
     peak_tflops: float = 989.0
     mfu: float = 0.45  # fraction of peak the matmuls reach
     workspace_gib: float = 3.0
+    backend: str = "nccl"  # nccl | gloo: the collectives a strategy picks (ZeRO-1 re-replicates by broadcast on gloo)
 
 
 def compose_cluster(overrides: list[str]) -> ClusterConfig:
@@ -123,8 +125,12 @@ def ring_wire_bytes(op: str, size: float, n: int) -> float:
         return 2 * (n - 1) / n * size
     if op in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) / n * size
-    if op == "send_recv":
+    if op == "broadcast":  # pipelined ring: every rank but the last forwards it; (n-1)/n on average over roots
+        return (n - 1) / n * size
+    if op in ("send", "send_recv"):
         return float(size)
+    if op == "recv":
+        return 0.0
     raise ValueError(f"unknown collective {op!r}")
 
 
@@ -132,7 +138,7 @@ def ring_steps(op: str, n: int) -> int:
     """Latency terms (alpha) per call: 2 (n-1) ring steps for all-reduce, n-1 for the halves."""
     if n <= 1:
         return 0
-    return {"all_reduce": 2 * (n - 1), "send_recv": 1}.get(op, n - 1)
+    return {"all_reduce": 2 * (n - 1), "send_recv": 1, "send": 1, "recv": 1}.get(op, n - 1)
 
 
 def activation_bytes_per_token_layer(
@@ -224,8 +230,9 @@ class Plan:
     params_total: int
     activation_per_token_layer: dict[str, float]
     stages: list[StageMemory]
-    collectives: list[Collective]
+    collectives: list[Collective]  # pp rank 0's (every rank of a pp stage issues the same)
     compute: dict[str, float]
+    pp_rank_collectives: list[list[Collective]] = field(default_factory=list)  # per pp rank
     verdict: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
@@ -235,6 +242,10 @@ class Plan:
 def _link(dims: ParallelDims, axes: tuple[str, ...], gpus_per_node: int) -> str:
     """intra when every group along ``axes`` (adjacent in the mesh, node-contiguous ranks) fits
     inside one node, else inter (the ring's slowest hop sets its pace)."""
+    if axes == ("ep",):  # dp_shard_in_ep x cp, inside tp
+        return "intra" if dims.ep * dims.tp <= gpus_per_node else "inter"
+    if axes == ("dp_shard_mod_ep",):  # strided over the ep groups
+        return "intra" if dims.dp_shard * dims.cp * dims.tp <= gpus_per_node else "inter"
     inner = 1
     for name in reversed(MESH_ORDER):
         if name in axes:
@@ -260,6 +271,16 @@ def _collective(
 
 
 @dataclass
+class _Stage:
+    """One virtual pipeline stage: its global index, blocks and whether it holds the first/last modules."""
+
+    index: int
+    blocks: list[int]
+    first: bool
+    last: bool
+
+
+@dataclass
 class _Ctx:
     """Everything the sections of the plan share (derived once from the config)."""
 
@@ -267,10 +288,9 @@ class _Ctx:
     spec: Any
     dims: ParallelDims
     cluster: ClusterConfig
-    block_params: int  # one repeated block
-    norm_params: int  # per block, replicated by TP
-    embedding: int
-    head: int  # output head + final norm (0 extra when tied)
+    table: ParamTable  # parameters per block / first / last modules, TP kinds
+    ranks: list[list[_Stage]]  # per pp rank, its virtual stages
+    micro_batch: int  # sequences of one microbatch on one rank
     micro_tokens: int  # tokens of one microbatch on one rank (after CP)
     accum: int  # microbatches per step on a dp rank (PP: pipeline microbatches)
     schedule: str
@@ -283,6 +303,20 @@ class _Ctx:
     @property
     def tp_sp(self) -> tuple[int, bool]:
         return self.dims.tp, self.dims.tp > 1 and self.cfg.parallelism.sequence_parallel
+
+    @property
+    def recompute(self) -> bool:
+        return self.cfg.training.activation_checkpoint == "full"
+
+    def group(self, pp_rank: int) -> ModuleParams:
+        """The parameters of ``pp_rank``'s stages (before any sharding)."""
+        out = ModuleParams()
+        for st in self.ranks[pp_rank]:
+            for b in st.blocks:
+                out = out.add(self.table.blocks[b])
+            out = out.add(self.table.first) if st.first else out
+            out = out.add(self.table.last) if st.last else out
+        return out
 
 
 def _world_size(cfg: Any, cluster: ClusterConfig) -> int:
@@ -298,19 +332,35 @@ def _world_size(cfg: Any, cluster: ClusterConfig) -> int:
     return cluster.nodes * cluster.gpus_per_node
 
 
+def _stages(spec: Any, args: Any, p: Any, dims: ParallelDims, per_rank: int) -> list[list[_Stage]]:
+    """Per pp rank, its virtual stages (the trainer's own split, ``parallelisms.pipeline_parallel``)."""
+    if dims.pp == 1:
+        return [[_Stage(0, list(range(args.n_layers)), True, True)]]
+    from parallelisms.pipeline_split import stage_ids_of_rank, stage_names
+
+    names = stage_names(spec, args, p, dims.pp * per_rank)
+    style = "v" if p.pp_schedule.lower() == "zbvzerobubble" else "loop"
+    prefix = f"{spec.blocks}."
+    out = []
+    for r in range(dims.pp):
+        stages = []
+        for i in stage_ids_of_rank(r, dims.pp, per_rank, style):
+            mods = names[i]
+            blocks = [int(m[len(prefix):]) for m in mods if m.startswith(prefix)]
+            stages.append(_Stage(i, blocks, spec.first_modules[0] in mods, spec.last_modules[-1] in mods))
+        out.append(stages)
+    return out
+
+
 def _context(cfg: Any, cluster: ClusterConfig) -> _Ctx:
-    from parallelisms.pipeline_parallel import num_microbatches, stages_per_rank
+    from parallelisms.pipeline_split import num_microbatches, stages_per_rank
 
     spec, t, p = get_spec(cfg.model.family), cfg.training, cfg.parallelism
     dims = ParallelDims.from_config(
         p, _world_size(cfg, cluster), spec=spec, model_args=cfg.model, seq_len=t.seq_len,
         global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size, compile=t.compile,
-        device_type="cuda",
+        device_type="cpu" if cluster.backend == "gloo" else "cuda",
     )  # fmt: skip
-    args = cfg.model
-    total = spec.param_counts(args).total
-    nonblock = spec.param_counts(dataclasses.replace(args, n_layers=0)).total
-    embedding = spec.param_counts(args).embedding
     local_batch = dims.local_batch_size(t.global_batch_size)
     if dims.pp > 1:
         accum = num_microbatches(p, local_batch_size=local_batch, micro_batch_size=t.micro_batch_size)
@@ -318,15 +368,15 @@ def _context(cfg: Any, cluster: ClusterConfig) -> _Ctx:
     else:
         accum = dims.grad_accum_steps(t.global_batch_size, t.micro_batch_size)
         micro_batch = t.micro_batch_size
-    act_bytes = 2 if t.mixed_precision == "bf16" else 4
     grad_wire = p.ddp.grad_dtype if (dims.ddp_enabled and p.ddp.grad_dtype) else "float32"
     sync_dtype = p.fsdp.reduce_dtype if dims.fsdp_enabled else grad_wire
     reshard = p.fsdp.reshard_after_forward
+    per_rank = stages_per_rank(p) if dims.pp > 1 else 1
     return _Ctx(
-        cfg=cfg, spec=spec, dims=dims, cluster=cluster, block_params=(total - nonblock) // args.n_layers,
-        norm_params=2 * args.dim, embedding=embedding, head=nonblock - embedding,
+        cfg=cfg, spec=spec, dims=dims, cluster=cluster, table=param_table(spec, cfg.model),
+        ranks=_stages(spec, cfg.model, p, dims, per_rank), micro_batch=micro_batch,
         micro_tokens=micro_batch * t.seq_len // dims.cp, accum=accum, schedule=p.pp_schedule,
-        stages_per_rank=stages_per_rank(p) if dims.pp > 1 else 1, act_bytes=act_bytes,
+        stages_per_rank=per_rank, act_bytes=2 if t.mixed_precision == "bf16" else 4,
         sync_bytes=DTYPE_BYTES[sync_dtype], param_gather_bytes=DTYPE_BYTES[p.fsdp.param_dtype],
         reshard_after_forward=(dims.pp == 1) if reshard is None else reshard,
     )  # fmt: skip
@@ -341,33 +391,17 @@ def _strategy(dims: ParallelDims, cfg: Any) -> str:
     elif dims.hsdp_enabled:
         parts.append(f"HSDP{dims.dp_replicate}x{dims.dp_shard}")
     elif dims.fsdp_enabled:
-        parts.append(f"FSDP{dims.dp_shard}")
+        parts.append(f"FSDP{dims.dp_shard * dims.cp}")
     if dims.cp > 1:
         parts.append(f"CP{dims.cp}")
+    if dims.ep > 1:
+        parts.append(f"EP{dims.ep}")
     if dims.tp > 1:
         parts.append(f"TP{dims.tp}" + ("+SP" if cfg.parallelism.sequence_parallel else ""))
     return " x ".join(parts) or "single device"
 
 
 # -- memory ----------------------------------------------------------------------------------
-
-
-def _stage_layout(c: _Ctx) -> list[tuple[int, bool, bool]]:
-    """(blocks, has_embedding, has_head) per pp rank, summed over its virtual stages."""
-    from parallelisms.pipeline_parallel import _stage_names, stage_ids_of_rank
-
-    dims, p = c.dims, c.cfg.parallelism
-    if dims.pp == 1:
-        return [(c.cfg.model.n_layers, True, True)]
-    names = _stage_names(c.spec, c.cfg.model, p, dims.pp * c.stages_per_rank)
-    style = "v" if p.pp_schedule.lower() == "zbvzerobubble" else "loop"
-    out = []
-    for r in range(dims.pp):
-        ids = stage_ids_of_rank(r, dims.pp, c.stages_per_rank, style)
-        mods = [m for i in ids for m in names[i]]
-        blocks = sum(m.startswith(f"{c.spec.blocks}.") for m in mods)
-        out.append((blocks, c.spec.first_modules[0] in mods, c.spec.last_modules[-1] in mods))
-    return out
 
 
 def _activations(c: _Ctx, layers: int, has_head: bool, pp_rank: int) -> float:
@@ -394,32 +428,38 @@ def _activations(c: _Ctx, layers: int, has_head: bool, pp_rank: int) -> float:
     return stored
 
 
-def _stage_memory(c: _Ctx, pp_rank: int, blocks: int, has_emb: bool, has_head: bool) -> StageMemory:
+def _stage_memory(c: _Ctx, pp_rank: int) -> StageMemory:
+    """Model states, activations and buffers of ``pp_rank``: parameters after TP (1/tp of the
+    sharded kinds) and EP (1/ep of the experts); FSDP divides all by dp_shard x cp (experts: their
+    ep share by dp_shard x cp / ep); DDP's gradients live in its flat buckets (param dtype)."""
     dims, p = c.dims, c.cfg.parallelism
     tp = dims.tp
-    norms = blocks * c.norm_params
-    local = (blocks * c.block_params - norms + has_emb * c.embedding + has_head * c.head) / tp + norms
-    shard = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
-    grad_bytes = DTYPE_BYTES[p.ddp.grad_dtype] if (dims.ddp_enabled and p.ddp.grad_dtype) else 4
-    params_b, grads_b, opt_b = 4 * local / shard, 4 * local / shard, ADAM_BYTES * local / shard
+    stages = c.ranks[pp_rank]
+    group = c.group(pp_rank)
+    local = group.local(tp, dims.ep)
+    held = local  # parameters this rank stores: FSDP shards the dense ones over dp_shard x cp and the
+    if dims.fsdp_enabled:  # experts' ep share over what is left of it (dp_shard x cp / ep)
+        experts = group.experts / dims.ep
+        held = (local - experts) / (dims.dp_shard * dims.cp) + experts / (dims.dp_shard * dims.cp // dims.ep)
+    params_b, grads_b, opt_b = 4 * held, 4 * held, ADAM_BYTES * held
     buffers: dict[str, float] = {}
     if dims.ddp_enabled and p.ddp.sharded_optimizer:
         opt_b = ADAM_BYTES * local / dims.dp_replicate
-    if dims.ddp_enabled:
-        buffers["ddp_buckets"] = local * grad_bytes  # flattened buckets held until finish_gradient_sync
-    if dims.fsdp_enabled:
-        block_local = (c.block_params - c.norm_params) / tp + c.norm_params
-        gathered = (blocks if not c.reshard_after_forward else min(2, blocks)) * block_local
+    if dims.ddp_enabled and p.ddp.grad_dtype and DTYPE_BYTES[p.ddp.grad_dtype] != 4:
+        buffers["ddp_wire_cast"] = min(local, p.ddp.bucket_mb * 1e6 / 4) * DTYPE_BYTES[p.ddp.grad_dtype]
+    blocks = [b for st in stages for b in st.blocks]
+    if dims.fsdp_enabled and blocks:
+        block_local = max(c.table.blocks[b].local(tp, dims.ep) for b in blocks)
+        gathered = (len(blocks) if not c.reshard_after_forward else min(2, len(blocks))) * block_local
         buffers["fsdp_unsharded_params"] = gathered * c.param_gather_bytes
         buffers["fsdp_grad_reduce"] = block_local * c.sync_bytes
-    acts = _activations(c, blocks, has_head, pp_rank)
+    acts = _activations(c, len(blocks), any(st.last for st in stages), pp_rank)
     if dims.pp > 1:
-        args = c.cfg.model
-        boundary = c.micro_tokens * args.dim * c.act_bytes / (tp if c.tp_sp[1] else 1)
+        boundary = c.micro_tokens * c.cfg.model.dim * c.act_bytes / (tp if c.tp_sp[1] else 1)
         buffers["pp_p2p"] = 2 * boundary * c.stages_per_rank  # send + recv buffers per virtual stage
     total = params_b + grads_b + opt_b + acts + sum(buffers.values())
     return StageMemory(
-        pp_rank=pp_rank, layers=blocks, params_local=local, params_bytes=params_b, grads_bytes=grads_b,
+        pp_rank=pp_rank, layers=len(blocks), params_local=local, params_bytes=params_b, grads_bytes=grads_b,
         optimizer_bytes=opt_b, activations_bytes=acts, buffers=buffers, total_bytes=total,
     )  # fmt: skip
 
@@ -432,7 +472,7 @@ def _compute(c: _Ctx) -> dict[str, float]:
     t, dims = c.cfg.training, c.dims
     tokens = t.global_batch_size * t.seq_len
     flops = c.spec.flops_per_token(c.cfg.model, t.seq_len) * tokens / dims.world_size
-    recompute = 4 / 3 if t.activation_checkpoint == "full" else 1.0
+    recompute = 4 / 3 if c.recompute else 1.0
     seconds = flops * recompute / (c.cluster.peak_tflops * 1e12 * c.cluster.mfu)
     bubble = pp_bubble(c.schedule, dims.pp, c.accum, c.stages_per_rank)
     return {
@@ -442,73 +482,203 @@ def _compute(c: _Ctx) -> dict[str, float]:
     }  # fmt: skip
 
 
-def _dp_collectives(c: _Ctx, local: float, comp: dict[str, float]) -> list[Collective]:
-    dims, p, cl = c.dims, c.cfg.parallelism, c.cluster
-    out: list[Collective] = []
-    if dims.ddp_enabled:
-        n = dims.dp_replicate * dims.cp
-        size = local * c.sync_bytes
-        buckets = max(1, math.ceil(size / (p.ddp.bucket_mb * 1e6)))
-        axes = ("dp_replicate", "cp")
-        out.append(_collective(cl, "DDP all_reduce (grads, bucketed)", "all_reduce", "dp_replicate_cp" if dims.cp > 1 else "dp_replicate",
-                               n, _link(dims, axes, cl.gpus_per_node), buckets, size / buckets, "backward", comp["backward_s"]))  # fmt: skip
-        if p.ddp.sharded_optimizer:
-            out.append(_collective(cl, "ZeRO-1 all_gather (fp32 params after step)", "all_gather", "dp_replicate", n,
-                                   _link(dims, axes, cl.gpus_per_node), 1, local * 4, "none: after the step", 0.0))  # fmt: skip
-    if dims.fsdp_enabled:
-        n = dims.dp_shard * dims.cp
-        link = _link(dims, ("dp_shard", "cp"), cl.gpus_per_node)
-        gathers = (2 if c.reshard_after_forward else 1) * (c.accum if (dims.pp == 1 or c.reshard_after_forward) else 1)
-        reduces = c.accum if dims.pp == 1 else 1
-        out.append(_collective(cl, "FSDP all_gather (params, fwd" + (" + bwd)" if c.reshard_after_forward else ")"),
-                               "all_gather", "dp_shard_cp", n, link, gathers, local * c.param_gather_bytes,
-                               "forward+backward", comp["compute_s"]))  # fmt: skip
-        out.append(_collective(cl, "FSDP reduce_scatter (grads)", "reduce_scatter", "dp_shard_cp", n, link, reduces,
-                               local * c.sync_bytes, "backward", comp["backward_s"]))  # fmt: skip
+class _Rows:
+    """Collects the collectives of one rank; rows over a group of one rank are dropped."""
+
+    def __init__(self, c: _Ctx, comp: dict[str, float]) -> None:
+        self.c, self.comp, self.rows = c, comp, []
+
+    def add(self, name: str, op: str, axis: str, axes: tuple[str, ...], calls: float, size: float,
+            overlap: str, window: str) -> None:  # fmt: skip
+        n = self.c.dims.axis_size(axis) if axis in ("ep", "dp_shard_mod_ep") else math.prod(getattr(self.c.dims, a) for a in axes)
+        if n <= 1 or calls <= 0 or size <= 0:
+            return
+        link = _link(self.c.dims, axes, self.c.cluster.gpus_per_node)
+        window_s = self.comp.get(window, 0.0)
+        self.rows.append(_collective(self.c.cluster, name, op, axis, n, link, int(round(calls)), size, overlap, window_s))
+
+
+def _fsdp_units(c: _Ctx, pp_rank: int) -> tuple[list[float], list[float], float, float]:
+    """(dense params per block, expert params per block, head unit, root unit) local counts of
+    ``pp_rank``, in forward order: FSDP's units (``parallelisms/fsdp.py``)."""
+    tp, ep, t = c.dims.tp, c.dims.ep, c.table
+    dense, experts, head, root = [], [], 0.0, 0.0
+    for st in c.ranks[pp_rank]:
+        for b in st.blocks:  # without ep the experts belong to their block's unit
+            dense.append(t.blocks[b].dense_local(tp) if ep > 1 else t.blocks[b].local(tp))
+            experts.append(t.blocks[b].experts / ep if ep > 1 else 0.0)
+        if st.first:
+            root += t.first.local(tp, ep)
+        if st.last:
+            if t.tied:
+                root += t.last.local(tp, ep)
+            else:
+                head += t.last.local(tp, ep)
+    return dense, experts, head, root
+
+
+def _fsdp_rows(rows: _Rows, c: _Ctx, pp_rank: int) -> None:
+    """FSDP2 per unit: all-gather in forward, again in backward for the units resharded after
+    forward (every block but the last, and the root), reduce-scatter (and HSDP all-reduce) of the
+    gradients -- every microbatch (the trainer does not skip gradient sync while accumulating),
+    except under PP, where the schedule syncs once after the last microbatch."""
+    dims = c.dims
+    dense, experts, head, root = _fsdp_units(c, pp_rank)
+    per_step = dims.pp > 1 and not c.reshard_after_forward
+    m = 1 if per_step else c.accum
+    syncs = 1 if dims.pp > 1 else c.accum
+    again = c.reshard_after_forward  # backward gathers every block but the last, and the root, again
+    units = [
+        ("", "dp_shard_cp", ("dp_shard", "cp"), [*dense, head, root], [*dense[:-1], root] if again else []),
+        (" (experts)", "dp_shard_mod_ep", ("dp_shard_mod_ep",), experts, experts[:-1] if again else []),
+    ]
+    for label, axis, axes, fwd, bwd in units:
+        fwd, bwd = [u for u in fwd if u > 0], [u for u in bwd if u > 0]
+        if not fwd:
+            continue
+        calls = len(fwd) + len(bwd)
+        rows.add(f"FSDP all_gather{label} (params, fwd" + (" + bwd)" if again else ")"), "all_gather", axis, axes,
+                 m * calls, (sum(fwd) + sum(bwd)) / calls * c.param_gather_bytes, "forward+backward", "compute_s")  # fmt: skip
+        rows.add(f"FSDP reduce_scatter{label} (grads)", "reduce_scatter", axis, axes, syncs * len(fwd),
+                 sum(fwd) / len(fwd) * c.sync_bytes, "backward", "backward_s")  # fmt: skip
         if dims.hsdp_enabled:
-            out.append(_collective(cl, "HSDP all_reduce (grad shards)", "all_reduce", "dp_replicate", dims.dp_replicate,
-                                   _link(dims, ("dp_replicate",), cl.gpus_per_node), reduces, local * c.sync_bytes / n,
-                                   "backward", comp["backward_s"]))  # fmt: skip
-    return out
+            n = dims.axis_size(axis)
+            rows.add(f"HSDP all_reduce{label} (grad shards)", "all_reduce", "dp_replicate", ("dp_replicate",),
+                     syncs * len(fwd), sum(fwd) / len(fwd) * c.sync_bytes / n, "backward", "backward_s")  # fmt: skip
 
 
-def _model_collectives(c: _Ctx, layers: int, comp: dict[str, float]) -> list[Collective]:
-    dims, p, cl, args = c.dims, c.cfg.parallelism, c.cluster, c.cfg.model
-    out: list[Collective] = []
-    recompute = c.cfg.training.activation_checkpoint == "full"
-    if dims.tp > 1:
-        calls = (6 if recompute else 4) * layers * c.accum  # fwd 2, bwd 2 (+2 recomputed) per block
-        size = c.micro_tokens * args.dim * c.act_bytes  # (B, S/cp, H)
-        link = _link(dims, ("tp",), cl.gpus_per_node)
-        window = comp["compute_s"] if p.async_tp else 0.0
-        overlap = "matmuls (async TP)" if p.async_tp else "none: critical path"
-        ops = ("all_gather", "reduce_scatter") if c.tp_sp[1] else ("all_reduce",)
-        for op in ops:
-            out.append(_collective(cl, f"TP {op} (block activations)", op, "tp", dims.tp, link, calls, size, overlap, window))
+def _ddp_rows(rows: _Rows, c: _Ctx, pp_rank: int) -> None:
+    """Bucketed DDP: one all-reduce of every gradient per step (no_sync while accumulating), over
+    dp_replicate x cp; ZeRO-1 then re-replicates the parameters over dp_replicate: one broadcast per
+    owner on gloo, one all-gather on NCCL (``parallelisms/sharded_optimizer.py``)."""
+    p = c.cfg.parallelism
+    local = c.group(pp_rank).local(c.dims.tp, c.dims.ep)
+    size = local * c.sync_bytes
+    buckets = max(1, math.ceil(size / (p.ddp.bucket_mb * 1e6)))
+    axis = "dp_replicate_cp" if c.dims.cp > 1 else "dp_replicate"
+    rows.add("DDP all_reduce (grads, bucketed)", "all_reduce", axis, ("dp_replicate", "cp"), buckets, size / buckets,
+             "backward", "backward_s")  # fmt: skip
+    if p.ddp.sharded_optimizer:
+        n = c.dims.dp_replicate
+        if c.cluster.backend == "gloo":
+            rows.add("ZeRO-1 broadcast (fp32 params, one per owner)", "broadcast", "dp_replicate", ("dp_replicate",),
+                     n, local * 4 / n, "none: after the step", "")  # fmt: skip
+        else:
+            rows.add("ZeRO-1 all_gather (fp32 params after step)", "all_gather", "dp_replicate", ("dp_replicate",),
+                     1, local * 4, "none: after the step", "")  # fmt: skip
+
+
+def _tp_counts(c: _Ctx, pp_rank: int) -> dict[str, float]:
+    """Activation-sized TP collectives per microbatch of ``pp_rank``, by op, from the TP-plan kinds of
+    its modules (``parallelisms/tensor_parallel.py``): a region entry (``gather_input``, the head's
+    input) is all-gather fwd / reduce-scatter bwd under SP, all-reduce bwd without; a region exit
+    (``rowwise``, ``embedding``) reduce-scatter fwd / all-gather bwd, or all-reduce fwd; the MoE's
+    ``moe_io`` gathers on entry and slices on exit (SP only). Recomputed blocks repeat forwards."""
+    sp = c.tp_sp[1]
+    counts = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0}
+    fwd_repeat = 2 if c.recompute else 1
+
+    def count(kinds: list[str], repeat: int) -> None:
+        for kind in kinds:
+            if kind in ("gather_input", "head"):
+                counts["all_gather" if sp else "all_reduce"] += repeat if sp else 0
+                counts["reduce_scatter" if sp else "all_reduce"] += 1
+            elif kind in ("rowwise", "embedding"):
+                counts["reduce_scatter" if sp else "all_reduce"] += repeat
+                counts["all_gather"] += 1 if sp else 0
+            elif kind == "moe_io" and sp:
+                counts["all_gather"] += repeat + 1
+                counts["reduce_scatter"] += 1
+
+    for st in c.ranks[pp_rank]:
+        for b in st.blocks:
+            count(c.table.block_kinds[b], fwd_repeat)
+        count(c.table.first_kinds if st.first else [], 1)
+        count(c.table.last_kinds if st.last else [], 1)
+    return counts
+
+
+def _tp_rows(rows: _Rows, c: _Ctx, pp_rank: int) -> None:
+    p, args = c.cfg.parallelism, c.cfg.model
+    size = c.micro_tokens * args.dim * c.act_bytes  # (b, S/cp, H), the full sequence of the region
+    overlap = ("matmuls (async TP)", "compute_s") if p.async_tp else ("none: critical path", "")
+    for op, calls in _tp_counts(c, pp_rank).items():
+        rows.add(f"TP {op} (block activations)", op, "tp", ("tp",), calls * c.accum, size, *overlap)
+    last = any(st.last for st in c.ranks[pp_rank])
+    if last and not p.loss_parallel:  # replicated logits: the head's output is gathered over the vocab
+        rows.add("TP all_gather (logits)", "all_gather", "tp", ("tp",), c.accum,
+                 c.micro_tokens * args.vocab_size * c.act_bytes, "none: critical path", "")  # fmt: skip
+    if last and p.loss_parallel:  # max, sum of exp, target logit over the vocab shards
+        rows.add("TP all_reduce (loss parallel)", "all_reduce", "tp", ("tp",), 3 * c.accum, c.micro_tokens * 4,
+                 "none: critical path", "")  # fmt: skip
+    if c.tp_sp[1]:  # SP norms: their weight gradients are partial sums over the sequence shards
+        norms = [n for st in c.ranks[pp_rank] for b in st.blocks for n in c.table.blocks[b].norms]
+        norms += [n for st in c.ranks[pp_rank] if st.last for n in c.table.last.norms]
+        rows.add("TP all_reduce (SP norm weight grads)", "all_reduce", "tp", ("tp",), len(norms) * c.accum,
+                 4 * sum(norms) / max(len(norms), 1), "backward", "backward_s")  # fmt: skip
+
+
+def _cp_ep_rows(rows: _Rows, c: _Ctx, pp_rank: int) -> None:
+    """CP (all-gather of K and V per attention layer, reduce-scatter of dK, dV) and EP (per MoE layer
+    token dispatch + combine all-to-alls, forward and backward, and the token-count exchange)."""
+    dims, p, args = c.dims, c.cfg.parallelism, c.cfg.model
+    blocks = [b for st in c.ranks[pp_rank] for b in st.blocks]
+    fwd_repeat = 2 if c.recompute else 1
     if dims.cp > 1:
-        kv = c.micro_tokens * dims.cp * 2 * args.kv_heads * args.head_dim * c.act_bytes  # K and V, (B, S, 2 kv_dim)
-        link = _link(dims, ("cp",), cl.gpus_per_node)
+        kv = c.micro_tokens * dims.cp * 2 * args.kv_heads * args.head_dim * c.act_bytes  # (b, S, 2 kv_dim)
         ring = p.cp_impl == "ring"
-        out.append(_collective(cl, "CP all_gather (K, V)", "all_gather", "cp", dims.cp, link,
-                               (2 if recompute else 1) * layers * c.accum, kv,
-                               "attention (ring)" if ring else "none: critical path", comp["compute_s"] if ring else 0.0))  # fmt: skip
-        out.append(_collective(cl, "CP reduce_scatter (dK, dV)", "reduce_scatter", "cp", dims.cp, link, layers * c.accum,
-                               kv, "attention (ring)" if ring else "none: critical path", comp["backward_s"] if ring else 0.0))  # fmt: skip
-    if dims.pp > 1:
-        size = c.micro_tokens * args.dim * c.act_bytes / (dims.tp if c.tp_sp[1] else 1)
-        out.append(_collective(cl, "PP send/recv (boundary activations + grads)", "send_recv", "pp", dims.pp,
-                               _link(dims, ("pp",), cl.gpus_per_node), 2 * c.accum * c.stages_per_rank, size,
-                               "forward+backward (async p2p)", comp["compute_s"]))  # fmt: skip
-    return out
+        overlap = ("attention (ring)", "compute_s") if ring else ("none: critical path", "")
+        rows.add("CP all_gather (K, V)", "all_gather", "cp", ("cp",), fwd_repeat * len(blocks) * c.accum, kv, *overlap)
+        rows.add("CP reduce_scatter (dK, dV)", "reduce_scatter", "cp", ("cp",), len(blocks) * c.accum, kv, *overlap)
+    moe = [b for b in blocks if b in c.table.moe_layers]
+    if dims.ep > 1 and moe:
+        routed = c.micro_tokens * args.top_k * args.dim * c.act_bytes  # this rank's token copies (mean)
+        calls = len(moe) * c.accum
+        rows.add("EP all_to_all (dispatch + combine, fwd + bwd)", "all_to_all", "ep", ("ep",),
+                 (2 * fwd_repeat + 2) * calls, routed, "none: critical path", "")  # fmt: skip
+        rows.add("EP all_to_all (tokens per expert)", "all_to_all", "ep", ("ep",), fwd_repeat * calls,
+                 args.num_experts * 8, "none: critical path", "")  # fmt: skip
+
+
+def _pp_rows(rows: _Rows, c: _Ctx, pp_rank: int) -> None:
+    """Stage boundaries: per microbatch, activations forward and their gradients backward, to and
+    from each neighbouring stage held by another rank."""
+    dims = c.dims
+    size = c.micro_tokens * c.cfg.model.dim * c.act_bytes / (dims.tp if c.tp_sp[1] else 1)
+    n_stages = dims.pp * c.stages_per_rank
+    mine = {st.index for st in c.ranks[pp_rank]}
+    links = sum((s > 0 and s - 1 not in mine) + (s < n_stages - 1 and s + 1 not in mine) for s in mine)
+    for op in ("send", "recv"):
+        rows.add(f"PP {op} (boundary activations + grads)", op, "pp", ("pp",), links * c.accum, size,
+                 "forward+backward (async p2p)", "compute_s")  # fmt: skip
+
+
+def _rank_collectives(c: _Ctx, pp_rank: int, comp: dict[str, float]) -> list[Collective]:
+    rows = _Rows(c, comp)
+    if c.dims.ddp_enabled:
+        _ddp_rows(rows, c, pp_rank)
+    if c.dims.fsdp_enabled:
+        _fsdp_rows(rows, c, pp_rank)
+    if c.dims.tp > 1:
+        _tp_rows(rows, c, pp_rank)
+    _cp_ep_rows(rows, c, pp_rank)
+    if c.dims.pp > 1:
+        _pp_rows(rows, c, pp_rank)
+    return rows.rows
 
 
 def _verdict(plan: Plan) -> dict[str, Any]:
     cl, comp = plan.cluster, plan.compute
     peak = max(s.total_bytes for s in plan.stages) + cl.workspace_gib * GIB
     free = cl.memory_gib * GIB - peak
-    overlappable = sum(x.time_s for x in plan.collectives if x.window_s > 0)
-    critical = sum(x.time_s for x in plan.collectives if x.window_s == 0)
-    exposed = critical + max(0.0, overlappable - comp["compute_s"])
+
+    def exposed_of(rows: list[Collective]) -> tuple[float, float]:
+        overlappable = sum(x.time_s for x in rows if x.window_s > 0)
+        critical = sum(x.time_s for x in rows if x.window_s == 0)
+        return critical + max(0.0, overlappable - comp["compute_s"]), overlappable
+
+    # the slowest pipeline rank sets the pace
+    exposed, overlappable = max(exposed_of(rows) for rows in (plan.pp_rank_collectives or [plan.collectives]))
     step = comp["compute_with_bubble_s"] + exposed
     comm_share = exposed / step if step > 0 else 0.0
     memory = (f"fits with {free / GIB:.1f} GiB free" if free >= 0 else f"does not fit by {-free / GIB:.1f} GiB") + (
@@ -527,12 +697,12 @@ def _verdict(plan: Plan) -> dict[str, Any]:
 
 
 def build_plan(cfg: Any, cluster: ClusterConfig, experiment: str = "") -> Plan:
-    """The plan of ``cfg`` (a validated ``TrainConfig``) on ``cluster``; builds no model."""
+    """The plan of ``cfg`` (a validated ``TrainConfig``) on ``cluster``; builds the model only on the
+    meta device (shapes, no storage) to classify its parameters."""
     c = _context(cfg, cluster)
-    stages = [_stage_memory(c, r, *layout) for r, layout in enumerate(_stage_layout(c))]
+    stages = [_stage_memory(c, r) for r in range(c.dims.pp)]
     comp = _compute(c)
-    biggest = max(stages, key=lambda s: s.params_local)
-    collectives = _dp_collectives(c, biggest.params_local, comp) + _model_collectives(c, stages[0].layers, comp)
+    by_rank = [_rank_collectives(c, r, comp) for r in range(c.dims.pp)]
     args = cfg.model
     tp, sp = c.tp_sp
     per_tok = {
@@ -551,10 +721,83 @@ def build_plan(cfg: Any, cluster: ClusterConfig, experiment: str = "") -> Plan:
     plan = Plan(
         experiment=experiment, model=args.name, cluster=cluster, layout=layout, strategy=_strategy(d, cfg),
         params_total=c.spec.param_counts(args).total, activation_per_token_layer=per_tok, stages=stages,
-        collectives=collectives, compute=comp,
+        collectives=by_rank[0], compute=comp, pp_rank_collectives=by_rank,
     )  # fmt: skip
     plan.verdict = _verdict(plan)
     return plan
+
+
+# -- planned vs measured (a run folder with metrics.comm_ledger=true) ---------------------------
+
+
+def pp_rank_of(plan: Plan, rank: int) -> int:
+    """The pipeline rank of a global rank (pp is the outermost mesh dim)."""
+    lay = plan.layout
+    return rank // (lay["world_size"] // lay["pp"])
+
+
+def compare_with_ledger(plan: Plan, ledger: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per rank of a ledger record (``metrics.jsonl``'s ``comm``), planned vs measured bytes per step:
+    each planned collective op (summed over the plan's rows of that op) and the total, and the
+    model-state bytes (parameters, gradients, optimizer state). ``ratio`` = measured / planned.
+
+    The planned total leaves out what the plan does not model: scalars (token counts, the loss,
+    grad-norm partial sums) and the load-balancer's per-expert counts; they are a fraction of a
+    percent of the bytes and show up as ``measured`` ops without a plan."""
+    from trainer.comm_ledger import ledger_totals
+
+    out = []
+    for rank_key, counts in sorted(ledger["ranks"].items(), key=lambda kv: int(kv[0])):
+        rank = int(rank_key)
+        pp_rank = pp_rank_of(plan, rank)
+        planned: dict[str, float] = {}
+        for x in plan.pp_rank_collectives[pp_rank]:
+            planned[x.op] = planned.get(x.op, 0.0) + x.logical_bytes
+        measured = {op: v["bytes"] for op, v in ledger_totals(counts).items()}
+        for op in sorted(set(planned) | set(measured)):
+            out.append(_ratio_row(rank, "comm", op, planned.get(op, 0.0), measured.get(op, 0.0)))
+        out.append(_ratio_row(rank, "comm", "total", sum(planned.values()), counts.get("total_bytes", 0.0)))
+        stage = plan.stages[pp_rank]
+        state = counts.get("model_state", {})
+        for key, want in (("params", stage.params_bytes), ("grads", stage.grads_bytes), ("optimizer", stage.optimizer_bytes)):
+            if key in state:
+                out.append(_ratio_row(rank, "memory", key, want, state[key]))
+    return out
+
+
+def _ratio_row(rank: int, kind: str, what: str, planned: float, measured: float) -> dict[str, Any]:
+    ratio = measured / planned if planned else (1.0 if not measured else math.inf)
+    return {"rank": rank, "kind": kind, "what": what, "planned": planned, "measured": measured, "ratio": ratio}
+
+
+def load_run(run_dir: str) -> tuple[Any, dict[str, Any]]:
+    """(the run's config, its newest ledger record) from a run folder."""
+    from trainer.config import to_train_config
+
+    config_path, metrics_path = os.path.join(run_dir, "config.yaml"), os.path.join(run_dir, "metrics.jsonl")
+    if not (os.path.isfile(config_path) and os.path.isfile(metrics_path)):
+        raise ConfigError(f"{run_dir!r} is not a run folder (needs config.yaml and metrics.jsonl from a training run).")
+    cfg = to_train_config(OmegaConf.load(config_path))
+    ledger = None
+    with open(metrics_path, encoding="utf-8") as f:
+        for line in f:
+            record = json.loads(line)
+            if "comm" in record:
+                ledger = record["comm"]
+    if ledger is None:
+        raise ConfigError(
+            f"{metrics_path} has no communication ledger; train with metrics.comm_ledger=true to measure it."
+        )
+    return cfg, ledger
+
+
+def render_comparison(rows: list[dict[str, Any]]) -> str:
+    lines = ["planned vs measured per step (bytes; ratio = measured / planned)",
+             f"{'rank':>4} {'kind':<6} {'what':<15} {'planned':>14} {'measured':>14} {'ratio':>7}"]  # fmt: skip
+    for r in rows:
+        lines.append(f"{r['rank']:>4} {r['kind']:<6} {r['what']:<15} {r['planned']:>14,.0f} {r['measured']:>14,.0f} "
+                     f"{r['ratio']:>7.3f}")  # fmt: skip
+    return "\n".join(lines)
 
 
 # -- report ------------------------------------------------------------------------------------
@@ -624,22 +867,40 @@ def render(plan: Plan) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """``python -m trainer.plan +experiment=NAME [cluster=... cluster.key=...] [key=value ...] [--json]``."""
+    """``python -m trainer.plan +experiment=NAME [cluster=... cluster.key=...] [key=value ...] [--json]``;
+    ``python -m trainer.plan --run=RUN_FOLDER`` compares a run's plan with its communication ledger."""
     from trainer.config import compose_config
 
     argv = list(sys.argv[1:] if argv is None else argv)
     as_json = "--json" in argv
-    rest = [a for a in argv if a != "--json"]
+    run_dir = next((a.split("=", 1)[1] for a in argv if a.startswith("--run=")), None)
+    rest = [a for a in argv if a != "--json" and not a.startswith("--run=")]
     cluster_args = [a for a in rest if a.startswith("cluster=") or a.startswith("cluster.")]
     overrides = [a for a in rest if a not in cluster_args]
     experiment = next((a.split("=", 1)[1] for a in overrides if a.startswith("+experiment=")), "")
     try:
+        if run_dir is not None:
+            return _main_run(run_dir, cluster_args, as_json)
         cluster = compose_cluster(cluster_args)
         plan = build_plan(compose_config(*overrides), cluster, experiment)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     print(plan.to_json() if as_json else render(plan))
+    return 0
+
+
+def _main_run(run_dir: str, cluster_args: list[str], as_json: bool) -> int:
+    """``--run=DIR``: the plan of a finished run's own config next to what its ledger measured."""
+    cfg, ledger = load_run(run_dir)
+    import torch
+
+    on_cpu = cfg.training.device == "cpu" or (cfg.training.device == "auto" and not torch.cuda.is_available())
+    if not any(a.startswith("cluster=") for a in cluster_args) and on_cpu:
+        cluster_args = ["cluster=cpu", *cluster_args]
+    plan = build_plan(cfg, compose_cluster(cluster_args), os.path.basename(os.path.normpath(run_dir)))
+    rows = compare_with_ledger(plan, ledger)
+    print(json.dumps(rows, indent=1) if as_json else render(plan) + "\n\n" + render_comparison(rows))
     return 0
 
 

@@ -29,6 +29,7 @@ from trainer.checkpoint import (
     validate_checkpoint_config,
 )
 from trainer.comm import CommMonitor, configure_flight_recorder
+from trainer.comm_ledger import CommLedger, axis_names_of_groups
 from trainer.config import TrainConfig, to_yaml
 from trainer.data import DataLoader, build_dataloader
 from trainer.guards import install_test_nan_hook, non_finite_message
@@ -246,6 +247,10 @@ class Trainer:
             flops_per_token=self.spec.flops_per_token(cfg.model, t.seq_len), tokens_per_step=self.tokens_per_step,
             world_size=self.world_size, total_steps=t.steps, resume_step=self.state.step, run_name=cfg.job.name,
         )  # fmt: skip
+        self.comm_ledger: Optional[CommLedger] = None
+        if cfg.metrics.comm_ledger:
+            names = (*self.dims.mesh_dim_names, *self.dims.flat_views, "dp_replicate_cp")
+            self.comm_ledger = CommLedger(axis_names_of_groups(self.dims.mesh, names))
 
     def _log_summary(self) -> None:
         cfg, t, d = self.cfg, self.cfg.training, self.dims
@@ -346,6 +351,8 @@ class Trainer:
             raise TrainingError(message)
         if self.load_balancer is not None:  # tokens per expert over dp x cp -> expert-bias update
             self.load_balancer.end_step()
+        if self.comm_ledger is not None:  # model-state bytes: the gradients exist only now
+            self.comm_ledger.measure_gradients(self.model.parameters())
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -388,7 +395,8 @@ class Trainer:
             while self.state.step < stop:
                 self.comm.begin_step(self.state.step + 1)  # a hang report names this step
                 self.profiler.begin(self.state.step + 1)
-                loss, grad_norm = self.train_step()
+                with self.comm_ledger or contextlib.nullcontext():  # metrics.comm_ledger
+                    loss, grad_norm = self.train_step()
                 self.state.step += 1
                 self.state.tokens_seen += self.tokens_per_step
                 step = self.state.step
@@ -400,6 +408,8 @@ class Trainer:
                     extra = self.train_loader.pop_metrics()  # data_wait_s (+ mixture shares)
                     if self.load_balancer is not None:
                         extra.update(self.load_balancer.log_stats(self.device))
+                    if self.comm_ledger is not None:  # every rank's collectives per step (a collective)
+                        extra["comm"] = self.comm_ledger.collect(self.model.parameters(), self.optimizer)
                     lr = self.lr_scheduler.get_last_lr()[0]
                     record = self.metrics.log_step(step, global_loss.item(), grad_norm.item(), lr, extra=extra)
                     self.state.history.append(record)

@@ -89,7 +89,8 @@ def test_38m_ddp_on_8_gpus() -> None:
     assert ar.link == "intra" and ar.group_size == 8
     assert ar.wire_bytes / MB == pytest.approx(264, rel=0.01)  # article: "2 × 7/8 × 151 ≈ 264 MB"; ours 265.3
     assert ar.hidden  # article: "全部藏在约 19 ms 的反向里"
-    assert stage.buffers["ddp_buckets"] == pytest.approx(grads)
+    assert stage.grads_bytes == pytest.approx(grads)  # the gradients live in DDP's flat buckets
+    assert "ddp_buckets" not in stage.buffers  # ... so no second copy is planned
 
 
 def test_7b_fsdp_on_8_gpus() -> None:
@@ -101,8 +102,11 @@ def test_7b_fsdp_on_8_gpus() -> None:
     assert round(prefetch / GB, 1) == 0.8  # article: "prefetch 时两层完整 bf16 参数 0.8 GB"
     ag, rs = _by_name(plan, "FSDP all_gather"), _by_name(plan, "FSDP reduce_scatter")
     logical = ag.logical_bytes + rs.logical_bytes
-    assert logical / GB == pytest.approx(56, rel=0.04)  # article: 56 GB; ours 53.9 GB
-    assert ag.calls == 2 and ag.link == "intra" and ag.hidden and rs.hidden
+    # article: 56 GB (P = 7e9, every parameter gathered twice); ours 53.2 GB: P = 6.74e9 (-3.7%)
+    # and FSDP2 does not gather the last block and the head again in backward (-1.2%).
+    assert logical / GB == pytest.approx(56, rel=0.05)
+    assert ag.calls == 34 + 32  # forward: 32 blocks, head, root; backward again: 31 blocks, root
+    assert ag.link == "intra" and ag.hidden and rs.hidden
     assert plan.verdict["fits"]
 
 
@@ -110,7 +114,7 @@ def test_7b_hsdp_on_4_nodes() -> None:
     plan = _plan("+experiment=7b_hsdp")
     intra = sum(x.wire_bytes for x in plan.collectives if x.link == "intra")
     inter = sum(x.wire_bytes for x in plan.collectives if x.link == "inter")
-    assert intra / GB == pytest.approx(49, rel=0.04)  # article: ≈ 49 GB over NVLink; ours 47.2 GB
+    assert intra / GB == pytest.approx(49, rel=0.05)  # article: ≈ 49 GB over NVLink; ours 46.6 GB (as above)
     assert inter / GB == pytest.approx(5.3, rel=0.05)  # article: ≈ 5.3 GB over IB; ours 5.05 GB
     assert _by_name(plan, "HSDP all_reduce").group_size == 4
     # Plain FSDP over the same 32 GPUs: the same 56 GB now crosses IB (article: "56 GB 要 1.1 s").
@@ -124,16 +128,18 @@ def test_tp_example_b8_s4096_h4096() -> None:
         "+experiment=7b_fsdp", "parallelism.dp_shard=1", "parallelism.tp=8", "parallelism.sequence_parallel=false",
         "training.global_batch_size=8", "training.activation_checkpoint=none",
     )  # fmt: skip
-    ar = _by_name(plan, "TP all_reduce")
+    ar = _by_name(plan, "TP all_reduce (block")
     assert round(ar.size_bytes / MB) == 268  # article: "每次 all_reduce 268 MB"
-    assert ar.calls == 4 * 32  # forward 2 + backward 2 per layer
-    assert round(ar.logical_bytes / GB) == 34  # article: "32 × 4 × 268 MB ≈ 34 GB"
+    # forward 2 + backward 2 per layer (the article's count), plus the embedding's output (fwd)
+    # and the head's input gradient (bwd), which the article leaves out
+    assert ar.calls == 4 * 32 + 2
+    assert ar.logical_bytes / GB == pytest.approx(34, rel=0.03)  # article: "32 × 4 × 268 MB ≈ 34 GB"; ours 34.9
     assert not ar.hidden and ar.link == "intra"  # on the critical path
 
 
 def test_70b_tp_all_reduce() -> None:
     plan = _plan("+experiment=70b_tp_fsdp", "parallelism.sequence_parallel=false")
-    ar = _by_name(plan, "TP all_reduce")
+    ar = _by_name(plan, "TP all_reduce (block")
     assert round(ar.size_bytes / MB) == 134  # article: "B=2、S=4096、H=8192 时每次 134 MB"
     # Time: the article divides the logical 134 MB by 300 GB/s (0.4 ms); the ring model divides
     # the bytes each rank sends, 2 x 7/8 x 134 MB, by the bus bandwidth: 0.8 ms.

@@ -1,0 +1,137 @@
+"""What each rank holds and which tensor-parallel collectives each module issues, read off the model
+itself: the planner's parameter table (``trainer/plan.py``).
+
+The model is built on the meta device with the weight-init functions switched off (shapes only:
+no storage, ~0.1-1 s even for 405B), and every parameter is classified by the family's own
+``ModelSpec``: its block (``spec.block_items``), whether tensor parallel shards it (the TP plan's
+kind of the module that owns it: ``embedding``, ``colwise``, ``rowwise``, ``head`` shard; ``norm``,
+``replicate``, ``head_norm`` and modules without a kind replicate), and whether it is an expert
+(``spec.extra["expert_modules"]``, sharded by expert parallel). A new family gets a correct plan
+from its spec alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from models.spec import ModelSpec
+
+__all__ = ["ModuleParams", "ParamTable", "param_table"]
+
+TP_SHARDED_KINDS = ("embedding", "colwise", "rowwise", "head")
+_INIT_FUNCTIONS = (
+    "normal_", "trunc_normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+    "xavier_normal_", "zeros_", "ones_", "constant_",
+)  # fmt: skip
+
+
+@dataclass
+class ModuleParams:
+    """Parameter counts of a group of modules, by how they are split across ranks."""
+
+    tp_sharded: int = 0  # divided by tp
+    replicated: int = 0  # whole on every tp rank (norms, routers, ...)
+    experts: int = 0  # divided by ep
+    norms: list[int] = field(default_factory=list)  # numel of each SP ``norm`` weight (grads all-reduced)
+
+    def local(self, tp: int = 1, ep: int = 1) -> float:
+        """Parameters one rank holds of this group under tp and ep."""
+        return self.tp_sharded / tp + self.replicated + self.experts / ep
+
+    def dense_local(self, tp: int = 1) -> float:
+        return self.tp_sharded / tp + self.replicated
+
+    def add(self, other: ModuleParams) -> ModuleParams:
+        return ModuleParams(
+            self.tp_sharded + other.tp_sharded, self.replicated + other.replicated,
+            self.experts + other.experts, self.norms + other.norms,
+        )  # fmt: skip
+
+
+@dataclass
+class ParamTable:
+    """The model's parameters per block and for the first/last modules, plus the TP kinds present."""
+
+    blocks: list[ModuleParams]
+    block_kinds: list[list[str]]  # per block: the TP-plan kinds of its modules (one entry per module)
+    first: ModuleParams  # spec.first_modules (the embedding; with tied weights also the head)
+    last: ModuleParams  # spec.last_modules (final norm, head)
+    first_kinds: list[str]
+    last_kinds: list[str]
+    tied: bool  # the head shares the embedding's weight (no separate FSDP unit for the last modules)
+    moe_layers: list[int]  # blocks that hold experts
+
+    @property
+    def total(self) -> int:
+        groups = [*self.blocks, self.first, self.last]
+        return sum(g.tp_sharded + g.replicated + g.experts for g in groups)
+
+
+@contextlib.contextmanager
+def _no_weight_init() -> Iterator[None]:
+    """Skip ``torch.nn.init`` during construction: on the meta device there is nothing to fill, and
+    the first random fill on meta costs seconds of one-off decomposition setup."""
+    saved = {name: getattr(torch.nn.init, name) for name in _INIT_FUNCTIONS if hasattr(torch.nn.init, name)}
+    try:
+        for name in saved:
+            setattr(torch.nn.init, name, lambda tensor, *a, **k: tensor)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
+
+
+def _kinds_by_module(spec: ModelSpec, model: torch.nn.Module) -> dict[str, str]:
+    """Module name -> TP-plan kind, resolving ``*`` to each block key."""
+    keys = [key for key, _ in spec.block_items(model)]
+    names = {name for name, _ in model.named_modules()}
+    out: dict[str, str] = {}
+    for pattern, kind in spec.tp_plan.items():
+        expanded = [pattern.replace("*", k) for k in keys] if "*" in pattern else [pattern]
+        for name in expanded:
+            if name in names:
+                out[name] = kind
+    return out
+
+
+def param_table(spec: ModelSpec, args: Any) -> ParamTable:
+    """Classify every parameter of ``spec.build(args)`` (on the meta device)."""
+    with torch.device("meta"), _no_weight_init():
+        model = spec.build(args)
+    kinds = _kinds_by_module(spec, model)
+    blocks = spec.block_items(model)
+    prefix_of = {f"{spec.blocks}.{key}.": i for i, (key, _) in enumerate(blocks)}
+    expert_ids = {id(p) for m in spec.extra.get("expert_modules", lambda _m: [])(model) for p in m.parameters()}
+    groups = [ModuleParams() for _ in blocks]
+    first, last = ModuleParams(), ModuleParams()
+    first_ids = {id(p) for n in spec.first_modules if hasattr(model, n) for p in getattr(model, n).parameters()}
+    tied = any(id(p) in first_ids for n in spec.last_modules if hasattr(model, n) for p in getattr(model, n).parameters())
+    for name, p in model.named_parameters():  # tied weights once, under the first module
+        module_name = name.rpartition(".")[0]
+        block = next((i for pre, i in prefix_of.items() if name.startswith(pre)), None)
+        group = groups[block] if block is not None else (first if id(p) in first_ids else last)
+        kind = kinds.get(module_name)
+        if id(p) in expert_ids:
+            group.experts += p.numel()
+        elif kind in TP_SHARDED_KINDS:
+            group.tp_sharded += p.numel()
+        else:
+            group.replicated += p.numel()
+            if kind == "norm":
+                group.norms.append(p.numel())
+
+    def kinds_under(prefixes: tuple[str, ...]) -> list[str]:
+        return [k for n, k in sorted(kinds.items()) if n.startswith(prefixes) or n in prefixes]
+
+    return ParamTable(
+        blocks=groups,
+        block_kinds=[kinds_under((f"{spec.blocks}.{key}.",)) for key, _ in blocks],
+        first=first, last=last,
+        first_kinds=kinds_under(tuple(spec.first_modules)), last_kinds=kinds_under(tuple(spec.last_modules)),
+        tied=tied, moe_layers=[i for i, g in enumerate(groups) if g.experts],
+    )  # fmt: skip
