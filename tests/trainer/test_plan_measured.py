@@ -1,0 +1,114 @@
+"""The planner against what runs: the communication ledger (``metrics.comm_ledger=true``) of real
+multi-rank trainings on CPU (gloo) must match the plan of the same config, per rank and step, for
+every strategy: bytes per collective op and in total within 5%, and the model-state bytes
+(parameters, gradients, optimizer state) within 5%.
+
+One launch per world size runs every layout of that size (tests/parity.py ``GroupedRuns``). The
+tiny model makes the comparison strict: with 4 blocks, the embedding and the head are a large share
+of every collective, so a plan that forgot them, or FSDP's unit structure, or gathered in backward
+what FSDP2 does not, would be off by 10-40%.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+
+from tests.configs import tiny_config
+from tests.parity import Case, GroupedRuns
+from trainer.plan import build_plan, compare_with_ledger, compose_cluster, main
+
+pytestmark = pytest.mark.slow
+
+TOLERANCE = 0.05
+LEDGER = ("metrics.comm_ledger=true", "training.steps=2", "checkpoint.enable=false")
+MOE = ("model=moe_debug", "model.moe_hidden_dim=64", "model.first_k_dense=1", "model.num_shared_experts=1")
+LAYOUTS: dict[str, tuple[int, tuple[str, ...]]] = {
+    "ddp": (2, ("parallelism.dp_replicate=2", "parallelism.dp_shard=1")),
+    "zero1": (2, ("parallelism.dp_replicate=2", "parallelism.dp_shard=1", "parallelism.ddp.sharded_optimizer=true")),
+    "fsdp": (2, ("parallelism.dp_shard=2", "metrics.tensorboard=true")),
+    "hsdp": (4, ("parallelism.dp_replicate=2", "parallelism.dp_shard=2")),
+    "tp_sp": (2, ("parallelism.tp=2", "parallelism.dp_shard=1")),
+    "tp_no_sp": (2, ("parallelism.tp=2", "parallelism.dp_shard=1", "parallelism.sequence_parallel=false")),
+    "pp": (2, ("parallelism.pp=2", "parallelism.dp_shard=1")),
+    "pp_fsdp": (4, ("parallelism.pp=2", "parallelism.dp_shard=2")),
+    "cp": (2, ("parallelism.cp=2", "parallelism.dp_shard=1")),
+    "ep": (2, (*MOE, "parallelism.ep=2", "parallelism.dp_shard=2")),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
+    tmp = tmp_path_factory.mktemp("ledger")
+    cases = {
+        name: Case(world, tiny_config(str(tmp / name), *LEDGER, *overrides), params=False)
+        for name, (world, overrides) in LAYOUTS.items()
+    }
+    grouped = GroupedRuns(cases)
+    return {name: (cases[name].cfg, grouped.get(name)) for name in LAYOUTS}
+
+
+def _ledger(result: dict) -> dict:
+    records = [r for r in result["history"] if "comm" in r]
+    assert [r["step"] for r in records] == [1, 2], "a ledger record at every logged step"
+    return records[-1]["comm"]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_measured_matches_plan(layout: str, runs: dict) -> None:
+    cfg, result = runs[layout]
+    ledger = _ledger(result)
+    assert ledger["steps"] == 1 and len(ledger["ranks"]) == LAYOUTS[layout][0]
+    plan = build_plan(cfg, compose_cluster(["cluster=cpu"]))
+    rows = compare_with_ledger(plan, ledger)
+    table = "\n".join(f"{layout:<9} rank {r['rank']} {r['kind']:<6} {r['what']:<15} planned {r['planned']:>12,.0f} "
+                      f"measured {r['measured']:>12,.0f} ratio {r['ratio']:.4f}" for r in rows)  # fmt: skip
+    print("\n" + table)
+    planned_ops = {r["what"] for r in rows if r["kind"] == "comm" and r["planned"] > 0}
+    assert "total" in planned_ops and len(planned_ops) >= 2, f"{layout}: the plan has no collectives:\n{table}"
+    for r in rows:
+        if r["what"] == "all_to_all":  # EP: what a rank's experts send back depends on the routing
+            assert abs(r["ratio"] - 1) <= 2 * TOLERANCE, f"{layout}: all_to_all beyond the load's spread:\n{table}"
+        elif r["planned"] > 0:  # every planned op, the total, and each model-state kind
+            assert abs(r["ratio"] - 1) <= TOLERANCE, f"{layout}: {r['what']} off by more than 5%:\n{table}"
+        else:  # unplanned: only scalars (token counts, loss, norms), < 0.1% of the step's bytes
+            total = next(x["measured"] for x in rows if x["rank"] == r["rank"] and x["what"] == "total")
+            assert r["measured"] < 1e-3 * total, f"{layout}: unplanned {r['what']}:\n{table}"
+    a2a = [r["ratio"] for r in rows if r["what"] == "all_to_all"]
+    if a2a:  # ... but every token copy a rank dispatches comes back to it: the mean is the plan's
+        assert sum(a2a) / len(a2a) == pytest.approx(1, abs=0.01), table
+    kinds = {r["what"] for r in rows if r["kind"] == "memory"}
+    assert kinds == {"params", "grads", "optimizer"}
+
+
+def test_ledger_reaches_tensorboard_and_planner_cli(runs: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg, _ = runs["fsdp"]
+    (events,) = glob.glob(os.path.join(cfg.job.dump_folder, "tb", "**", "events.*"), recursive=True)
+    acc = EventAccumulator(events)
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert "comm/ranks/1/all_gather/dp_shard/bytes" in tags, sorted(t for t in tags if t.startswith("comm"))[:20]
+    assert "comm/ranks/0/model_state/optimizer" in tags
+    assert main([f"--run={cfg.job.dump_folder}"]) == 0
+    out = capsys.readouterr().out
+    assert "planned vs measured" in out and "reduce_scatter" in out
+
+
+def test_ledger_off_installs_nothing(runs: dict) -> None:
+    """The parity runs train with the ledger off; a run without it logs no ``comm`` (and the Trainer
+    holds no ledger: ``Trainer.comm_ledger is None`` when ``metrics.comm_ledger=false``)."""
+    from trainer.train import Trainer
+
+    cfg = tiny_config(os.path.join(os.path.dirname(runs["ddp"][0].job.dump_folder), "off"), "training.steps=1",
+                      "checkpoint.enable=false")  # fmt: skip
+    trainer = Trainer(cfg)
+    try:
+        assert trainer.comm_ledger is None
+        history = trainer.train()
+    finally:
+        trainer.close()
+    assert history and all("comm" not in r for r in history)
