@@ -230,10 +230,15 @@ class AllGatherAttention(nn.Module):
         self.attention_mask = attention_mask
         self.cache = MaskCache()
         self.flex: Optional[Callable[..., Tensor]] = None
+        # collectives and a Python-side cache: kept out of compiled graphs (decorated here, not at
+        # class definition, so that importing this module does not import torch._dynamo)
+        self._attend = torch.compiler.disable(self._attend_eager)
 
-    @torch.compiler.disable  # collectives and a Python-side cache: keep out of compiled graphs
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, positions: Optional[Tensor] = None) -> Tensor:
         """q (B, S/cp, nh, D), k/v (B, S/cp, nkv, D) -> (B, S/cp, nh, D)."""
+        return self._attend(q, k, v, positions=positions)
+
+    def _attend_eager(self, q: Tensor, k: Tensor, v: Tensor, *, positions: Optional[Tensor] = None) -> Tensor:
         B, S_local = q.shape[:2]
         kv = gather_sequence(torch.stack([k, v], dim=2), self.group)  # (B, S, 2, nkv, D)
         k_all, v_all = kv[:, :, 0], kv[:, :, 1]  # (B, S, nkv, D) in rank order

@@ -9,8 +9,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from models.errors import ConfigError
 
@@ -32,6 +30,9 @@ def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
     For a DTensor parameter (FSDP shard, TP shard, or both) only the local slice of
     ``full`` is copied, so every layout gets exactly the single-process values.
     """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
     if isinstance(param, DTensor):
         local_shape, offset = compute_local_shape_and_global_offset(
             full.shape, param.device_mesh, param.placements
@@ -60,6 +61,8 @@ def clip_grad_norm_(
     and pipeline stages (squared norms of the stages are summed over ``pp_mesh``).
     ``max_norm <= 0`` only measures.
     """
+    from torch.distributed.tensor import DTensor
+
     params = [p for p in parameters if p.grad is not None]
     groups: dict[tuple[str, ...], list[nn.Parameter]] = {}
     for p in params:  # grouped by mesh dim names: the same groups, in the same order, on every rank
