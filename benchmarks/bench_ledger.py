@@ -1,0 +1,87 @@
+"""Cost of the communication ledger (``metrics.comm_ledger=true``): step time with it on vs off, in one run.
+
+Two gloo ranks train the same model under one layout (default FSDP x2, the debug model). One
+Trainer per rank; rounds alternate between the ledger off (``Trainer.comm_ledger = None``: no mode,
+no gather -- what ``comm_ledger=false`` builds) and on (a ``CommLedger`` entered around every step,
+its counts gathered at each logged step), so drift of the machine hits both. The median over rounds
+of each setting's mean step time is compared.
+
+    python benchmarks/bench_ledger.py [--model debug] [--layout parallelism.dp_shard=2] [--steps 10] [--rounds 5]
+
+Prints JSON with both step times and ``overhead = on / off - 1`` (target < 3%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from trainer.spawn import run_distributed  # noqa: E402
+
+
+def _rank(rank: int, world: int, overrides: list[str], steps: int, rounds: int) -> dict:
+    import torch
+
+    from trainer.comm_ledger import CommLedger, axis_names_of_groups
+    from trainer.config import compose_config
+    from trainer.train import Trainer
+
+    torch.set_num_threads(1)
+    cfg = compose_config(*overrides)
+    trainer = Trainer(cfg)
+    logging.getLogger("meshwright").setLevel(logging.WARNING)
+    dims = trainer.dims
+    names = (*dims.mesh_dim_names, *dims.flat_views, "dp_replicate_cp")
+    ledger = CommLedger(axis_names_of_groups(dims.mesh, names))
+
+    def timed(with_ledger: bool) -> float:
+        trainer.comm_ledger = ledger if with_ledger else None
+        trainer.cfg.training.steps = trainer.state.step + steps
+        start = time.perf_counter()
+        trainer.train()
+        return (time.perf_counter() - start) / steps
+
+    timed(False)  # warm-up
+    timed(True)
+    off, on = [], []
+    for _ in range(rounds):
+        off.append(timed(False))
+        on.append(timed(True))
+    trainer.close()
+    return {"off": off, "on": on}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="debug")
+    ap.add_argument("--layout", nargs="*", default=["parallelism.dp_shard=2"])
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    folder = tempfile.mkdtemp(prefix="bench_ledger_")
+    overrides = [
+        f"model={args.model}", "training.seq_len=256", "training.global_batch_size=8", "training.micro_batch_size=4",
+        "training.eval_freq=0", "metrics.log_freq=10", "metrics.tensorboard=false", "checkpoint.enable=false",
+        f"job.dump_folder={folder}", *args.layout,
+    ]  # fmt: skip
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    per_rank = run_distributed(_rank, 2, overrides, args.steps, args.rounds, timeout=3600)
+    off = statistics.median(max(r["off"][i] for r in per_rank) for i in range(args.rounds))
+    on = statistics.median(max(r["on"][i] for r in per_rank) for i in range(args.rounds))
+    print(json.dumps({
+        "model": args.model, "layout": args.layout, "steps_per_round": args.steps, "rounds": args.rounds,
+        "step_s_off": round(off, 4), "step_s_on": round(on, 4), "overhead": round(on / off - 1, 4),
+        "target": "< 0.03",
+    }, indent=2))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
