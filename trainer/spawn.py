@@ -107,13 +107,17 @@ def _kill(proc: mp.Process) -> None:
         proc.kill()
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0) -> list[Any]:
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0, start_method: str = "spawn"
+) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the per-rank results.
 
     ``fn`` must be a module-level function (it is pickled) and its result picklable. Raises
     :class:`DistributedError` if a rank raises, dies, or the run exceeds ``timeout`` seconds.
+    ``start_method="forkserver"`` forks the ranks from a server process that imported its
+    preload modules once (``set_forkserver_preload``), instead of a fresh interpreter per rank.
     """
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(start_method)
     port = free_port()
     conns: list[Connection] = []
     procs: list[mp.Process] = []

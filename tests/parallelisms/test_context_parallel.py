@@ -20,6 +20,7 @@ from models.errors import ConfigError
 from parallelisms.context_parallel import shard_indices, validate_cp
 from tests.configs import tiny_config
 from tests.dist import run_distributed
+from trainer.config import TrainConfig
 from trainer.step import StepBatch, document_positions
 
 B, S, NH, NKV, D = 2, 32, 4, 2, 8
@@ -286,13 +287,16 @@ def _write_docs(tmp: str) -> str:
     return path
 
 
-def _run(folder: str, *overrides: str, until: int | None = None) -> tuple[dict, int]:
-    from trainer.train import Trainer
-
+def _config(folder: str, *overrides: str) -> TrainConfig:
     docs = os.path.join(os.path.dirname(folder), "docs.jsonl")
     data = ("data=jsonl", f"data.path={docs}", "data.max_documents=null")
-    overrides = tuple(x for o in overrides for x in (data if o == DOCS else (o,)))
-    trainer = Trainer(tiny_config(folder, *overrides))
+    return tiny_config(folder, *(x for o in overrides for x in (data if o == DOCS else (o,))))
+
+
+def _run(cfg: TrainConfig, until: int | None = None) -> tuple[dict, int]:
+    from trainer.train import Trainer
+
+    trainer = Trainer(cfg)
     start = trainer.state.step
     try:
         return _curves(trainer.train(until_step=until)), start
@@ -300,22 +304,33 @@ def _run(folder: str, *overrides: str, until: int | None = None) -> tuple[dict, 
         trainer.close()
 
 
-def _world_worker(rank: int, world_size: int, tmp: str) -> dict:
-    out = {name: _run(os.path.join(tmp, name), *ov)[0] for name, (w, _, ov) in PARITY.items() if w == world_size}
+def _world_configs(tmp: str, world_size: int) -> dict[str, TrainConfig]:
+    """The configs of one launch, composed in the test process (once, not on every rank)."""
+    cfgs = {name: _config(os.path.join(tmp, name), *ov) for name, (w, _, ov) in PARITY.items() if w == world_size}
     if world_size == 2:
-        # Exact resume under CP x 2: 8 steps straight vs 4 steps, stop, resume for 4 more.
-        straight = _run(os.path.join(tmp, "straight"), CP2, *CKPT)[0]
-        first = _run(os.path.join(tmp, "resumed"), CP2, *CKPT, until=4)[0]
-        second, resumed_at = _run(os.path.join(tmp, "resumed"), CP2, *CKPT)
-        out["resume"] = {"straight": straight, "first": first, "second": second, "resumed_at": resumed_at}
-        # Resharding: the CP x 2 step-4 checkpoint continues as FSDP x 2, and the single-process
-        # reference's step-4 checkpoint continues as CP x 2 (full state: model, optimizer, data).
+        cfgs["straight"] = _config(os.path.join(tmp, "straight"), CP2, *CKPT)
+        cfgs["resumed"] = _config(os.path.join(tmp, "resumed"), CP2, *CKPT)
         for name, source, ov in (
             ("cp2_to_fsdp2", os.path.join(tmp, "straight"), ["parallelism.dp_shard=2"]),
             ("single_to_cp2", os.path.join(tmp, "ref_causal"), [CP2]),
         ):
             load = [f"checkpoint.initial_load_path={source}/checkpoints/step-4", "checkpoint.initial_load_model_only=false"]
-            out[name] = _run(os.path.join(tmp, name), *ov, *load, until=5)[0]
+            cfgs[name] = _config(os.path.join(tmp, name), *ov, *load)
+    return cfgs
+
+
+def _world_worker(rank: int, world_size: int, cfgs: dict[str, TrainConfig]) -> dict:
+    out = {name: _run(cfgs[name])[0] for name, (w, _, _) in PARITY.items() if w == world_size}
+    if world_size == 2:
+        # Exact resume under CP x 2: 8 steps straight vs 4 steps, stop, resume for 4 more.
+        straight = _run(cfgs["straight"])[0]
+        first = _run(cfgs["resumed"], until=4)[0]
+        second, resumed_at = _run(cfgs["resumed"])
+        out["resume"] = {"straight": straight, "first": first, "second": second, "resumed_at": resumed_at}
+        # Resharding: the CP x 2 step-4 checkpoint continues as FSDP x 2, and the single-process
+        # reference's step-4 checkpoint continues as CP x 2 (full state: model, optimizer, data).
+        for name in ("cp2_to_fsdp2", "single_to_cp2"):
+            out[name] = _run(cfgs[name], until=5)[0]
     return out
 
 
@@ -333,12 +348,11 @@ def cp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        refs = {name: _run(os.path.join(tmp, f"ref_{name}"), *ov)[0] for name, ov in REFERENCES.items()}
+        refs = {name: _run(_config(os.path.join(tmp, f"ref_{name}"), *ov))[0] for name, ov in REFERENCES.items()}
     finally:
         torch.set_num_threads(threads)
     assert not dist.is_initialized()
-    runs = {2: run_distributed(_world_worker, 2, tmp, timeout=900)}
-    runs[4] = run_distributed(_world_worker, 4, tmp, timeout=900)
+    runs = {world: run_distributed(_world_worker, world, _world_configs(tmp, world), timeout=900) for world in (2, 4)}
     return {"refs": refs, "runs": runs}
 
 

@@ -18,6 +18,7 @@ import torch
 
 from tests.configs import tiny_config
 from tests.dist import run_distributed
+from trainer.config import TrainConfig
 
 pytestmark = pytest.mark.slow
 
@@ -65,23 +66,22 @@ def _biases(trainer) -> dict[str, list[float]]:
             for name, moe in trainer.spec.extra["moe_layers"](unwrap(trainer.model))}  # fmt: skip
 
 
-def _train(tmp: str, name: str, config: str, overrides: list[str]) -> dict:
+def _train(cfg: TrainConfig) -> dict:
     from trainer.train import Trainer
 
-    trainer = Trainer(tiny_config(os.path.join(tmp, name), *CONFIGS[config], *overrides))
+    trainer = Trainer(cfg)
     history = trainer.train()
     out = {"records": _records(history), "first": history[0], "last": history[-1], "biases": _biases(trainer)}
     trainer.close()
     return out
 
 
-def _resume(tmp: str, name: str, overrides: list[str]) -> dict:
+def _resume(cfg: TrainConfig) -> dict:
     from trainer.checkpoint import load_full_state
     from trainer.train import Trainer
 
-    path = os.path.join(tmp, SOURCE, "checkpoints", "step-4")
-    trainer = Trainer(tiny_config(os.path.join(tmp, name), *CONFIGS["B"], *overrides,
-                                  f"checkpoint.initial_load_path={path}", "checkpoint.initial_load_model_only=false"))  # fmt: skip
+    path = cfg.checkpoint.initial_load_path
+    trainer = Trainer(cfg)
     saved = {k: v.tolist() for k, v in load_full_state(path, "model.").items() if k.endswith("expert_bias")}
     loaded = _biases(trainer)
     step = trainer.state.step
@@ -90,26 +90,31 @@ def _resume(tmp: str, name: str, overrides: list[str]) -> dict:
     return {"records": _records(history), "step": step, "saved_biases": saved, "loaded_biases": loaded}
 
 
-def _worker(rank: int, world_size: int, tmp: str, runs: list[str], resumes: list[str]) -> dict:
+def _configs(tmp: str, runs: list[str], resumes: list[str]) -> dict[str, tuple[str, TrainConfig]]:
+    """name -> ("train" or "resume", config): one launch's runs, composed in the test process."""
     out = {}
     for name in runs:
-        if name in CONFIGS:
-            out[name] = _train(tmp, f"ref_{name}", name, [])
-        else:
-            _, config, overrides = LAYOUTS[name]
-            out[name] = _train(tmp, name, config, overrides)
-    out.update({name: _resume(tmp, name, RESUMES[name]) for name in resumes})
+        config, folder, overrides = (name, f"ref_{name}", []) if name in CONFIGS else (LAYOUTS[name][1], name, LAYOUTS[name][2])
+        out[name] = ("train", tiny_config(os.path.join(tmp, folder), *CONFIGS[config], *overrides))
+    path = os.path.join(tmp, SOURCE, "checkpoints", "step-4")
+    for name in resumes:
+        out[name] = ("resume", tiny_config(os.path.join(tmp, name), *CONFIGS["B"], *RESUMES[name],
+                                           f"checkpoint.initial_load_path={path}",
+                                           "checkpoint.initial_load_model_only=false"))  # fmt: skip
     return out
+
+
+def _worker(rank: int, world_size: int, cfgs: dict[str, tuple[str, TrainConfig]]) -> dict:
+    return {name: (_train if kind == "train" else _resume)(cfg) for name, (kind, cfg) in cfgs.items()}
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     tmp = str(tmp_path_factory.mktemp("moe"))
-    out = run_distributed(_worker, 1, tmp, list(CONFIGS), [])[0]
-    out.update(
-        run_distributed(_worker, 2, tmp, [n for n, (w, _, _) in LAYOUTS.items() if w == 2], list(RESUMES))[0]
-    )
-    out.update(run_distributed(_worker, 4, tmp, [n for n, (w, _, _) in LAYOUTS.items() if w == 4], [])[0])
+    out = run_distributed(_worker, 1, _configs(tmp, list(CONFIGS), []))[0]
+    two = [n for n, (w, _, _) in LAYOUTS.items() if w == 2]
+    out.update(run_distributed(_worker, 2, _configs(tmp, two, list(RESUMES)))[0])
+    out.update(run_distributed(_worker, 4, _configs(tmp, [n for n, (w, _, _) in LAYOUTS.items() if w == 4], []))[0])
     return out
 
 

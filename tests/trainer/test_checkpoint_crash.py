@@ -21,6 +21,7 @@ from tests.configs import REPO, TINY, tiny_config
 from tests.dist import DistributedError, run_distributed
 from tests.parity import assert_parity, step_metrics
 from trainer.checkpoint import complete_steps
+from trainer.config import TrainConfig
 
 pytestmark = pytest.mark.slow
 
@@ -103,25 +104,25 @@ MULTI_CASES = {
 }
 
 
-def _crash_worker(rank: int, world_size: int, dump: str, kill_rank: int, spec: str) -> None:
+def _crash_worker(rank: int, world_size: int, cfg: TrainConfig, kill_rank: int, spec: str) -> None:
     """Train with the crash hook armed on ``kill_rank`` only (the env var is per process)."""
     from trainer.checkpoint_io import CRASH_ENV
     from trainer.train import Trainer
 
     if rank == kill_rank:
         os.environ[CRASH_ENV] = spec
-    trainer = Trainer(tiny_config(dump, *MULTI))
+    trainer = Trainer(cfg)
     trainer.train()
     trainer.close()
 
 
-def _resume_worker(rank: int, world_size: int, dumps: dict[str, str]) -> dict[str, dict]:
+def _resume_worker(rank: int, world_size: int, cfgs: dict[str, TrainConfig]) -> dict[str, dict]:
     """The uninterrupted run ("straight") and a resume of each crashed folder, in turn."""
     from trainer.train import Trainer
 
     out = {}
-    for name, dump in dumps.items():
-        trainer = Trainer(tiny_config(dump, *MULTI))
+    for name, cfg in cfgs.items():
+        trainer = Trainer(cfg)
         start = trainer.state.step
         history = trainer.train()
         trainer.close()
@@ -137,7 +138,7 @@ def test_one_rank_killed_inside_a_save_resumes_bitwise(tmp_path) -> None:
     dumps = {name: str(tmp_path / name) for name in MULTI_CASES}
     for name, (kill_rank, phase, complete) in MULTI_CASES.items():
         with pytest.raises(DistributedError) as failure:
-            run_distributed(_crash_worker, 2, dumps[name], kill_rank, f"{phase}@6", timeout=600)
+            run_distributed(_crash_worker, 2, tiny_config(dumps[name], *MULTI), kill_rank, f"{phase}@6", timeout=600)
         # e.g. "rank 1: killed by signal SIGKILL ...", "rank 0: raised ... Connection closed by peer"
         print(
             f"{name}: "
@@ -149,9 +150,8 @@ def test_one_rank_killed_inside_a_save_resumes_bitwise(tmp_path) -> None:
         leftovers = [n for n in os.listdir(folder) if ".tmp-" in n]
         assert bool(leftovers) == (phase == "mid_write"), (name, os.listdir(folder))
 
-    results = run_distributed(
-        _resume_worker, 2, {"straight": str(tmp_path / "straight"), **dumps}, timeout=900
-    )[0]
+    cfgs = {name: tiny_config(dump, *MULTI) for name, dump in {"straight": str(tmp_path / "straight"), **dumps}.items()}
+    results = run_distributed(_resume_worker, 2, cfgs, timeout=900)[0]
     straight = results["straight"]["history"]
     assert results["straight"]["start"] == 0 and sorted(step_metrics(straight)) == list(range(1, 9))
     for name, (_, _, complete) in MULTI_CASES.items():

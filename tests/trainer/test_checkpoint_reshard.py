@@ -27,6 +27,7 @@ from tests.configs import NO_CLIP, tiny_config
 from tests.dist import run_distributed
 from tests.parity import assert_parity
 from trainer.checkpoint import load_full_state
+from trainer.config import TrainConfig
 
 pytestmark = pytest.mark.slow
 
@@ -83,23 +84,31 @@ def _step5(history: list[dict]) -> dict:
     return [r for r in history if r.get("step") == 5 and "loss" in r][0]
 
 
-def _source(tmp: str, name: str) -> dict:
+def _source_config(tmp: str, name: str) -> TrainConfig:
+    _, overrides = SOURCES[name]
+    return tiny_config(os.path.join(tmp, name), "checkpoint.enable=true", *COMMON, *overrides)
+
+
+def _target_config(tmp: str, name: str) -> TrainConfig:
+    source, _, overrides = PAIRS[name]
+    path = os.path.join(tmp, source, "checkpoints", "step-4")
+    return tiny_config(os.path.join(tmp, name.replace("->", "_to_")), *COMMON, *overrides,
+                       f"checkpoint.initial_load_path={path}", "checkpoint.initial_load_model_only=false")  # fmt: skip
+
+
+def _source(cfg: TrainConfig) -> dict:
     from trainer.train import Trainer
 
-    _, overrides = SOURCES[name]
-    trainer = Trainer(tiny_config(os.path.join(tmp, name), "checkpoint.enable=true", *COMMON, *overrides))
+    trainer = Trainer(cfg)
     history = trainer.train(until_step=5)
     trainer.close()
     return _step5(history)
 
 
-def _target(tmp: str, name: str) -> dict:
+def _target(cfg: TrainConfig) -> dict:
     from trainer.train import Trainer
 
-    source, _, overrides = PAIRS[name]
-    path = os.path.join(tmp, source, "checkpoints", "step-4")
-    cfg = tiny_config(os.path.join(tmp, name.replace("->", "_to_")), *COMMON, *overrides, f"checkpoint.initial_load_path={path}",
-                      "checkpoint.initial_load_model_only=false")  # fmt: skip
+    path = cfg.checkpoint.initial_load_path
     trainer = Trainer(cfg)
     got = _full_state(trainer)
     want = {f"model.{k}": v for k, v in load_full_state(path, "model.").items()}
@@ -118,9 +127,9 @@ def _target(tmp: str, name: str) -> dict:
     }
 
 
-def _worker(rank: int, world_size: int, tmp: str, sources: list[str], targets: list[str]) -> dict:
-    out = {name: _source(tmp, name) for name in sources}
-    out.update({name: _target(tmp, name) for name in targets})
+def _worker(rank: int, world_size: int, sources: dict[str, TrainConfig], targets: dict[str, TrainConfig]) -> dict:
+    out = {name: _source(cfg) for name, cfg in sources.items()}
+    out.update({name: _target(cfg) for name, cfg in targets.items()})
     return out
 
 
@@ -128,10 +137,11 @@ def test_reshard_across_layouts(tmp_path) -> None:
     tmp = str(tmp_path)
     results: dict = {}
     for world in (4, 2, 1):
-        sources = [n for n, (w, _) in SOURCES.items() if w == world]
-        targets = [n for n, (_, w, _) in PAIRS.items() if w == world]
+        # Configs composed here once, not on every rank.
+        sources = {n: _source_config(tmp, n) for n, (w, _) in SOURCES.items() if w == world}
+        targets = {n: _target_config(tmp, n) for n, (_, w, _) in PAIRS.items() if w == world}
         if sources or targets:
-            per_rank = run_distributed(_worker, world, tmp, sources, targets, timeout=1200)
+            per_rank = run_distributed(_worker, world, sources, targets, timeout=1200)
             results.update(per_rank[0])
     report = []
     for name, (source, _, _) in PAIRS.items():

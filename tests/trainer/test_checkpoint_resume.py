@@ -1,8 +1,8 @@
 """Exact resume: 2N steps straight == N steps, stop, resume, N steps (bitwise, fp32 CPU, gloo).
 
-Each layout runs real Trainers inside one spawned process group: the straight run, a run
-stopped after step 4 (it checkpoints there), and a fresh Trainer on the same folder that
-resumes. The async variant also resumes from a checkpoint that was written in the background
+Each layout runs real Trainers inside a spawned process group (one launch per world size runs
+its layouts in turn, each in its own folder): the straight run, a run stopped after step 4 (it
+checkpoints there), and a fresh Trainer on the same folder that resumes. The async variant also resumes from a checkpoint that was written in the background
 while later steps ran, proving the saved values are those of the saved step.
 
 Training draws from the global RNG (a test-only dropout hook on every block's feed-forward,
@@ -97,10 +97,34 @@ def _resume_worker(rank: int, world_size: int, tmp: str, overrides: list[str]) -
             "unrestored": unrestored}  # fmt: skip
 
 
+def _layouts_worker(rank: int, world_size: int, tmp: str, layouts: list[str]) -> dict[str, dict]:
+    """Every layout of this world size in turn, each in its own folder (one launch for all)."""
+    return {
+        name: _resume_worker(rank, world_size, os.path.join(tmp, name), LAYOUTS[name][1]) for name in layouts
+    }
+
+
+@pytest.fixture(scope="module")
+def resume_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict] | BaseException]:
+    """Per layout, every rank's results; one launch per world size (a failed launch fails its layouts)."""
+    tmp = str(tmp_path_factory.mktemp("resume"))
+    out: dict[str, list[dict] | BaseException] = {}
+    for world in sorted({w for w, _ in LAYOUTS.values()}):
+        names = [n for n, (w, _) in LAYOUTS.items() if w == world]
+        try:
+            per_rank = run_distributed(_layouts_worker, world, tmp, names, timeout=900)
+        except Exception as e:  # noqa: BLE001 -- re-raised by each of the launch's layouts
+            out.update({n: e for n in names})
+            continue
+        out.update({n: [r[n] for r in per_rank] for n in names})
+    return out
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_exact_resume(layout: str, tmp_path) -> None:
-    world, overrides = LAYOUTS[layout]
-    results = run_distributed(_resume_worker, world, str(tmp_path), overrides, timeout=900)
+def test_exact_resume(layout: str, resume_results: dict) -> None:
+    results = resume_results[layout]
+    if isinstance(results, BaseException):
+        raise results
     r = results[0]
     assert sorted(r["straight"]) == list(range(1, 9))
     assert r["resumed_step"] == 4 and r["rng_drawn"] and r["rng_restored"]
@@ -128,23 +152,29 @@ def test_torchrun_restart_after_crash_resumes_exactly(tmp_path) -> None:
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
 
-    def torchrun(dump: str, run_env: dict) -> subprocess.CompletedProcess:
+    def start(dump: str, run_env: dict) -> subprocess.Popen:
         cmd = ["torchrun", "--standalone", "--nproc_per_node=2", "--max-restarts=1", "trainer/main.py",
                *common, f"job.dump_folder={dump}"]  # fmt: skip
-        # Own session: on a timeout the workers die with torchrun instead of lingering.
-        proc = subprocess.Popen(cmd, cwd=REPO, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)  # fmt: skip
+        # Own session: on a timeout the workers die with torchrun instead of lingering. Output to
+        # files: the two jobs run side by side, and a full pipe would stall one of them.
+        with open(f"{dump}.out", "w") as out, open(f"{dump}.err", "w") as err:
+            return subprocess.Popen(cmd, cwd=REPO, env=run_env, stdout=out, stderr=err, text=True,
+                                    start_new_session=True)  # fmt: skip
+
+    def finish(proc: subprocess.Popen, dump: str) -> subprocess.CompletedProcess:
         try:
-            out, err = proc.communicate(timeout=180)
+            proc.wait(timeout=240)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+            proc.wait()
+        out, err = ((tmp_path / f"{dump}.{n}").read_text() for n in ("out", "err"))
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
-    crashed = torchrun(str(tmp_path / "crash"), env)
-    assert crashed.returncode == 0, crashed.stderr[-3000:]
+    # The crashing job and the uninterrupted one run side by side.
     clean_env = {k: v for k, v in env.items() if k != "MESHWRIGHT_TEST_CRASH_AT"}
-    straight = torchrun(str(tmp_path / "straight"), clean_env)
+    procs = {"crash": start(str(tmp_path / "crash"), env), "straight": start(str(tmp_path / "straight"), clean_env)}
+    crashed, straight = (finish(procs[name], name) for name in ("crash", "straight"))
+    assert crashed.returncode == 0, crashed.stderr[-3000:]
     assert straight.returncode == 0, straight.stderr[-3000:]
 
     def records(dump: str) -> list[tuple[int, float]]:
