@@ -872,13 +872,15 @@ def render(plan: Plan) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """``python -m trainer.plan +experiment=NAME [cluster=... cluster.key=...] [key=value ...] [--json]``;
-    ``python -m trainer.plan --run=RUN_FOLDER`` compares a run's plan with its communication ledger."""
+    ``python -m trainer.plan --run=RUN_FOLDER`` compares a run's plan with its communication ledger;
+    ``--recommend`` proposes a layout for the config's model on the cluster."""
     from trainer.config import compose_config
 
     argv = list(sys.argv[1:] if argv is None else argv)
     as_json = "--json" in argv
+    wants_recommendation = "--recommend" in argv
     run_dir = next((a.split("=", 1)[1] for a in argv if a.startswith("--run=")), None)
-    rest = [a for a in argv if a != "--json" and not a.startswith("--run=")]
+    rest = [a for a in argv if a not in ("--json", "--recommend") and not a.startswith("--run=")]
     cluster_args = [a for a in rest if a.startswith("cluster=") or a.startswith("cluster.")]
     overrides = [a for a in rest if a not in cluster_args]
     experiment = next((a.split("=", 1)[1] for a in overrides if a.startswith("+experiment=")), "")
@@ -886,12 +888,30 @@ def main(argv: Optional[list[str]] = None) -> int:
         if run_dir is not None:
             return _main_run(run_dir, cluster_args, as_json)
         cluster = compose_cluster(cluster_args)
+        if wants_recommendation:
+            return _main_recommend(compose_config(*overrides), cluster, as_json)
         plan = build_plan(compose_config(*overrides), cluster, experiment)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     print(plan.to_json() if as_json else render(plan))
     return 0
+
+
+def _main_recommend(cfg: Any, cluster: ClusterConfig, as_json: bool) -> int:
+    """``--recommend``: walk the decision order (``trainer/plan_recommend.py``) for the config's model."""
+    from trainer.plan_recommend import recommend, render_recommendation
+
+    chosen, tried = recommend(cfg, cluster)
+    if as_json:
+        print(json.dumps({
+            "recommended": None if chosen is None else {"layout": chosen.label, "activation_checkpoint": chosen.ac,
+                                                        "plan": dataclasses.asdict(chosen.plan)},
+            "tried": [{"step": c.step, "layout": c.label, "activation_checkpoint": c.ac, "reason": c.reason} for c in tried],
+        }, indent=2))  # fmt: skip
+    else:
+        print(render_recommendation(chosen, tried))
+    return 0 if chosen is not None else 1
 
 
 def _main_run(run_dir: str, cluster_args: list[str], as_json: bool) -> int:

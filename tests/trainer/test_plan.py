@@ -162,3 +162,30 @@ def test_cli_prints_quickly(name: str, capsys: pytest.CaptureFixture[str]) -> No
     assert elapsed < 5, f"planner took {elapsed:.1f} s"
     assert main([f"+experiment={name}", "--json"]) == 0
     assert '"verdict"' in capsys.readouterr().out
+
+
+def test_recommend_70b_on_4_nodes_of_8_h100(capsys: pytest.CaptureFixture[str]) -> None:
+    """The article's case study, step 4: at 70B neither DDP nor in-node HSDP fits (16P = 1.1 TB; 141 GB
+    per GPU for the in-node shard), FSDP over 32 GPUs fits only with full checkpointing and its
+    all-gathers would need the whole compute time on InfiniBand, so tensor parallel inside the node
+    is taken; TP=8 x FSDP=4 fits without checkpointing and is the fastest of those that fit."""
+    from trainer.plan_recommend import recommend
+
+    cfg = compose_config("+experiment=70b_tp_fsdp")
+    chosen, tried = recommend(cfg, ClusterConfig(nodes=4))
+    assert chosen is not None and chosen.label == "TP 8 x FSDP 4", [(c.label, c.ac, c.reason) for c in tried]
+    first = {c.label: c for c in reversed(tried)}  # first try of each layout
+    assert not first["DDP 32"].plan.verdict["fits"] and not first["HSDP 4x8"].plan.verdict["fits"]
+    fsdp32 = [c for c in tried if c.label == "FSDP 32"]
+    assert [c.ac for c in fsdp32] == ["none", "full"] and fsdp32[-1].plan.verdict["fits"]  # AC only when needed
+    assert "hidden communication needs" in fsdp32[-1].reason
+    assert main(["+experiment=70b_tp_fsdp", "cluster.nodes=4", "--recommend"]) == 0
+    out = capsys.readouterr().out
+    assert "recommended: TP 8 x FSDP 4" in out and "Passed over: DDP 32" in out and "verdict: fits" in out
+
+
+def test_recommend_small_model_stays_data_parallel() -> None:
+    from trainer.plan_recommend import recommend
+
+    chosen, tried = recommend(compose_config("+experiment=38m_ddp"), ClusterConfig())
+    assert chosen is tried[0] and chosen.label == "DDP 8" and chosen.ac == "none"
