@@ -124,6 +124,10 @@ def parallelize_part(
     # With CPU offload FSDP keeps the sharded parameters on the host.
     model.to_empty(device="cpu" if (dims.fsdp_enabled and cfg.fsdp.cpu_offload) else device)
     options.init_weights(model)
+    if dims.tp > 1 and not dims.fsdp_enabled:
+        from parallelisms.tensor_parallel import keep_gradients_sharded
+
+        keep_gradients_sharded(model)
 
     if dims.ddp_enabled and wrap_ddp:
         from parallelisms.ddp import apply_ddp

@@ -185,6 +185,32 @@ def apply_tp(
     return model
 
 
+def keep_gradients_sharded(model: nn.Module) -> None:
+    """Give each sharded parameter's gradient the parameter's own placement as soon as it is
+    accumulated, when the gradient came back replicated.
+
+    torch's vocab-sharded embedding (``RowwiseParallel`` on ``nn.Embedding``) returns a Replicate
+    gradient for its Shard(0) weight: the whole table's gradient would sit on every tp rank until
+    the optimizer step (found by the communication/memory ledger: +(tp-1)/tp of the embedding per
+    rank). Replicate -> Shard is a local slice: no communication, the full gradient is freed at
+    once. Call after the parameters are materialised (hooks live on the Parameter objects);
+    FSDP handles its own gradients and does not need it.
+    """
+    for p in model.parameters():
+        if isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements):
+            p.register_post_accumulate_grad_hook(_reshard_replicated_grad)
+
+
+def _reshard_replicated_grad(param: torch.Tensor) -> None:
+    grad = param.grad
+    if (
+        isinstance(grad, DTensor)
+        and grad.placements != param.placements
+        and all(isinstance(pl, Replicate) for pl in grad.placements)
+    ):
+        param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
 def validate_tp_options(cfg: ParallelismConfig, *, compile: bool, device_type: str) -> None:
     """``async_tp`` needs CUDA, compile and sequence parallel (called by ``ParallelDims``)."""
     if not cfg.async_tp:

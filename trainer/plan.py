@@ -442,10 +442,6 @@ def _stage_memory(c: _Ctx, pp_rank: int) -> StageMemory:
         experts = group.experts / dims.ep
         held = (local - experts) / (dims.dp_shard * dims.cp) + experts / (dims.dp_shard * dims.cp // dims.ep)
     params_b, grads_b, opt_b = 4 * held, 4 * held, ADAM_BYTES * held
-    if tp > 1 and not dims.fsdp_enabled and any(st.first for st in stages):
-        # torch's vocab-sharded embedding (RowwiseParallel) leaves a Replicate gradient: the whole
-        # table's gradient on every tp rank until the optimizer step (measured by the ledger)
-        grads_b += 4 * c.table.first.tp_sharded * (1 - 1 / tp)
     buffers: dict[str, float] = {}
     if dims.ddp_enabled and p.ddp.sharded_optimizer:
         opt_b = ADAM_BYTES * local / dims.dp_replicate
