@@ -157,8 +157,8 @@ class CommLedger(TorchDispatchMode):
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         # torch wraps a mode's __torch_dispatch__ in a dynamo-disable frame by default: ~30 us per
-        # op, a quarter of an FSDP step. The ledger never runs inside a compiled region (it is
-        # entered around the whole step, and dynamo does not trace through an active mode).
+        # op, a quarter of a small FSDP step. Nothing compiles under the ledger (torch.compile does
+        # not compile while a Python dispatch mode is active; the config rejects the combination).
         return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -241,3 +241,4 @@ def ledger_totals(rank_counts: dict[str, Any]) -> dict[str, dict[str, float]]:
             slot["calls"] += v["calls"]
             slot["bytes"] += v["bytes"]
     return out
+

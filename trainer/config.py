@@ -305,6 +305,12 @@ def validate(cfg: TrainConfig) -> None:
     option is checked by ``ParallelDims.from_config`` (one place, before any process group)."""
     validate_model(cfg.model)
     _validate_training(cfg.training, cfg.model.max_seq_len)
+    if cfg.metrics.comm_ledger and cfg.training.compile:
+        raise ConfigError(
+            "metrics.comm_ledger=true cannot run with training.compile=true: the ledger is a Python dispatch "
+            "mode, under which torch.compile compiles nothing. Measure with training.compile=false (the "
+            "collectives and their bytes are the same), or set metrics.comm_ledger=false."
+        )
     _validate_optimizer(cfg.optimizer, cfg.lr_scheduler)
     _validate_checkpoint(cfg.checkpoint)
     if cfg.checkpoint.last_save_in_hf and cfg.parallelism.pp > 1:
