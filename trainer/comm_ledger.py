@@ -150,6 +150,7 @@ class CommLedger(TorchDispatchMode):
         self.steps = 0
         self._labels: dict[str, tuple[str, int]] = {}  # group name -> (axis, size)
         self.grads_bytes = 0
+        self.active = False  # inside a measured step
         from torch.distributed.tensor import DTensor
 
         self._dtensor = DTensor
@@ -192,7 +193,12 @@ class CommLedger(TorchDispatchMode):
 
     def __enter__(self) -> CommLedger:
         self.steps += 1
+        self.active = True
         return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.active = False
+        super().__exit__(*exc)
 
     def measure_gradients(self, params: Iterable[torch.Tensor]) -> None:
         """Remember the bytes of the gradients this rank holds (call once they are complete, before

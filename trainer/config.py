@@ -123,7 +123,7 @@ class MetricsConfig:
     wandb_project: str = "meshwright"
     wandb_entity: Optional[str] = None  # W&B team or user; None = the account's default
     wandb_mode: Optional[str] = None  # online | offline | disabled; None = W&B's default (WANDB_MODE)
-    comm_ledger: bool = False  # count bytes/calls of every collective per step and rank (trainer/comm_ledger.py)
+    comm_ledger: bool = False  # bytes/calls of every collective of each logged step, per rank (trainer/comm_ledger.py)
 
 
 @dataclass

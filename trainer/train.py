@@ -351,7 +351,7 @@ class Trainer:
             raise TrainingError(message)
         if self.load_balancer is not None:  # tokens per expert over dp x cp -> expert-bias update
             self.load_balancer.end_step()
-        if self.comm_ledger is not None:  # model-state bytes: the gradients exist only now
+        if self.comm_ledger is not None and self.comm_ledger.active:  # the gradients exist only now
             self.comm_ledger.measure_gradients(self.model.parameters())
         self.optimizer.step()
         self.lr_scheduler.step()
@@ -380,6 +380,16 @@ class Trainer:
         return (totals[0] / totals[1].clamp(min=1)).item(), int(totals[1].item())
 
     # -- the loop -------------------------------------------------------------------
+    def _is_logged(self, step: int) -> bool:
+        return step % self.cfg.metrics.log_freq == 0 or step == self.cfg.training.steps or step == 1
+
+    def _ledger_for(self, step: int) -> contextlib.AbstractContextManager:
+        """The communication ledger around ``step`` if that step is logged (it measures the steps it
+        reports: every step of a run issues the same collectives), else nothing."""
+        if self.comm_ledger is None or not self._is_logged(step):
+            return contextlib.nullcontext()
+        return self.comm_ledger
+
     def train(self, until_step: Optional[int] = None) -> list[dict[str, Any]]:
         """Run until ``training.steps`` (or stop early after ``until_step``, saving a checkpoint
         there if checkpoints are on); return the logged records (also written to disk)."""
@@ -388,20 +398,19 @@ class Trainer:
             self.checkpointer.save_seed()
             return []
         stop = t.steps if until_step is None else min(until_step, t.steps)
-        log_freq = self.cfg.metrics.log_freq
         self.metrics.reset_timer(self.state.step)
         start = time.perf_counter()
         try:
             while self.state.step < stop:
                 self.comm.begin_step(self.state.step + 1)  # a hang report names this step
                 self.profiler.begin(self.state.step + 1)
-                with self.comm_ledger or contextlib.nullcontext():  # metrics.comm_ledger
+                with self._ledger_for(self.state.step + 1):  # metrics.comm_ledger: the logged steps
                     loss, grad_norm = self.train_step()
                 self.state.step += 1
                 self.state.tokens_seen += self.tokens_per_step
                 step = self.state.step
                 self.profiler.end(step)
-                if step % log_freq == 0 or step == t.steps or step == 1:
+                if self._is_logged(step):
                     # Losses are local sums over this rank's tokens: add them up over dp/cp.
                     global_loss = self._global_sum(loss.detach())
                     # MoE: tokens per expert, load imbalance, aux loss (collective over pp).
