@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any
 
 from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import DictConfig, OmegaConf
 
 from trainer.config import TrainConfig, register_configs, to_train_config
 
@@ -40,11 +42,20 @@ TINY = (
 NO_CLIP = "training.grad_clip=0"
 
 
+# Composition is memoized per process (a Hydra compose costs ~0.3-1 s on 2 cores, and the suite
+# composes the same override lists many times, differing only in the run folder): the cache
+# holds each composed config, callers get deep copies.
+_COMPOSED: dict[tuple[str, ...], DictConfig] = {}
+_DUMP_FOLDER = "job.dump_folder"
+
+
 def compose_dict(*overrides: str) -> DictConfig:
-    """The composed (untyped) Hydra config for ``overrides``."""
-    register_configs()
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        return compose("train", overrides=list(overrides))
+    """The composed (untyped) Hydra config for ``overrides`` (a fresh copy on every call)."""
+    if overrides not in _COMPOSED:
+        register_configs()
+        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+            _COMPOSED[overrides] = compose("train", overrides=list(overrides))
+    return copy.deepcopy(_COMPOSED[overrides])
 
 
 def make_config(*overrides: str, **kw: Any) -> TrainConfig:
@@ -53,5 +64,16 @@ def make_config(*overrides: str, **kw: Any) -> TrainConfig:
 
 
 def tiny_config(tmp_dir: str, *overrides: str) -> TrainConfig:
-    """The tiny run in ``tmp_dir``; later overrides win."""
-    return make_config(*TINY, f"job.dump_folder={tmp_dir}", *overrides)
+    """The tiny run in ``tmp_dir``; later overrides win.
+
+    The run folder is applied to the composed config afterwards, the way Hydra applies a value
+    override (its parsed value, ``OmegaConf.update``), so runs that differ only in their folder
+    share one composition; validation runs on every call.
+    """
+    folder = f"{_DUMP_FOLDER}={tmp_dir}"
+    if any(o.split("=", 1)[0].lstrip("+~") == _DUMP_FOLDER for o in overrides):
+        return make_config(*TINY, folder, *overrides)  # a later override names the folder: compose as is
+    dcfg = compose_dict(*TINY, *overrides)
+    (parsed,) = OverridesParser.create().parse_overrides([folder])
+    OmegaConf.update(dcfg, _DUMP_FOLDER, parsed.value(), merge=True)
+    return to_train_config(dcfg)
