@@ -193,9 +193,7 @@ class ParallelDims:
                 f"FSDP (parallelism.dp_shard > 1)."
             )
         if self.tp > 1:
-            from parallelisms.tensor_parallel import validate_tp_options
-
-            validate_tp_options(cfg, compile=compile, device_type=device_type)
+            _validate_tp_options(cfg, compile=compile, device_type=device_type)
 
     def validate_model(self, spec: ModelSpec, args: Any, *, seq_len: int, sequence_parallel: bool) -> None:
         """Model- and sequence-dependent checks (head counts, layers, sequence length, experts)."""
@@ -397,6 +395,27 @@ class ParallelDims:
     @property
     def pp_rank(self) -> int:
         return self.get_mesh("pp").get_local_rank()
+
+
+def _validate_tp_options(cfg: ParallelismConfig, *, compile: bool, device_type: str) -> None:
+    """``async_tp`` needs CUDA, compile and sequence parallel."""
+    if not cfg.async_tp:
+        return
+    if device_type != "cuda":
+        raise ConfigError(
+            f"parallelism.async_tp=true needs CUDA GPUs (symmetric memory between the tp ranks), "
+            f"but this run is on {device_type!r}. Set parallelism.async_tp=false."
+        )
+    if not compile:
+        raise ConfigError(
+            "parallelism.async_tp=true is an Inductor rewrite of the compiled graph; it needs "
+            "training.compile=true. Set training.compile=true or parallelism.async_tp=false."
+        )
+    if not cfg.sequence_parallel:
+        raise ConfigError(
+            "parallelism.async_tp=true overlaps sequence parallel's all_gather / reduce_scatter with "
+            "the matmuls; set parallelism.sequence_parallel=true or parallelism.async_tp=false."
+        )
 
 
 def _choices(value: Any, allowed: tuple[str, ...], key: str) -> None:

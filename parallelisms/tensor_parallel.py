@@ -53,11 +53,10 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from models.errors import ConfigError
 from models.spec import ModelSpec
 from parallelisms.config import ParallelismConfig
 
-__all__ = ["ReplicateParallel", "apply_tp", "check_tp_fits_node", "tp_plan", "validate_tp_options"]
+__all__ = ["ReplicateParallel", "apply_tp", "check_tp_fits_node", "keep_gradients_sharded", "tp_plan"]
 
 
 class ReplicateParallel(ParallelStyle):
@@ -164,7 +163,7 @@ def apply_tp(
 
     Parameters become DTensors on ``tp_mesh``; FSDP applied afterwards makes them 2-D
     (``dp_shard_cp`` x ``tp``). ``cfg.async_tp`` turns on Inductor's micro-pipelined TP (CUDA,
-    ``torch.compile`` and sequence parallel required; checked by ``validate_tp_options``).
+    ``torch.compile`` and sequence parallel required; checked by ``ParallelDims``).
     """
     check_tp_fits_node(tp_mesh.size(), device_type)
     plan = tp_plan(model, spec, sequence_parallel=cfg.sequence_parallel, loss_parallel=cfg.loss_parallel)
@@ -209,27 +208,6 @@ def _reshard_replicated_grad(param: torch.Tensor) -> None:
         and all(isinstance(pl, Replicate) for pl in grad.placements)
     ):
         param.grad = grad.redistribute(param.device_mesh, param.placements)
-
-
-def validate_tp_options(cfg: ParallelismConfig, *, compile: bool, device_type: str) -> None:
-    """``async_tp`` needs CUDA, compile and sequence parallel (called by ``ParallelDims``)."""
-    if not cfg.async_tp:
-        return
-    if device_type != "cuda":
-        raise ConfigError(
-            f"parallelism.async_tp=true needs CUDA GPUs (symmetric memory between the tp ranks), "
-            f"but this run is on {device_type!r}. Set parallelism.async_tp=false."
-        )
-    if not compile:
-        raise ConfigError(
-            "parallelism.async_tp=true is an Inductor rewrite of the compiled graph; it needs "
-            "training.compile=true. Set training.compile=true or parallelism.async_tp=false."
-        )
-    if not cfg.sequence_parallel:
-        raise ConfigError(
-            "parallelism.async_tp=true overlaps sequence parallel's all_gather / reduce_scatter with "
-            "the matmuls; set parallelism.sequence_parallel=true or parallelism.async_tp=false."
-        )
 
 
 def check_tp_fits_node(tp: int, device_type: str) -> None:
