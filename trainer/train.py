@@ -9,7 +9,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -19,7 +19,6 @@ from models.errors import ConfigError
 from parallelisms.expert_parallel import LoadBalancer
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import PartOptions, parallelize, parallelize_pipeline
-from parallelisms.pipeline_parallel import Pipeline
 from parallelisms.utils import clip_grad_norm_, copy_full_into
 from trainer.checkpoint import (
     Checkpointer,
@@ -39,6 +38,9 @@ from trainer.preemption import PreemptionHandler
 from trainer.profiling import StepProfiler
 from trainer.step import StepBatch, StepContext, count_targets, document_positions, token_loss_sum
 from trainer.tokenizer import build_tokenizer, check_vocab_size
+
+if TYPE_CHECKING:  # imported when pp > 1 (torch.distributed.pipelining costs ~1 s to import)
+    from parallelisms.pipeline_parallel import Pipeline
 
 logger = logging.getLogger("meshwright")
 
