@@ -535,6 +535,36 @@ def rope_scaling_from_hf(cfg: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     return theta, out
 
 
+def decoder_hf_config(
+    args: Any, *, architecture: str, model_type: str, bos_id: Optional[int], eos_id: Optional[int], dtype: str
+) -> dict[str, Any]:
+    """The ``config.json`` keys every decoder family shares (sizes, norm, RoPE both ways, tokens)."""
+    scaling = rope_scaling_to_hf(args.rope_scaling, args.rope_theta)
+    return {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "hidden_size": args.dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size,
+        "max_position_embeddings": args.max_seq_len,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,  # transformers < 5
+        "rope_scaling": scaling,  # transformers < 5
+        "rope_parameters": {"rope_theta": args.rope_theta, **(scaling or {"rope_type": "default"})},  # >= 5
+        "hidden_act": "silu",
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": bool(args.tie_embeddings),
+        "initializer_range": args.init_std,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "torch_dtype": dtype,
+        "use_cache": True,
+    }
+
+
 class LlamaHF:
     """Hugging Face ``LlamaForCausalLM`` <-> meshwright Llama (config and tensor names)."""
 
@@ -545,36 +575,13 @@ class LlamaHF:
         self, args: LlamaArgs, *, bos_id: Optional[int], eos_id: Optional[int], dtype: str
     ) -> dict:
         """A ``LlamaConfig`` dict for ``args``."""
-        scaling = rope_scaling_to_hf(args.rope_scaling, args.rope_theta)
         return {
-            "architectures": [self.architecture],
-            "model_type": self.model_type,
-            "hidden_size": args.dim,
+            **decoder_hf_config(args, architecture=self.architecture, model_type=self.model_type, bos_id=bos_id,
+                                eos_id=eos_id, dtype=dtype),
             "intermediate_size": args.hidden_dim,
-            "num_hidden_layers": args.n_layers,
-            "num_attention_heads": args.n_heads,
-            "num_key_value_heads": args.kv_heads,
-            "head_dim": args.head_dim,
-            "vocab_size": args.vocab_size,
-            "max_position_embeddings": args.max_seq_len,
-            "rms_norm_eps": args.norm_eps,
-            "rope_theta": args.rope_theta,  # transformers < 5
-            "rope_scaling": scaling,  # transformers < 5
-            "rope_parameters": {
-                "rope_theta": args.rope_theta,
-                **(scaling or {"rope_type": "default"}),
-            },  # >= 5
-            "hidden_act": "silu",
             "attention_bias": False,
-            "attention_dropout": 0.0,
             "mlp_bias": False,
-            "tie_word_embeddings": bool(args.tie_embeddings),
-            "initializer_range": args.init_std,
-            "bos_token_id": bos_id,
-            "eos_token_id": eos_id,
-            "torch_dtype": dtype,
-            "use_cache": True,
-        }
+        }  # fmt: skip
 
     def args_from_hf_config(self, cfg: dict[str, Any]) -> dict[str, Any]:
         """Our ``LlamaArgs`` fields from a HF ``config.json`` (refuses what we cannot represent)."""

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from models.errors import ConfigError
-from models.llama import LLAMA_HF_LAYER_NAMES, LLAMA_HF_TOP_NAMES, rope_scaling_from_hf, rope_scaling_to_hf
+from models.llama import LLAMA_HF_LAYER_NAMES, LLAMA_HF_TOP_NAMES, decoder_hf_config, rope_scaling_from_hf
 
 if TYPE_CHECKING:
     from models.moe import MoEArgs
@@ -73,33 +73,13 @@ class MoEHF:
         self, args: MoEArgs, *, bos_id: Optional[int], eos_id: Optional[int], dtype: str
     ) -> dict:
         fmt = self.format_of(args)
-        scaling = rope_scaling_to_hf(args.rope_scaling, args.rope_theta)
         cfg: dict[str, Any] = {
-            "architectures": [_ARCHITECTURES[fmt]],
-            "model_type": fmt,
-            "hidden_size": args.dim,
-            "num_hidden_layers": args.n_layers,
-            "num_attention_heads": args.n_heads,
-            "num_key_value_heads": args.kv_heads,
-            "head_dim": args.head_dim,
-            "vocab_size": args.vocab_size,
-            "max_position_embeddings": args.max_seq_len,
-            "rms_norm_eps": args.norm_eps,
-            "rope_theta": args.rope_theta,
-            "rope_scaling": scaling,
-            "rope_parameters": {"rope_theta": args.rope_theta, **(scaling or {"rope_type": "default"})},
-            "hidden_act": "silu",
-            "attention_dropout": 0.0,
-            "tie_word_embeddings": bool(args.tie_embeddings),
-            "initializer_range": args.init_std,
+            **decoder_hf_config(args, architecture=_ARCHITECTURES[fmt], model_type=fmt, bos_id=bos_id, eos_id=eos_id,
+                                dtype=dtype),
             "num_experts_per_tok": args.top_k,
             "output_router_logits": False,
             "router_aux_loss_coef": args.aux_loss_coeff,
-            "bos_token_id": bos_id,
-            "eos_token_id": eos_id,
-            "torch_dtype": dtype,
-            "use_cache": True,
-        }
+        }  # fmt: skip
         if fmt == "mixtral":
             cfg.update(
                 intermediate_size=args.moe_hidden_dim, num_local_experts=args.num_experts, sliding_window=None

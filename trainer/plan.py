@@ -482,191 +482,6 @@ def _compute(c: _Ctx) -> dict[str, float]:
     }  # fmt: skip
 
 
-class _Rows:
-    """Collects the collectives of one rank; rows over a group of one rank are dropped."""
-
-    def __init__(self, c: _Ctx, comp: dict[str, float]) -> None:
-        self.c, self.comp, self.rows = c, comp, []
-
-    def add(self, name: str, op: str, axis: str, axes: tuple[str, ...], calls: float, size: float,
-            overlap: str, window: str) -> None:  # fmt: skip
-        n = self.c.dims.axis_size(axis) if axis in ("ep", "dp_shard_mod_ep") else math.prod(getattr(self.c.dims, a) for a in axes)
-        if n <= 1 or calls <= 0 or size <= 0:
-            return
-        link = _link(self.c.dims, axes, self.c.cluster.gpus_per_node)
-        window_s = self.comp.get(window, 0.0)
-        self.rows.append(_collective(self.c.cluster, name, op, axis, n, link, int(round(calls)), size, overlap, window_s))
-
-
-def _fsdp_units(c: _Ctx, pp_rank: int) -> tuple[list[float], list[float], float, float]:
-    """(dense params per block, expert params per block, head unit, root unit) local counts of
-    ``pp_rank``, in forward order: FSDP's units (``parallelisms/fsdp.py``)."""
-    tp, ep, t = c.dims.tp, c.dims.ep, c.table
-    dense, experts, head, root = [], [], 0.0, 0.0
-    for st in c.ranks[pp_rank]:
-        for b in st.blocks:  # without ep the experts belong to their block's unit
-            dense.append(t.blocks[b].dense_local(tp) if ep > 1 else t.blocks[b].local(tp))
-            experts.append(t.blocks[b].experts / ep if ep > 1 else 0.0)
-        if st.first:
-            root += t.first.local(tp, ep)
-        if st.last:
-            if t.tied:
-                root += t.last.local(tp, ep)
-            else:
-                head += t.last.local(tp, ep)
-    return dense, experts, head, root
-
-
-def _fsdp_rows(rows: _Rows, c: _Ctx, pp_rank: int) -> None:
-    """FSDP2 per unit: all-gather in forward, again in backward for the units resharded after
-    forward (every block but the last, and the root), reduce-scatter (and HSDP all-reduce) of the
-    gradients -- every microbatch (the trainer does not skip gradient sync while accumulating),
-    except under PP, where the schedule syncs once after the last microbatch."""
-    dims = c.dims
-    dense, experts, head, root = _fsdp_units(c, pp_rank)
-    per_step = dims.pp > 1 and not c.reshard_after_forward
-    m = 1 if per_step else c.accum
-    syncs = 1 if dims.pp > 1 else c.accum
-    again = c.reshard_after_forward  # backward gathers every block but the last, and the root, again
-    units = [
-        ("", "dp_shard_cp", ("dp_shard", "cp"), [*dense, head, root], [*dense[:-1], root] if again else []),
-        (" (experts)", "dp_shard_mod_ep", ("dp_shard_mod_ep",), experts, experts[:-1] if again else []),
-    ]
-    for label, axis, axes, fwd, bwd in units:
-        fwd, bwd = [u for u in fwd if u > 0], [u for u in bwd if u > 0]
-        if not fwd:
-            continue
-        calls = len(fwd) + len(bwd)
-        rows.add(f"FSDP all_gather{label} (params, fwd" + (" + bwd)" if again else ")"), "all_gather", axis, axes,
-                 m * calls, (sum(fwd) + sum(bwd)) / calls * c.param_gather_bytes, "forward+backward", "compute_s")  # fmt: skip
-        rows.add(f"FSDP reduce_scatter{label} (grads)", "reduce_scatter", axis, axes, syncs * len(fwd),
-                 sum(fwd) / len(fwd) * c.sync_bytes, "backward", "backward_s")  # fmt: skip
-        if dims.hsdp_enabled:
-            n = dims.axis_size(axis)
-            rows.add(f"HSDP all_reduce{label} (grad shards)", "all_reduce", "dp_replicate", ("dp_replicate",),
-                     syncs * len(fwd), sum(fwd) / len(fwd) * c.sync_bytes / n, "backward", "backward_s")  # fmt: skip
-
-
-def _ddp_rows(rows: _Rows, c: _Ctx, pp_rank: int) -> None:
-    """Bucketed DDP: one all-reduce of every gradient per step (no_sync while accumulating), over
-    dp_replicate x cp; ZeRO-1 then re-replicates the parameters over dp_replicate: one broadcast per
-    owner on gloo, one all-gather on NCCL (``parallelisms/sharded_optimizer.py``)."""
-    p = c.cfg.parallelism
-    local = c.group(pp_rank).local(c.dims.tp, c.dims.ep)
-    size = local * c.sync_bytes
-    buckets = max(1, math.ceil(size / (p.ddp.bucket_mb * 1e6)))
-    axis = "dp_replicate_cp" if c.dims.cp > 1 else "dp_replicate"
-    rows.add("DDP all_reduce (grads, bucketed)", "all_reduce", axis, ("dp_replicate", "cp"), buckets, size / buckets,
-             "backward", "backward_s")  # fmt: skip
-    if p.ddp.sharded_optimizer:
-        n = c.dims.dp_replicate
-        if c.cluster.backend == "gloo":
-            rows.add("ZeRO-1 broadcast (fp32 params, one per owner)", "broadcast", "dp_replicate", ("dp_replicate",),
-                     n, local * 4 / n, "none: after the step", "")  # fmt: skip
-        else:
-            rows.add("ZeRO-1 all_gather (fp32 params after step)", "all_gather", "dp_replicate", ("dp_replicate",),
-                     1, local * 4, "none: after the step", "")  # fmt: skip
-
-
-def _tp_counts(c: _Ctx, pp_rank: int) -> dict[str, float]:
-    """Activation-sized TP collectives per microbatch of ``pp_rank``, by op, from the TP-plan kinds of
-    its modules (``parallelisms/tensor_parallel.py``): a region entry (``gather_input``, the head's
-    input) is all-gather fwd / reduce-scatter bwd under SP, all-reduce bwd without; a region exit
-    (``rowwise``, ``embedding``) reduce-scatter fwd / all-gather bwd, or all-reduce fwd; the MoE's
-    ``moe_io`` gathers on entry and slices on exit (SP only). Recomputed blocks repeat forwards."""
-    sp = c.tp_sp[1]
-    counts = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0}
-    fwd_repeat = 2 if c.recompute else 1
-
-    def count(kinds: list[str], repeat: int) -> None:
-        for kind in kinds:
-            if kind in ("gather_input", "head"):
-                counts["all_gather" if sp else "all_reduce"] += repeat if sp else 0
-                counts["reduce_scatter" if sp else "all_reduce"] += 1
-            elif kind in ("rowwise", "embedding"):
-                counts["reduce_scatter" if sp else "all_reduce"] += repeat
-                counts["all_gather"] += 1 if sp else 0
-            elif kind == "moe_io" and sp:
-                counts["all_gather"] += repeat + 1
-                counts["reduce_scatter"] += 1
-
-    for st in c.ranks[pp_rank]:
-        for b in st.blocks:
-            count(c.table.block_kinds[b], fwd_repeat)
-        count(c.table.first_kinds if st.first else [], 1)
-        count(c.table.last_kinds if st.last else [], 1)
-    return counts
-
-
-def _tp_rows(rows: _Rows, c: _Ctx, pp_rank: int) -> None:
-    p, args = c.cfg.parallelism, c.cfg.model
-    size = c.micro_tokens * args.dim * c.act_bytes  # (b, S/cp, H), the full sequence of the region
-    overlap = ("matmuls (async TP)", "compute_s") if p.async_tp else ("none: critical path", "")
-    for op, calls in _tp_counts(c, pp_rank).items():
-        rows.add(f"TP {op} (block activations)", op, "tp", ("tp",), calls * c.accum, size, *overlap)
-    last = any(st.last for st in c.ranks[pp_rank])
-    if last and not p.loss_parallel:  # replicated logits: the head's output is gathered over the vocab
-        rows.add("TP all_gather (logits)", "all_gather", "tp", ("tp",), c.accum,
-                 c.micro_tokens * args.vocab_size * c.act_bytes, "none: critical path", "")  # fmt: skip
-    if last and p.loss_parallel:  # max, sum of exp, target logit over the vocab shards
-        rows.add("TP all_reduce (loss parallel)", "all_reduce", "tp", ("tp",), 3 * c.accum, c.micro_tokens * 4,
-                 "none: critical path", "")  # fmt: skip
-    if c.tp_sp[1]:  # SP norms: their weight gradients are partial sums over the sequence shards
-        norms = [n for st in c.ranks[pp_rank] for b in st.blocks for n in c.table.blocks[b].norms]
-        norms += [n for st in c.ranks[pp_rank] if st.last for n in c.table.last.norms]
-        rows.add("TP all_reduce (SP norm weight grads)", "all_reduce", "tp", ("tp",), len(norms) * c.accum,
-                 4 * sum(norms) / max(len(norms), 1), "backward", "backward_s")  # fmt: skip
-
-
-def _cp_ep_rows(rows: _Rows, c: _Ctx, pp_rank: int) -> None:
-    """CP (all-gather of K and V per attention layer, reduce-scatter of dK, dV) and EP (per MoE layer
-    token dispatch + combine all-to-alls, forward and backward, and the token-count exchange)."""
-    dims, p, args = c.dims, c.cfg.parallelism, c.cfg.model
-    blocks = [b for st in c.ranks[pp_rank] for b in st.blocks]
-    fwd_repeat = 2 if c.recompute else 1
-    if dims.cp > 1:
-        kv = c.micro_tokens * dims.cp * 2 * args.kv_heads * args.head_dim * c.act_bytes  # (b, S, 2 kv_dim)
-        ring = p.cp_impl == "ring"
-        overlap = ("attention (ring)", "compute_s") if ring else ("none: critical path", "")
-        rows.add("CP all_gather (K, V)", "all_gather", "cp", ("cp",), fwd_repeat * len(blocks) * c.accum, kv, *overlap)
-        rows.add("CP reduce_scatter (dK, dV)", "reduce_scatter", "cp", ("cp",), len(blocks) * c.accum, kv, *overlap)
-    moe = [b for b in blocks if b in c.table.moe_layers]
-    if dims.ep > 1 and moe:
-        routed = c.micro_tokens * args.top_k * args.dim * c.act_bytes  # this rank's token copies (mean)
-        calls = len(moe) * c.accum
-        rows.add("EP all_to_all (dispatch + combine, fwd + bwd)", "all_to_all", "ep", ("ep",),
-                 (2 * fwd_repeat + 2) * calls, routed, "none: critical path", "")  # fmt: skip
-        rows.add("EP all_to_all (tokens per expert)", "all_to_all", "ep", ("ep",), fwd_repeat * calls,
-                 args.num_experts * 8, "none: critical path", "")  # fmt: skip
-
-
-def _pp_rows(rows: _Rows, c: _Ctx, pp_rank: int) -> None:
-    """Stage boundaries: per microbatch, activations forward and their gradients backward, to and
-    from each neighbouring stage held by another rank."""
-    dims = c.dims
-    size = c.micro_tokens * c.cfg.model.dim * c.act_bytes / (dims.tp if c.tp_sp[1] else 1)
-    n_stages = dims.pp * c.stages_per_rank
-    mine = {st.index for st in c.ranks[pp_rank]}
-    links = sum((s > 0 and s - 1 not in mine) + (s < n_stages - 1 and s + 1 not in mine) for s in mine)
-    for op in ("send", "recv"):
-        rows.add(f"PP {op} (boundary activations + grads)", op, "pp", ("pp",), links * c.accum, size,
-                 "forward+backward (async p2p)", "compute_s")  # fmt: skip
-
-
-def _rank_collectives(c: _Ctx, pp_rank: int, comp: dict[str, float]) -> list[Collective]:
-    rows = _Rows(c, comp)
-    if c.dims.ddp_enabled:
-        _ddp_rows(rows, c, pp_rank)
-    if c.dims.fsdp_enabled:
-        _fsdp_rows(rows, c, pp_rank)
-    if c.dims.tp > 1:
-        _tp_rows(rows, c, pp_rank)
-    _cp_ep_rows(rows, c, pp_rank)
-    if c.dims.pp > 1:
-        _pp_rows(rows, c, pp_rank)
-    return rows.rows
-
-
 def _verdict(plan: Plan) -> dict[str, Any]:
     cl, comp = plan.cluster, plan.compute
     peak = max(s.total_bytes for s in plan.stages) + cl.workspace_gib * GIB
@@ -702,7 +517,9 @@ def build_plan(cfg: Any, cluster: ClusterConfig, experiment: str = "") -> Plan:
     c = _context(cfg, cluster)
     stages = [_stage_memory(c, r) for r in range(c.dims.pp)]
     comp = _compute(c)
-    by_rank = [_rank_collectives(c, r, comp) for r in range(c.dims.pp)]
+    from trainer.plan_comm import rank_collectives
+
+    by_rank = [rank_collectives(c, r, comp) for r in range(c.dims.pp)]
     args = cfg.model
     tp, sp = c.tp_sp
     per_tok = {
@@ -725,79 +542,6 @@ def build_plan(cfg: Any, cluster: ClusterConfig, experiment: str = "") -> Plan:
     )  # fmt: skip
     plan.verdict = _verdict(plan)
     return plan
-
-
-# -- planned vs measured (a run folder with metrics.comm_ledger=true) ---------------------------
-
-
-def pp_rank_of(plan: Plan, rank: int) -> int:
-    """The pipeline rank of a global rank (pp is the outermost mesh dim)."""
-    lay = plan.layout
-    return rank // (lay["world_size"] // lay["pp"])
-
-
-def compare_with_ledger(plan: Plan, ledger: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per rank of a ledger record (``metrics.jsonl``'s ``comm``), planned vs measured bytes per step:
-    each planned collective op (summed over the plan's rows of that op) and the total, and the
-    model-state bytes (parameters, gradients, optimizer state). ``ratio`` = measured / planned.
-
-    The planned total leaves out what the plan does not model: scalars (token counts, the loss,
-    grad-norm partial sums) and the load-balancer's per-expert counts; they are a fraction of a
-    percent of the bytes and show up as ``measured`` ops without a plan."""
-    from trainer.comm_ledger import ledger_totals
-
-    out = []
-    for rank_key, counts in sorted(ledger["ranks"].items(), key=lambda kv: int(kv[0])):
-        rank = int(rank_key)
-        pp_rank = pp_rank_of(plan, rank)
-        planned: dict[str, float] = {}
-        for x in plan.pp_rank_collectives[pp_rank]:
-            planned[x.op] = planned.get(x.op, 0.0) + x.logical_bytes
-        measured = {op: v["bytes"] for op, v in ledger_totals(counts).items()}
-        for op in sorted(set(planned) | set(measured)):
-            out.append(_ratio_row(rank, "comm", op, planned.get(op, 0.0), measured.get(op, 0.0)))
-        out.append(_ratio_row(rank, "comm", "total", sum(planned.values()), counts.get("total_bytes", 0.0)))
-        stage = plan.stages[pp_rank]
-        state = counts.get("model_state", {})
-        for key, want in (("params", stage.params_bytes), ("grads", stage.grads_bytes), ("optimizer", stage.optimizer_bytes)):
-            if key in state:
-                out.append(_ratio_row(rank, "memory", key, want, state[key]))
-    return out
-
-
-def _ratio_row(rank: int, kind: str, what: str, planned: float, measured: float) -> dict[str, Any]:
-    ratio = measured / planned if planned else (1.0 if not measured else math.inf)
-    return {"rank": rank, "kind": kind, "what": what, "planned": planned, "measured": measured, "ratio": ratio}
-
-
-def load_run(run_dir: str) -> tuple[Any, dict[str, Any]]:
-    """(the run's config, its newest ledger record) from a run folder."""
-    from trainer.config import to_train_config
-
-    config_path, metrics_path = os.path.join(run_dir, "config.yaml"), os.path.join(run_dir, "metrics.jsonl")
-    if not (os.path.isfile(config_path) and os.path.isfile(metrics_path)):
-        raise ConfigError(f"{run_dir!r} is not a run folder (needs config.yaml and metrics.jsonl from a training run).")
-    cfg = to_train_config(OmegaConf.load(config_path))
-    ledger = None
-    with open(metrics_path, encoding="utf-8") as f:
-        for line in f:
-            record = json.loads(line)
-            if "comm" in record:
-                ledger = record["comm"]
-    if ledger is None:
-        raise ConfigError(
-            f"{metrics_path} has no communication ledger; train with metrics.comm_ledger=true to measure it."
-        )
-    return cfg, ledger
-
-
-def render_comparison(rows: list[dict[str, Any]]) -> str:
-    lines = ["planned vs measured per step (bytes; ratio = measured / planned)",
-             f"{'rank':>4} {'kind':<6} {'what':<15} {'planned':>14} {'measured':>14} {'ratio':>7}"]  # fmt: skip
-    for r in rows:
-        lines.append(f"{r['rank']:>4} {r['kind']:<6} {r['what']:<15} {r['planned']:>14,.0f} {r['measured']:>14,.0f} "
-                     f"{r['ratio']:>7.3f}")  # fmt: skip
-    return "\n".join(lines)
 
 
 # -- report ------------------------------------------------------------------------------------
@@ -882,7 +626,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     experiment = next((a.split("=", 1)[1] for a in overrides if a.startswith("+experiment=")), "")
     try:
         if run_dir is not None:
-            return _main_run(run_dir, cluster_args, as_json)
+            from trainer.plan_compare import main_run
+
+            return main_run(run_dir, cluster_args, as_json)
         cluster = compose_cluster(cluster_args)
         if wants_recommendation:
             return _main_recommend(compose_config(*overrides), cluster, as_json)
@@ -908,20 +654,6 @@ def _main_recommend(cfg: Any, cluster: ClusterConfig, as_json: bool) -> int:
     else:
         print(render_recommendation(chosen, tried))
     return 0 if chosen is not None else 1
-
-
-def _main_run(run_dir: str, cluster_args: list[str], as_json: bool) -> int:
-    """``--run=DIR``: the plan of a finished run's own config next to what its ledger measured."""
-    cfg, ledger = load_run(run_dir)
-    import torch
-
-    on_cpu = cfg.training.device == "cpu" or (cfg.training.device == "auto" and not torch.cuda.is_available())
-    if not any(a.startswith("cluster=") for a in cluster_args) and on_cpu:
-        cluster_args = ["cluster=cpu", *cluster_args]
-    plan = build_plan(cfg, compose_cluster(cluster_args), os.path.basename(os.path.normpath(run_dir)))
-    rows = compare_with_ledger(plan, ledger)
-    print(json.dumps(rows, indent=1) if as_json else render(plan) + "\n\n" + render_comparison(rows))
-    return 0
 
 
 if __name__ == "__main__":

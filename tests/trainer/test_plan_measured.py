@@ -18,7 +18,8 @@ import pytest
 
 from tests.configs import tiny_config
 from tests.parity import Case, GroupedRuns
-from trainer.plan import build_plan, compare_with_ledger, compose_cluster, main
+from trainer.plan import build_plan, compose_cluster, main
+from trainer.plan_compare import compare_with_ledger
 
 pytestmark = pytest.mark.slow
 
