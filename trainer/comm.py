@@ -34,9 +34,11 @@ logger = logging.getLogger("meshwright")
 TRACE_DIR = "comm_traces"
 EXIT_COMM_FAILURE = 4  # a collective failed or timed out (see the report printed before exiting)
 
-# Environment of the flight recorder; both the current (torch >= 2.7) and the older NCCL names.
-_FR_BUFFER_ENVS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
-_FR_FILE_ENVS = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+# Environment of the flight recorder, by its current names (torch >= 2.7; we need >= 2.9). The
+# older TORCH_NCCL_TRACE_BUFFER_SIZE / TORCH_NCCL_DEBUG_INFO_TEMP_FILE are still read by torch,
+# but setting them prints a deprecation warning on every rank of every run.
+_FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
+_FR_FILE_ENV = "TORCH_FR_DUMP_TEMP_FILE"
 _FR_DUMP_ON_TIMEOUT = "TORCH_NCCL_DUMP_ON_TIMEOUT"
 
 # Text of the exceptions a failed collective raises (gloo: RuntimeError; NCCL/TCPStore: DistError).
@@ -56,11 +58,8 @@ def configure_flight_recorder(dump_folder: str, buffer_size: int) -> None:
     when a group is created). Values the user set in the environment win."""
     if buffer_size <= 0:
         return
-    for name in _FR_BUFFER_ENVS:
-        os.environ.setdefault(name, str(buffer_size))
-    prefix = os.path.join(os.path.abspath(dump_folder), TRACE_DIR, "rank_")
-    for name in _FR_FILE_ENVS:
-        os.environ.setdefault(name, prefix)
+    os.environ.setdefault(_FR_BUFFER_ENV, str(buffer_size))
+    os.environ.setdefault(_FR_FILE_ENV, os.path.join(os.path.abspath(dump_folder), TRACE_DIR, "rank_"))
     os.environ.setdefault(_FR_DUMP_ON_TIMEOUT, "1")
 
 

@@ -26,6 +26,7 @@ from trainer.data import (
 from trainer.data import windows as windows_mod
 from trainer.data.prepared import prepare
 from trainer.prepare_data import main as prepare_main
+from trainer.step import document_positions
 from trainer.tokenizer import ByteTokenizer, HFTokenizer
 
 BYTE = ByteTokenizer()
@@ -164,7 +165,8 @@ def test_positions_restart_at_every_document_and_pack_false_pads(tmp_path: Path)
     prepare(DataConfig(source="json", path=str(corpus(tmp_path, "c", 120)), val_fraction=0.0), str(out))
     batch = loader(DataConfig(source="tokens", path=str(out)), seq_len=64).next_batch()
     assert batch.positions is not None
-    assert torch.equal(batch.positions == 0, batch.inputs == BYTE.bos_id)  # restart exactly at BOS
+    # Restart at every BOS and at the window's first token: exactly what the tokens alone imply.
+    assert torch.equal(batch.positions, document_positions(batch.inputs, BYTE.bos_id, BYTE.eos_id))
     steps = batch.positions[:, 1:] - batch.positions[:, :-1]
     assert bool(((steps == 1) | (batch.positions[:, 1:] == 0)).all())
     docs = loader(
@@ -179,6 +181,30 @@ def test_positions_restart_at_every_document_and_pack_false_pads(tmp_path: Path)
             (docs.inputs[row, n:] == BYTE.eos_id).all()
         )
     assert torch.equal(docs.positions[0], torch.arange(64))
+
+
+def test_positions_of_long_real_documents_stay_below_seq_len(tmp_path: Path) -> None:
+    """The built-in corpus's files are far longer than a window: a window from the middle of one
+    starts at position 0 (not at its offset in the file), in memory, from shards and streamed."""
+    seq_len = 64
+    builtin = DataConfig(max_documents=24, val_fraction=0.0)
+    docs = load_documents(builtin, "train")
+    assert max(len(d.encode()) for d in docs) > 50 * seq_len  # real, long documents
+    prepare(builtin, str(tmp_path / "prep"))
+    write_jsonl(tmp_path / "raw" / "a.jsonl", [{"text": d} for d in docs])
+    stream = DataConfig(source="json", path=str(tmp_path / "raw"), streaming=True, val_fraction=0.0)
+    batches = {
+        "memory": loader(builtin, seq_len=seq_len, global_batch_size=64).next_batch(),
+        "shards": loader(DataConfig(source="tokens", path=str(tmp_path / "prep")), seq_len=seq_len,
+                         global_batch_size=64).next_batch(),  # fmt: skip
+        "stream": loader(stream, seq_len=seq_len, global_batch_size=64).next_batch(),
+    }
+    assert same(batches["memory"], batches["shards"])
+    for name, b in batches.items():
+        assert b.positions is not None and int(b.positions.max()) < seq_len, name
+        assert torch.equal(b.positions, document_positions(b.inputs, BYTE.bos_id, BYTE.eos_id)), name
+        mid_document = b.inputs[:, 0] != BYTE.bos_id
+        assert int(mid_document.sum()) > 32, name  # most windows start inside a long file, at position 0
 
 
 def test_feistel_order_is_a_bijection_and_resumes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -280,7 +306,7 @@ def test_streaming_resume_yields_the_same_next_batch(tmp_path: Path, prefetch: i
     # The two ranks read different documents; positions restart at every BOS.
     assert not torch.equal(straight[0][0].inputs, straight[1][0].inputs)
     b = straight[0][0]
-    assert torch.equal(b.positions == 0, b.inputs == BYTE.bos_id)
+    assert torch.equal(b.positions, document_positions(b.inputs, BYTE.bos_id, BYTE.eos_id))
     with pytest.raises(ConfigError, match="2 data-parallel ranks.*1"):
         loader(cfg).load_state_dict(sd)
 

@@ -1,9 +1,11 @@
-"""The real Trainer on prepared shards: HF tokenizer end to end, exact resume across FSDP x2 -> DDP x2.
+"""The real Trainer on prepared shards: HF tokenizer end to end, exact resume, FSDP x2 -> DDP x2 reshard.
 
-The reshard case is also the exact-resume case: the DDP x2 run starts from the FSDP x2 run's
-step-4 checkpoint and must give the uninterrupted FSDP x2 run's step 5-8 losses bitwise (fp32,
-deterministic; with 2 ranks every reduction is one commutative addition, so the layouts agree
-to the bit).
+The FSDP x2 run auto-resumed from its own step-4 checkpoint under FSDP x2 must give the uninterrupted
+steps 5-8 bitwise (same layout, same ops in the same order: a property of the code on every CPU).
+Resharded under DDP x2 it must give them within ``RESHARD_RTOL``: DDP all-reduces whole gradients
+where FSDP reduce-scatters shards and updates them locally, and which kernels a CPU picks for
+those shapes differs (seen: bitwise on an AVX-512/AMX Xeon, 8e-8 relative at step 6 on a Zen 4
+and under ``ATEN_CPU_CAPABILITY=avx2``).
 """
 
 from __future__ import annotations
@@ -65,6 +67,9 @@ def test_hf_tokenizer_trained_on_the_stdlib_prepares_and_trains(tmp_path: Path) 
     assert not os.path.exists(tmp_path / "small")
 
 
+RESHARD_RTOL = 1e-5  # fp32 across layouts: the project's parity bar (see the module docstring)
+
+
 def _resume_worker(rank: int, world_size: int, tmp: str, prep: str) -> dict:
     data = ("data=tokens", f"data.path={prep}", *DETERMINISTIC)
     fsdp = ("parallelism.dp_shard=2",)
@@ -74,8 +79,9 @@ def _resume_worker(rank: int, world_size: int, tmp: str, prep: str) -> dict:
     _train(os.path.join(tmp, "first"), *data, *fsdp, *ck, until=4)
     step4 = os.path.join(tmp, "first", "checkpoints", "step-4")
     load = (f"checkpoint.initial_load_path={step4}", "checkpoint.initial_load_model_only=false")
+    resumed = _losses(_train(os.path.join(tmp, "first"), *data, *fsdp, *ck))  # auto-resume at step 4
     resharded = _losses(_train(os.path.join(tmp, "ddp"), *data, *ddp, *load))
-    return {"straight": straight, "resharded": resharded}
+    return {"straight": straight, "resumed": resumed, "resharded": resharded}
 
 
 def test_prepared_shards_resume_exactly_and_reshard_fsdp_to_ddp(tmp_path: Path) -> None:
@@ -85,5 +91,10 @@ def test_prepared_shards_resume_exactly_and_reshard_fsdp_to_ddp(tmp_path: Path) 
     out = run_distributed(_resume_worker, 2, str(tmp_path), prep)[0]
     want = {s: v for s, v in out["straight"].items() if s > 4}
     assert len(want) == 4
-    # Resumed from FSDP x2's step-4 checkpoint under DDP x2: bitwise the uninterrupted losses.
-    assert {s: v for s, v in out["resharded"].items() if s > 4} == want
+    # Same layout resumed: bitwise the uninterrupted losses.
+    assert {s: v for s, v in out["resumed"].items() if s > 4} == want
+    # Resharded to DDP x2: within RESHARD_RTOL of them.
+    resharded = {s: v for s, v in out["resharded"].items() if s > 4}
+    assert resharded.keys() == want.keys()
+    for s, v in want.items():
+        assert resharded[s] == pytest.approx(v, rel=RESHARD_RTOL), f"step {s}: {resharded[s]} vs {v}"

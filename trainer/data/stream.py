@@ -134,7 +134,7 @@ class SourceStream:
                     doc = head[i][1]
                     take = min(need, len(doc) - o)
                     parts.append(doc[o : o + take])
-                    pos_parts.append(np.arange(o, o + take))
+                    pos_parts.append(np.arange(take))  # restart at the window and at each document
                     need, i, o = need - take, i + 1, 0
                 row, pos = np.concatenate(parts), np.concatenate(pos_parts)
                 offset, avail = offset + S, avail - S

@@ -10,8 +10,13 @@ start of every document: an in-memory array (small sources) or prepared shards
 * per document (``data.pack=false``): window ``k`` is document ``k`` truncated to ``S + 1``
   tokens, padded to ``S`` with labels set to the ignore index.
 
-Every batch also carries ``positions``: the index of each input token inside its document
-(restarting at 0 on every BOS), which block-causal attention needs.
+Every batch also carries ``positions`` for block-causal attention: each input token's offset from
+the start of its document *or of the window*, whichever is later. A position restarts at 0 at
+every BOS and at the window's first token (a document that began in an earlier window continues
+from 0), as Megatron-LM's ``reset_position_ids`` does. So a position is always ``< seq_len <=
+model.max_seq_len`` whatever the document lengths, and the positions equal what
+``trainer.step.document_positions`` derives from the window's tokens alone (BOS/EOS), which CP,
+PP, evaluation, streaming and prepared shards therefore all agree on.
 
 The *order* maps a global sample index to a window: global sample ``g`` is window
 ``perm_e[g % N]`` of epoch ``e = g // N``. ``perm_e`` is ``torch.randperm(N)`` seeded with
@@ -201,12 +206,15 @@ class PackedWindows:
         return torch.from_numpy(np.stack(rows)) if rows else torch.empty(0, S + 1, dtype=torch.long)
 
     def positions(self, indices: torch.Tensor) -> Optional[torch.Tensor]:
-        """(b, S) position of every input token inside its document; None without boundaries."""
+        """(b, S) position of every input token: its offset from the later of its document's start
+        and the window's start (see the module docstring); None without boundaries."""
         if not self.store.num_docs:
             return None
-        tokens = indices.numpy()[:, None] * self.seq_len + np.arange(self.seq_len)  # (b, S)
+        window_starts = indices.numpy()[:, None] * self.seq_len  # (b, 1)
+        tokens = window_starts + np.arange(self.seq_len)  # (b, S)
         starts = self.store.doc_starts(self.store.doc_of(tokens.ravel())).reshape(tokens.shape)
-        return torch.from_numpy(tokens - starts)
+        # A document that began before the window restarts at 0 there, so a position is < seq_len.
+        return torch.from_numpy(tokens - np.maximum(starts, window_starts))
 
     def window(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, labels) of window ``k``, each (S,) int64."""
