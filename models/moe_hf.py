@@ -4,6 +4,7 @@ Llama's names (``models/llama.py``)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -18,6 +19,8 @@ if TYPE_CHECKING:
 
 __all__ = ["MoEHF"]
 
+logger = logging.getLogger("meshwright")
+
 
 # --------------------------------------------------------------------------------------------
 # Hugging Face adapter (MixtralForCausalLM, Qwen3MoeForCausalLM)
@@ -30,6 +33,8 @@ __all__ = ["MoEHF"]
 #   layers.{i}.moe.experts.w3[j]        ...experts.{j}.w3.weight  / mlp.experts.{j}.up_proj.weight
 #   layers.{i}.moe.experts.w2[j]        ...experts.{j}.w2.weight  / mlp.experts.{j}.down_proj.weight
 #   layers.{i}.attention.q_norm/k_norm  self_attn.q_norm / self_attn.k_norm (Qwen3)
+#   layers.{i}.moe.expert_bias          none: HF routes without a bias. Import starts it at zero
+#                                       (a fresh model's value); export refuses a non-zero one.
 #
 # Stacked expert tensors are the per-expert HF tensors stacked on a new dim 0 (no transpose).
 
@@ -61,6 +66,10 @@ class MoEHF:
             problems.append(f"route_scale={args.route_scale}")
         if fmt == "mixtral" and (not args.route_norm or len(args.moe_layer_ids) != args.n_layers):
             problems.append("Mixtral needs route_norm=true and every layer MoE")
+        if fmt == "mixtral" and args.top_k == 1:
+            problems.append(
+                "top_k=1 (Mixtral renormalises the one routing weight to 1, meshwright keeps the score)"
+            )
         if fmt == "qwen3_moe" and (args.moe_layer_freq != 1):
             problems.append("moe_layer_freq != 1")
         if problems:
@@ -87,13 +96,15 @@ class MoEHF:
         else:
             cfg.update(
                 intermediate_size=args.hidden_dim, moe_intermediate_size=args.moe_hidden_dim,
-                num_experts=args.num_experts, num_local_experts=args.num_experts, norm_topk_prob=bool(args.route_norm), decoder_sparse_step=1,
+                num_experts=args.num_experts, num_local_experts=args.num_experts, norm_topk_prob=bool(args.route_norm and args.top_k > 1), decoder_sparse_step=1,
                 mlp_only_layers=list(range(args.first_k_dense)), attention_bias=False,
                 use_sliding_window=False, sliding_window=None,
             )  # fmt: skip
         return cfg
 
     def args_from_hf_config(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        """Our ``MoEArgs`` fields from a Mixtral / Qwen3-MoE ``config.json``; ``ConfigError`` naming the
+        field when the folder's model computes something meshwright's cannot."""
         fmt = cfg.get("model_type")
         if fmt not in self.model_types:
             raise ConfigError(
@@ -101,6 +112,32 @@ class MoEHF:
             )
         if cfg.get("attention_bias"):
             raise ConfigError("config.json has attention_bias=true; meshwright's attention has no biases.")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ConfigError(
+                f"config.json has hidden_act={cfg['hidden_act']!r}; meshwright's experts are SwiGLU (silu)."
+            )
+        max_pos = cfg.get("max_position_embeddings", 2048)
+        window = cfg.get("sliding_window") if fmt == "mixtral" or cfg.get("use_sliding_window") else None
+        if window is not None and window < max_pos:
+            raise ConfigError(
+                f"config.json has sliding_window={window} (below max_position_embeddings={max_pos}"
+                f"{', use_sliding_window=true' if fmt == 'qwen3_moe' else ''}); meshwright's attention is "
+                f"full causal, without a sliding window."
+            )
+        top_k = cfg["num_experts_per_tok"]
+        route_norm = True if fmt == "mixtral" else bool(cfg.get("norm_topk_prob", False))
+        if top_k == 1 and route_norm:
+            field = "" if fmt == "mixtral" else " and norm_topk_prob=true"
+            raise ConfigError(
+                f"config.json has num_experts_per_tok=1{field}: {fmt} renormalises the one routing weight to "
+                f"1, meshwright keeps the router score; they route the same tokens but scale them differently."
+            )
+        training_only = {k: cfg[k] for k in ("router_jitter_noise", "attention_dropout") if cfg.get(k)}
+        if training_only:
+            logger.warning(
+                f"config.json sets {', '.join(f'{k}={v}' for k, v in training_only.items())}: training-time "
+                f"noise meshwright does not apply (the model computes the same in evaluation)."
+            )
         theta, scaling = rope_scaling_from_hf(cfg)
         dim, n_heads = cfg["hidden_size"], cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or dim // n_heads
@@ -115,16 +152,19 @@ class MoEHF:
             "norm_eps": cfg.get("rms_norm_eps", 1e-6),
             "rope_theta": theta,
             "rope_scaling": scaling,
-            "max_seq_len": cfg.get("max_position_embeddings", 2048),
+            "max_seq_len": max_pos,
             "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
-            "top_k": cfg["num_experts_per_tok"],
+            "top_k": top_k,
             "score_func": "softmax",
             "route_scale": 1.0,
+            "route_norm": route_norm,
+            "num_shared_experts": 0,
+            "moe_layer_freq": 1,
         }
         if fmt == "mixtral":
             out.update(
                 num_experts=cfg["num_local_experts"], moe_hidden_dim=cfg["intermediate_size"],
-                ffn_hidden_dim=cfg["intermediate_size"], route_norm=True, qk_norm=False,
+                ffn_hidden_dim=cfg["intermediate_size"], qk_norm=False, first_k_dense=0,
             )  # fmt: skip
             return out
         step = cfg.get("decoder_sparse_step", 1)
@@ -136,8 +176,7 @@ class MoEHF:
             )
         out.update(
             num_experts=cfg.get("num_experts", cfg.get("num_local_experts")), moe_hidden_dim=cfg["moe_intermediate_size"],
-            ffn_hidden_dim=cfg["intermediate_size"], route_norm=bool(cfg.get("norm_topk_prob", False)),
-            qk_norm=True, first_k_dense=len(dense),
+            ffn_hidden_dim=cfg["intermediate_size"], qk_norm=True, first_k_dense=len(dense),
         )  # fmt: skip
         return out
 
@@ -154,7 +193,10 @@ class MoEHF:
         return names
 
     def hf_names_of(self, name: str, args: MoEArgs) -> list[str]:
-        """HF tensor(s) of our ``name``: one, or one per expert for stacked expert weights."""
+        """HF tensor(s) of our ``name``: one, one per expert for stacked expert weights, or none for
+        the routing bias (``expert_bias``), which HF does not store: it is zero on import."""
+        if name.endswith(".moe.expert_bias"):
+            return []
         if name in LLAMA_HF_TOP_NAMES:
             return [LLAMA_HF_TOP_NAMES[name]]
         parts = name.split(".")
@@ -185,8 +227,8 @@ class MoEHF:
 
     def to_hf_state(self, state: dict[str, Tensor], args: MoEArgs) -> Iterator[tuple[str, Tensor]]:
         for name, tensor in state.items():
-            if name.endswith("expert_bias"):
-                if torch.count_nonzero(tensor):
+            if name.endswith("expert_bias"):  # no HF tensor; a meta tensor (a dry run) has no value to check
+                if not tensor.is_meta and torch.count_nonzero(tensor):
                     raise ConfigError(
                         f"{name} is non-zero (aux-loss-free balancing moved it); Hugging Face "
                         f"{self.format_of(args)} has no expert bias, so routing would change. Export a model "
@@ -202,22 +244,34 @@ class MoEHF:
                 yield from zip(hf_names, tensor.unbind(0))
 
     def from_hf_state(self, hf_state: dict[str, Tensor], args: MoEArgs) -> dict[str, Tensor]:
+        """HF tensors -> our full state dict (parameters and the routing bias, which starts at zero).
+        ``ConfigError`` naming a tensor the folder lacks, or one it has that the model does not."""
         with torch.device("meta"):
             from models.moe import MoETransformer
 
-            names = [n for n, _ in MoETransformer(args).named_parameters()]
-        state = {}
-        for name in names:
+            shapes = {n: t.shape for n, t in MoETransformer(args).state_dict().items()}
+        state, used = {}, set()
+        for name, shape in shapes.items():
             hf_names = self.hf_names_of(name, args)
+            if not hf_names:  # state HF does not hold: what a fresh model has
+                state[name] = torch.zeros(shape)
+                continue
             missing = [n for n in hf_names if n not in hf_state]
             if missing:
                 if name == "output.weight" and args.tie_embeddings:
                     continue
                 raise ConfigError(f"Hugging Face state has no tensor {missing[0]!r} (for {name!r}).")
+            used.update(hf_names)
             if len(hf_names) == 1 and ".moe.experts." not in name:
                 state[name] = hf_state[hf_names[0]]
             else:
                 state[name] = torch.stack([hf_state[n] for n in hf_names])
+        extra = sorted(k for k in hf_state if k not in used and not k.endswith("rotary_emb.inv_freq"))
+        if extra:
+            raise ConfigError(
+                f"Hugging Face state has tensor {extra[0]!r} ({len(extra)} in all) that a {self.format_of(args)} "
+                f"model of this config.json lacks."
+            )
         if args.tie_embeddings and "output.weight" not in state:
             state["output.weight"] = state["tok_embeddings.weight"]
         return state

@@ -10,6 +10,10 @@ The family-specific parts -- config conversion and tensor names -- are each fami
 - ``load_hf_into``: a HF folder -> an already parallelized module, where each rank reads only
   the byte ranges of the slices it owns (positioned reads, no memory map), so a rank's
   resident memory grows by one slice at a time, never by the whole model.
+
+State a family keeps but HF does not store (the adapter names no HF tensor for it: the MoE
+routing bias ``expert_bias``) starts at zero on import, as in a fresh model; on export the
+adapter refuses a value HF cannot represent (a non-zero bias), before any file is written.
 """
 
 from __future__ import annotations
@@ -155,8 +159,12 @@ def save_hf_distributed(module: nn.Module, spec: ModelSpec, args: Any, out_dir: 
     for name in sorted(state):
         meta = torch.empty(state[name].shape, dtype=dtype, device="meta")
         hf = list(spec.hf.to_hf_state({name: meta}, args))
-        if hf:  # e.g. a tied head has no HF tensor of its own
+        if hf:
             pieces[name] = sum(t.numel() * t.element_size() for _, t in hf)
+        elif not isinstance(state[name], DTensor):
+            # No HF tensor (a tied head, the MoE routing bias): the adapter sees the value, on every
+            # rank alike (no collective), and refuses one HF cannot represent before a file is written.
+            list(spec.hf.to_hf_state({name: state[name]}, args))
     shards = _shard_plan(list(pieces.items()), max_shard_bytes)
     names = _file_names(len(shards))
     weight_map: dict[str, str] = {}
@@ -347,20 +355,43 @@ def _local_index(param: torch.Tensor) -> tuple[tuple[slice, ...], torch.Tensor]:
     return tuple(slice(0, s) for s in param.shape), param
 
 
+def _canonical(name: str) -> str:
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
 def _named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Parameters (each once, tied ones under their first name) with canonical names."""
+    """Parameters (each once, tied ones under their first name), then persistent buffers (the
+    state dict's other entries, e.g. the MoE routing bias), with canonical names."""
     seen: set[int] = set()
     for name, p in module.named_parameters(remove_duplicate=False):
         if id(p) in seen:
             continue
         seen.add(id(p))
-        yield name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""), p
+        yield _canonical(name), p
+    for prefix, sub in module.named_modules():
+        for name, buf in sub._buffers.items():
+            if buf is None or name in sub._non_persistent_buffers_set or id(buf) in seen:
+                continue
+            seen.add(id(buf))
+            yield _canonical(f"{prefix}.{name}" if prefix else name), buf
+
+
+# Model settings that change what the weights compute but not their shapes (RoPE, norm, MoE routing).
+_SAME_SHAPE_SETTINGS = (
+    "rope_theta",
+    "rope_scaling",
+    "norm_eps",
+    "top_k",
+    "route_norm",
+    "score_func",
+    "route_scale",
+)
 
 
 def _check_folder(hf_dir: str, spec: ModelSpec, args: Any, full_names: Iterable[str]) -> dict[str, str]:
     """The folder's weight files (``_weight_files``) once it holds this model: same family, no
-    tensor the model lacks. Warns when the folder's RoPE or norm settings differ from the run's
-    (same shapes, different function)."""
+    tensor the model lacks. Warns when the folder's RoPE, norm or (MoE) routing settings differ from
+    the run's (same shapes, different function)."""
     folder_spec, folder_args = read_hf_config(hf_dir)
     files = _weight_files(hf_dir)
     if folder_spec.family != spec.family:
@@ -376,7 +407,7 @@ def _check_folder(hf_dir: str, spec: ModelSpec, args: Any, full_names: Iterable[
         )
     differ = [
         f"{key}={getattr(folder_args, key)} (this run: {getattr(args, key)})"
-        for key in ("rope_theta", "rope_scaling", "norm_eps")
+        for key in _SAME_SHAPE_SETTINGS
         if getattr(folder_args, key, None) != getattr(args, key, None)
     ]
     if differ:
@@ -393,8 +424,9 @@ def load_hf_into(module: nn.Module, hf_dir: str, spec: ModelSpec, args: Any,
     Each rank reads only the slices of the tensors it owns, one parameter at a time, straight
     into a buffer of the slice's size: its memory grows by one slice at most, not by the model.
     The folder must hold this model: its ``config.json`` names the same family, every tensor has
-    this model's full shape and none is left over (``full_names``: the whole model's parameter
-    names, default the module's own; a pipeline stage passes the full model's).
+    this model's full shape and none is left over (``full_names``: the whole model's state-dict
+    names, default the module's own; a pipeline stage passes the full model's). State HF does
+    not store (no HF name, e.g. the MoE routing bias) is set to zero, as in a fresh model.
     """
     names = list(full_names) if full_names is not None else [n for n, _ in _named_tensors(module)]
     files = _check_folder(hf_dir, spec, args, names)
@@ -403,6 +435,9 @@ def load_hf_into(module: nn.Module, hf_dir: str, spec: ModelSpec, args: Any,
         for name, param in _named_tensors(module):
             hf_names = spec.hf.hf_names_of(name, args)
             index, local = _local_index(param)
+            if not hf_names:  # state HF does not store (the MoE routing bias): a fresh model's zero
+                local.zero_()
+                continue
             pieces = []
             for hf_name in hf_names:
                 if hf_name not in files:
