@@ -47,3 +47,41 @@ def test_experiment_composes_and_validates(name: str) -> None:
 
 def test_experiment_list_is_not_empty() -> None:
     assert {"debug", "38m_ddp", "7b_fsdp", "7b_hsdp"} <= set(EXPERIMENTS)
+
+
+# -- every CPU-sized preset trains, through the CLI, at its intended world size ----------------
+
+CPU_PRESETS = [name for name in EXPERIMENTS if "debug" in name]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", CPU_PRESETS)
+def test_cpu_preset_trains_at_its_intended_world_size(name: str, tmp_path) -> None:
+    """``torchrun --nproc_per_node=<intended> trainer/main.py +experiment=<name>`` on the built-in
+    corpus (its real, long documents), 3 steps and an evaluation: finite losses, exit 0."""
+    import json
+    import math
+    import subprocess
+
+    from tests.configs import REPO
+
+    world = intended_world_size(name)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(key, None)
+    cmd = [
+        "torchrun", "--standalone", f"--nproc_per_node={world}", "trainer/main.py", f"+experiment={name}",
+        "training.steps=3", "training.eval_freq=3", "training.eval_steps=1", "metrics.log_freq=1",
+        "metrics.tensorboard=false", f"job.dump_folder={tmp_path}",
+    ]  # fmt: skip
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-4000:]
+    assert "Traceback" not in out and "Warning: Environment variable" not in out, out[-4000:]
+    with open(tmp_path / "metrics.jsonl", encoding="utf-8") as f:
+        records = [json.loads(line) for line in f]
+    losses = [r["loss"] for r in records if "loss" in r]
+    evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+    print(f"{name} on {world} ranks: losses {losses}, eval {evals}")
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    assert len(evals) == 1 and math.isfinite(evals[0])
