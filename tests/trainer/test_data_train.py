@@ -5,7 +5,8 @@ steps 5-8 bitwise (same layout, same ops in the same order: a property of the co
 Resharded under DDP x2 it must give them within ``RESHARD_RTOL``: DDP all-reduces whole gradients
 where FSDP reduce-scatters shards and updates them locally, and which kernels a CPU picks for
 those shapes differs (seen: bitwise on an AVX-512/AMX Xeon, 8e-8 relative at step 6 on a Zen 4
-and under ``ATEN_CPU_CAPABILITY=avx2``).
+and under ``ATEN_CPU_CAPABILITY=avx2``). The FSDP x2 run must match one process within the same
+tolerance. The last test repeats all of it in a fresh process under a non-native CPU level.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from models.errors import ConfigError
 from tests.configs import tiny_config
@@ -67,6 +69,7 @@ def test_hf_tokenizer_trained_on_the_stdlib_prepares_and_trains(tmp_path: Path) 
     assert not os.path.exists(tmp_path / "small")
 
 
+EXPECT_LEVEL = "MESHWRIGHT_TEST_EXPECT_CPU_CAPABILITY"
 RESHARD_RTOL = 1e-5  # fp32 across layouts: the project's parity bar (see the module docstring)
 
 
@@ -85,10 +88,20 @@ def _resume_worker(rank: int, world_size: int, tmp: str, prep: str) -> dict:
 
 
 def test_prepared_shards_resume_exactly_and_reshard_fsdp_to_ddp(tmp_path: Path) -> None:
+    level = os.environ.get(EXPECT_LEVEL)
+    if level:  # run by the test below: the kernels really are the ones of that level
+        assert torch.backends.cpu.get_cpu_capability() == level, torch.backends.cpu.get_cpu_capability()
     prep = str(tmp_path / "prep")
     prepare(DataConfig(max_documents=120), prep)
     assert os.path.isdir(builtin_root())
     out = run_distributed(_resume_worker, 2, str(tmp_path), prep)[0]
+    # Parity: FSDP x2 against one process, to the project's fp32 bar.
+    single = _losses(_train(str(tmp_path / "single"), "data=tokens", f"data.path={prep}", *DETERMINISTIC))
+    assert single.keys() == out["straight"].keys() and len(single) == 8
+    for s, v in single.items():
+        assert out["straight"][s] == pytest.approx(v, rel=RESHARD_RTOL), (
+            f"step {s}: {out['straight'][s]} vs {v}"
+        )
     want = {s: v for s, v in out["straight"].items() if s > 4}
     assert len(want) == 4
     # Same layout resumed: bitwise the uninterrupted losses.
@@ -98,3 +111,32 @@ def test_prepared_shards_resume_exactly_and_reshard_fsdp_to_ddp(tmp_path: Path) 
     assert resharded.keys() == want.keys()
     for s, v in want.items():
         assert resharded[s] == pytest.approx(v, rel=RESHARD_RTOL), f"step {s}: {resharded[s]} vs {v}"
+
+
+def test_resume_reshard_and_parity_hold_under_a_non_native_cpu_capability(tmp_path: Path) -> None:
+    """The test above, in a fresh process whose ATen kernels are those of another CPU level
+    (``ATEN_CPU_CAPABILITY``, read once at start-up, so it needs a new interpreter): ``default``,
+    or ``avx2`` when this run already uses ``default``. Same-layout resume stays bitwise and
+    the cross-layout and single-process comparisons stay within their tolerance."""
+    import subprocess
+    import sys
+
+    level = "avx2" if torch.backends.cpu.get_cpu_capability() == "DEFAULT" else "default"
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=level, OMP_NUM_THREADS="1")
+    env[EXPECT_LEVEL] = level.upper()
+    test = f"{os.path.abspath(__file__)}::test_prepared_shards_resume_exactly_and_reshard_fsdp_to_ddp"
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--basetemp",
+        str(tmp_path / "t"),
+        test,
+    ]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    print(f"ATEN_CPU_CAPABILITY={level}: {res.stdout.strip().splitlines()[-1]}")
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    assert "1 passed" in res.stdout
