@@ -44,7 +44,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -76,6 +75,17 @@ from trainer.checkpoint_io import (
     step_dir,
     verify_files,
     write_json_durable,
+)
+from trainer.checkpoint_reader import dcp_load
+from trainer.checkpoint_space import (
+    CheckpointDiskFull,
+    as_disk_full,
+    checkpoint_bytes,
+    disk_full_message,
+    find_disk_full,
+    free_bytes,
+    human_bytes,
+    optimizer_states_per_param,
 )
 
 __all__ = [  # the checkpoint_io names re-exported here are the ones other modules use
@@ -248,6 +258,7 @@ class Checkpointer:
         self.seed = seed
         self.device = device
         self.info = info  # model args, tokenizer, layout: written into every marker
+        self.optimizer = optimizer
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.states: dict[str, Any] = {
@@ -268,9 +279,16 @@ class Checkpointer:
             if self.rank == 0:
                 for name in remove_leftovers(self.folder):
                     logger.warning(f"removed {name} from {self.folder}: an interrupted save or purge")
-            token = [uuid.uuid4().hex[:12]]
-            dist.broadcast_object_list(token, src=0, group=self._pg)  # also orders the cleanup first
-            self._token = token[0]
+            # Rank 0's view of the disk travels with the token, so every rank takes the same verdict.
+            shared = [uuid.uuid4().hex[:12], *self._room()] if self.rank == 0 else [None, None, None]
+            dist.broadcast_object_list(shared, src=0, group=self._pg)  # also orders the cleanup first
+            self._token, needed, free = shared
+            if (cfg.enable or cfg.create_seed) and free < needed:
+                raise ConfigError(
+                    f"{self.folder} has {human_bytes(free)} free but one checkpoint of this run needs about "
+                    f"{human_bytes(needed)}; no checkpoint could be saved. Free space there, or set "
+                    "checkpoint.folder / job.dump_folder to a larger disk (or checkpoint.enable=false)."
+                )
 
     # -- loading ------------------------------------------------------------------------
     def _expected_shapes(self) -> dict[str, torch.Size]:
@@ -351,7 +369,7 @@ class Checkpointer:
             if restore_rng:
                 state["rng"] = {f"rank{self.rank}": _rng_state(self.device)}
         try:
-            dcp.load(state, storage_reader=FileSystemReader(path), process_group=self._pg)
+            dcp_load(state, path, process_group=self._pg)  # refuses code in .metadata / bytes entries
         except ConfigError:
             raise
         except Exception as e:
@@ -371,6 +389,67 @@ class Checkpointer:
         self._last_saved_step = None if model_only else self.train_state.step
         logger.info(f"loaded {what} from {path} in {time.perf_counter() - start:.2f}s")
         return True
+
+    # -- disk space ---------------------------------------------------------------------
+    def _needed_bytes(self) -> int:
+        """Bytes one checkpoint takes: the newest complete one's files, else an estimate."""
+        steps = complete_steps(self.folder)
+        if steps:
+            try:
+                return sum(read_marker(step_dir(self.folder, steps[-1]))["files"].values())
+            except ConfigError:
+                pass
+        dtypes = {n: t.dtype for n, t in self.module.state_dict().items() if isinstance(t, torch.Tensor)}
+        default = next(iter(dtypes.values()), torch.float32)
+        states = optimizer_states_per_param(self.optimizer)
+        return checkpoint_bytes(self._expected_shapes(), dtypes, default, states)
+
+    def _room(self) -> tuple[int, int]:
+        """(bytes one checkpoint needs, bytes free in the checkpoint folder)."""
+        return self._needed_bytes(), free_bytes(self.folder)
+
+    def _warn_if_short(self, step: int) -> None:
+        if self.rank != 0:
+            return
+        needed, free = self._room()
+        if free < needed:
+            logger.warning(
+                f"checkpoint step {step}: {self.folder} has {human_bytes(free)} free but a checkpoint needs "
+                f"about {human_bytes(needed)}; the save will likely fail. Free space there, or lower "
+                "checkpoint.keep_latest."
+            )
+
+    def _save_failed(self, step: int, tmp: str, exc: BaseException, *, in_lockstep: bool = True) -> None:
+        """After a failed write on every rank: a full disk removes the partial folder and becomes
+        CheckpointDiskFull (the same on every rank: the DiskFullError was gathered by DCP).
+        ``in_lockstep``: every rank raises at this same point (sync saves), so teardown may use
+        collectives; an async save's failure surfaces whenever each rank polls it."""
+        full = find_disk_full(exc)
+        if full is None:  # e.g. a peer died mid-save: the next start removes the leftover
+            return
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        intact = complete_steps(self.folder)
+        message = disk_full_message(
+            step, self.folder, self._needed_bytes(), free_bytes(self.folder) if self.rank == 0 else full.free,
+            step_dir(self.folder, intact[-1]) if intact else None, removed=self.rank == 0,
+        )  # fmt: skip
+        error = CheckpointDiskFull(f"{message} (the write failed with: {full.cause})")
+        error.in_lockstep = in_lockstep
+        raise error from None
+
+    def _commit_everywhere(self, step: int, tmp: str, marker: dict[str, Any]) -> None:
+        """Rank 0 commits; every rank learns whether that worked (a full disk can stop the marker)."""
+        outcome: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                self._commit(step, tmp, marker)
+            except Exception as e:  # shared with every rank, then raised
+                outcome = [as_disk_full(e, tmp) or e]
+        dist.broadcast_object_list(outcome, src=0, group=self._pg)
+        if outcome[0] is not None:
+            self._save_failed(step, tmp, outcome[0])
+            raise outcome[0]
 
     # -- saving -------------------------------------------------------------------------
     def _marker(self, step: int, model_only: bool) -> dict[str, Any]:
@@ -448,6 +527,7 @@ class Checkpointer:
         marker = self._marker(step, model_only=False)
         state = dict(self.states)
         state["rng"] = {f"rank{self.rank}": _rng_state(self.device)}
+        self._warn_if_short(step)
         start = time.perf_counter()
         if self.async_mode and not final:
             # Returns once the state is copied (staged) to host memory; the write runs in a thread.
@@ -457,10 +537,12 @@ class Checkpointer:
                 f"checkpoint step {step}: staged in {time.perf_counter() - start:.2f}s, writing async"
             )
             return
-        dcp.save(state, storage_writer=CheckpointWriter(tmp, step), process_group=self._pg)
-        if self.rank == 0:
-            self._commit(step, tmp, marker)
-        dist.barrier(group=self._pg)  # the checkpoint is visible once save() returns anywhere
+        try:
+            dcp.save(state, storage_writer=CheckpointWriter(tmp, step), process_group=self._pg)
+        except BaseException as e:  # DCP raises CheckpointException (a BaseException) on every rank
+            self._save_failed(step, tmp, e)
+            raise
+        self._commit_everywhere(step, tmp, marker)  # the checkpoint is visible once save() returns anywhere
         logger.info(f"checkpoint step {step} saved in {time.perf_counter() - start:.2f}s")
 
     def save_hf(self, step: int) -> str:
@@ -516,9 +598,17 @@ class Checkpointer:
             return
         step, tmp, marker, fut = self._pending
         self._pending = None
-        fut.result()  # re-raises a failed background write
-        if self.rank == 0:
-            self._commit(step, tmp, marker)
+        try:
+            fut.result()  # re-raises a failed background write (on every rank: DCP gathers failures)
+        except BaseException as e:
+            self._save_failed(step, tmp, e, in_lockstep=False)
+            raise
+        if self.rank == 0:  # collective-free: a failed commit stops rank 0, and torchrun the others
+            try:
+                self._commit(step, tmp, marker)
+            except OSError as e:
+                self._save_failed(step, tmp, as_disk_full(e, tmp) or e, in_lockstep=False)
+                raise
         logger.info(f"checkpoint step {step} committed")
 
     def save_seed(self) -> str:
@@ -529,12 +619,16 @@ class Checkpointer:
                 f"{complete_steps(self.folder)}; use a fresh job.dump_folder (or checkpoint.folder)."
             )
         tmp = self._begin(0)
-        dcp.save(
-            {"model": self.states["model"]}, storage_writer=CheckpointWriter(tmp, 0), process_group=self._pg
-        )
-        if self.rank == 0:
-            self._commit(0, tmp, self._marker(0, model_only=True))
-        dist.barrier(group=self._pg)
+        try:
+            dcp.save(
+                {"model": self.states["model"]},
+                storage_writer=CheckpointWriter(tmp, 0),
+                process_group=self._pg,
+            )
+        except BaseException as e:
+            self._save_failed(0, tmp, e)
+            raise
+        self._commit_everywhere(0, tmp, self._marker(0, model_only=True))
         logger.info(f"seed checkpoint written to {step_dir(self.folder, 0)}")
         return step_dir(self.folder, 0)
 

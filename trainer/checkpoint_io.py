@@ -32,11 +32,12 @@ import zlib
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from models.errors import ConfigError
+from trainer.checkpoint_reader import CheckpointReader, dcp_load
+from trainer.checkpoint_space import as_disk_full
 
 logger = logging.getLogger("meshwright")
 
@@ -189,9 +190,13 @@ def corrupt_message(path: str, names: list[str]) -> str:
 
 
 def read_metadata(path: str) -> Metadata:
-    """DCP metadata of ``path`` (tensor keys, global shapes); ConfigError if unreadable."""
+    """DCP metadata of ``path`` (tensor keys, global shapes); ConfigError if unreadable, and
+    UnsafeCheckpointError if its pickle names anything but DCP metadata classes (nothing of it is
+    built then; see ``checkpoint_reader``)."""
     try:
-        return FileSystemReader(path).read_metadata()
+        return CheckpointReader(path).read_metadata()
+    except ConfigError:
+        raise
     except Exception as e:  # unpickling garbage raises anything
         raise ConfigError(
             f"checkpoint {path}: its DCP .metadata cannot be read ({type(e).__name__}: {e}); the "
@@ -243,7 +248,9 @@ def load_full_state(path: str, prefix: str = "model.") -> dict[str, torch.Tensor
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-            dcp.load(sd, storage_reader=FileSystemReader(path), no_dist=True)
+            dcp_load(sd, path, no_dist=True)
+    except ConfigError:
+        raise
     except Exception as e:
         raise ConfigError(f"checkpoint {path} could not be read ({type(e).__name__}: {e}).") from e
     return {k[len(prefix) :]: v for k, v in sd.items()}
@@ -259,11 +266,20 @@ class CheckpointWriter(FileSystemWriter):
         self._step = step
 
     def write_data(self, plan: Any, planner: Any) -> torch.futures.Future:
-        fut = super().write_data(plan, planner)
-        results = fut.wait()
-        files = sorted({r.storage_data.relative_path for r in results})
-        crcs = {name: file_crc32(os.path.join(self.path, name)) for name in files}
-        sidecar = os.path.join(self.path, f"{plan.storage_data.prefix}{CRC_SUFFIX}")
-        write_json_durable(sidecar, crcs)
+        try:
+            fut = super().write_data(plan, planner)
+            results = fut.wait()
+            files = sorted({r.storage_data.relative_path for r in results})
+            crcs = {name: file_crc32(os.path.join(self.path, name)) for name in files}
+            sidecar = os.path.join(self.path, f"{plan.storage_data.prefix}{CRC_SUFFIX}")
+            write_json_durable(sidecar, crcs)
+        except Exception as e:  # a full disk becomes DiskFullError, which DCP gathers to every rank
+            raise (as_disk_full(e, str(self.path)) or e) from e
         crash_point("mid_write", self._step)
         return fut
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        try:
+            super().finish(metadata, results)  # rank 0 writes .metadata
+        except Exception as e:
+            raise (as_disk_full(e, str(self.path)) or e) from e

@@ -9,6 +9,7 @@ import math
 import os
 from typing import Any
 
+import yaml
 from omegaconf import OmegaConf
 
 from models.errors import ConfigError
@@ -64,7 +65,14 @@ def load_run(run_dir: str) -> tuple[Any, dict[str, Any]]:
     config_path, metrics_path = os.path.join(run_dir, "config.yaml"), os.path.join(run_dir, "metrics.jsonl")
     if not (os.path.isfile(config_path) and os.path.isfile(metrics_path)):
         raise ConfigError(f"{run_dir!r} is not a run folder (needs config.yaml and metrics.jsonl from a training run).")
-    cfg = to_train_config(OmegaConf.load(config_path))
+    try:  # OmegaConf parses with a yaml.SafeLoader: a Python tag is an error, never a call
+        raw = OmegaConf.load(config_path)
+    except yaml.YAMLError as e:
+        raise ConfigError(
+            f"{config_path} is not a plain YAML run config ({str(e).splitlines()[0]}); pass the folder a "
+            "training run wrote."
+        ) from None
+    cfg = to_train_config(raw)
     ledger = None
     with open(metrics_path, encoding="utf-8") as f:
         for line in f:
