@@ -107,7 +107,7 @@ class CheckpointConfig:
     save_final: bool = True
     initial_load_path: Optional[str] = None  # DCP step-N folder to start from when the run has none
     initial_load_model_only: bool = True  # with initial_load_path: weights only (fresh optimizer, step 0)
-    initial_load_hf: Optional[str] = None  # Hugging Face Llama folder to start from when the run has none
+    initial_load_hf: Optional[str] = None  # Hugging Face folder (Llama, Mixtral, Qwen3-MoE) to start from when the run has none
     create_seed: bool = False  # write model-only step-0 (one process) and exit
     last_save_in_hf: bool = False  # also write the final weights as a HF folder <folder>/step-N-hf
     hf_dtype: str = "float32"  # dtype of the weights last_save_in_hf writes: float32 | bfloat16 | float16
@@ -416,17 +416,75 @@ def to_train_config(dcfg: DictConfig | dict[str, Any]) -> TrainConfig:
     return cfg
 
 
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+def _config_dir() -> str:
+    """The Hydra config folder: ``trainer/configs`` inside an installed wheel (the repository's
+    ``configs/`` is packaged there, see ``pyproject.toml``), else ``configs/`` of the checkout."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    packaged = os.path.join(package, "configs")
+    if os.path.isfile(os.path.join(packaged, "train.yaml")):
+        return packaged
+    return os.path.join(os.path.dirname(package), "configs")
+
+
+# The one place every command (trainer/main.py, trainer.plan, trainer.prepare_data) finds the configs.
+CONFIG_DIR = _config_dir()
+
+
+def config_error(err: Exception) -> ConfigError:
+    """A Hydra or OmegaConf composition error as a one-line ``ConfigError`` naming the bad value."""
+    from hydra.errors import MissingConfigException, OverrideParseException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
+    if isinstance(err, MissingConfigException) and "/" in (err.missing_cfg_file or ""):
+        group, name = err.missing_cfg_file.rsplit("/", 1)
+        options = [o for o in err.options or [] if not o.startswith("base_")]  # not the schemas
+        return ConfigError(
+            f"{group}={name}: no such preset in the config group {group!r} ({os.path.join(CONFIG_DIR, group)}); "
+            f"available options: {', '.join(options)}."
+        )
+    cause = err.__cause__ if isinstance(err.__cause__, OmegaConfBaseException) else None
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    lines = [ln for ln in lines if not ln.startswith(("Config search path", "provider=", "full_key:",
+                                                      "reference_type=", "object_type="))]  # fmt: skip
+    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)):  # "+key=value" cannot add to a typed group
+        lines = [ln for ln in lines if not ln.startswith("To append")]
+        lines.append(f"{str(cause).splitlines()[0]}; check the spelling (the keys are in {CONFIG_DIR})")
+    elif cause is not None:
+        lines.append(str(cause).splitlines()[0])
+    key = getattr(err, "full_key", None)
+    if isinstance(err, OmegaConfBaseException) and key:
+        lines[0] = f"{key}: {lines[0]}"
+    if isinstance(err, OverrideParseException) and err.override not in lines[0]:
+        lines[0] = f"override {err.override!r}: {lines[0]}"
+    message = "; ".join(ln.removeprefix("In 'train': ").rstrip(".") for ln in lines)
+    return ConfigError(message + ".")
+
+
+def compose_dict(*overrides: str) -> DictConfig:
+    """Compose ``configs/train.yaml`` with Hydra-style ``overrides``, untyped; ``ConfigError``
+    (one line naming the bad override) on an unknown preset or key, a wrong type or bad syntax."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    register_configs()
+    try:
+        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+            return compose("train", overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as err:
+        raise config_error(err) from err
 
 
 def compose_config(*overrides: str) -> TrainConfig:
     """Compose ``configs/train.yaml`` with Hydra-style ``overrides`` (e.g. ``"+experiment=debug"``),
     convert and validate -- exactly what ``trainer/main.py`` does, for scripts and notebooks."""
-    from hydra import compose, initialize_config_dir
+    from omegaconf.errors import OmegaConfBaseException
 
-    register_configs()
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        return to_train_config(compose("train", overrides=list(overrides)))
+    dcfg = compose_dict(*overrides)
+    try:
+        return to_train_config(dcfg)
+    except OmegaConfBaseException as err:  # e.g. an interpolation that names no key
+        raise config_error(err) from err
 
 
 def to_yaml(cfg: TrainConfig) -> str:

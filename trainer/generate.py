@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 import time
@@ -143,6 +144,37 @@ def generate(model: nn.Module, ids: list[int], *, max_new_tokens: int, temperatu
     return out
 
 
+def _check_args(args: argparse.Namespace) -> str:
+    """``ConfigError`` naming the bad argument before any weights are read; returns the device."""
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ConfigError(
+            f"--temperature={args.temperature} must be a finite number >= 0 (0 = greedy decoding)."
+        )
+    for flag, value, low in (("--max-new-tokens", args.max_new_tokens, 1), ("--num-samples", args.num_samples, 1),
+                             ("--top-k", args.top_k, 0)):  # fmt: skip
+        if value < low:
+            raise ConfigError(
+                f"{flag}={value} must be >= {low}" + (" (0 = all tokens)." if low == 0 else ".")
+            )
+    if not os.path.isdir(args.path):
+        what = "is a file, not a folder" if os.path.exists(args.path) else "does not exist"
+        raise ConfigError(
+            f"{args.path} {what}; pass a checkpoint step-N folder or an exported Hugging Face folder."
+        )
+    device = args.device
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        kind = torch.device(device).type
+    except RuntimeError as e:
+        raise ConfigError(f"--device={device!r} is not a device; use auto, cpu or cuda (e.g. cuda:1).") from e
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device={device} but no CUDA device is available; use --device cpu.")
+    if kind not in ("cpu", "cuda"):
+        raise ConfigError(f"--device={device!r}: use auto, cpu or cuda.")
+    return device
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.generate", description=__doc__.split("\n\n")[0])
     parser.add_argument("path", help="a checkpoint step-N folder or an exported Hugging Face folder")
@@ -155,17 +187,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
     parser.add_argument("--no-cache", action="store_true", help="re-run the whole context at every step")
     args = parser.parse_args(argv)
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
+        device = _check_args(args)
         model, tokenizer = load_model(args.path, device)
         if tokenizer is None:
             raise ConfigError(
                 f"{args.path} names no tokenizer; add a tokenizer.json or meshwright.json to it."
             )
-        if args.max_new_tokens < 1:
-            raise ConfigError(f"--max-new-tokens={args.max_new_tokens} must be >= 1.")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -32,6 +32,7 @@ The model, in units of bytes (decimal GB = 1e9 in the formulas, GiB in the verdi
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import math
 import os
@@ -44,6 +45,7 @@ from omegaconf import OmegaConf
 from models import get_spec
 from models.errors import ConfigError
 from parallelisms.parallel_dims import ParallelDims
+from trainer.config import CONFIG_DIR
 from trainer.plan_params import ModuleParams, ParamTable, param_table
 
 __all__ = [
@@ -58,7 +60,7 @@ __all__ = [
     "ring_wire_bytes",
 ]
 
-CLUSTER_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "cluster")
+CLUSTER_DIR = os.path.join(CONFIG_DIR, "cluster")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GB = 1e9
 GIB = 2**30
@@ -103,11 +105,19 @@ def compose_cluster(overrides: list[str]) -> ClusterConfig:
             OmegaConf.structured(ClusterConfig), OmegaConf.load(path), OmegaConf.from_dotlist(dotlist)
         )
     except Exception as e:  # OmegaConf's own message names the key and the type
-        raise ConfigError(f"bad cluster override {dotlist}: {e}") from e
+        bad = " ".join(f"cluster.{d}" for d in dotlist)
+        raise ConfigError(
+            f"bad cluster override {bad}: {str(e).splitlines()[0]}; the keys and their types are the fields "
+            f"of ClusterConfig (trainer/plan.py), as in {path}."
+        ) from e
     cluster = OmegaConf.to_object(merged)
     for key in ("gpus_per_node", "memory_gib", "intra_bw_gbs", "inter_bw_gbs", "peak_tflops", "mfu"):
-        if getattr(cluster, key) <= 0:
+        if not getattr(cluster, key) > 0:
             raise ConfigError(f"cluster.{key}={getattr(cluster, key)} must be > 0.")
+    if cluster.mfu > 1:
+        raise ConfigError(f"cluster.mfu={cluster.mfu} is a fraction of the peak; set it in (0, 1].")
+    if cluster.nodes is not None and cluster.nodes < 1:
+        raise ConfigError(f"cluster.nodes={cluster.nodes} must be >= 1 (unset: world / gpus_per_node).")
     return cluster
 
 
@@ -617,10 +627,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     from trainer.config import compose_config
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(inspect.cleandoc(main.__doc__ or ""))
+        return 0
     as_json = "--json" in argv
     wants_recommendation = "--recommend" in argv
     run_dir = next((a.split("=", 1)[1] for a in argv if a.startswith("--run=")), None)
     rest = [a for a in argv if a not in ("--json", "--recommend") and not a.startswith("--run=")]
+    flags = [a for a in rest if a.startswith("-")]
+    if flags or run_dir == "":
+        print(f"config error: unknown option {(flags or ['--run='])[0]!r}; the options are --json, --recommend and "
+              "--run=RUN_FOLDER, the rest are key=value overrides (e.g. +experiment=debug).", file=sys.stderr)  # fmt: skip
+        return 2
     cluster_args = [a for a in rest if a.startswith("cluster=") or a.startswith("cluster.")]
     overrides = [a for a in rest if a not in cluster_args]
     experiment = next((a.split("=", 1)[1] for a in overrides if a.startswith("+experiment=")), "")

@@ -29,8 +29,8 @@ from typing import Any, Optional
 
 from models.errors import ConfigError
 
-_CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 _OWN_KEYS = {"out": str, "num_proc": int, "chunk_mb": float}
+_TYPE_NAMES = {str: "a path", int: "an integer", float: "a number"}
 
 
 def parse_args(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
@@ -43,32 +43,44 @@ def parse_args(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
             try:
                 own[key] = _OWN_KEYS[key](value)
             except ValueError as err:
-                raise ConfigError(f"{arg}: {key} must be a {_OWN_KEYS[key].__name__}") from err
+                raise ConfigError(f"{arg}: {key} must be {_TYPE_NAMES[_OWN_KEYS[key]]}") from err
         elif arg in ("-h", "--help"):
             print(__doc__)
             sys.exit(0)
         else:
             overrides.append(arg)
-    if not own["out"]:
-        raise ConfigError("out=DIR is required: the folder to write the prepared shards into")
+    _check_own(own)
     return own, overrides
+
+
+def _check_own(own: dict[str, Any]) -> None:
+    """``out`` names a folder that can be created; ``num_proc`` and ``chunk_mb`` are positive."""
+    out = own["out"]
+    if not out:
+        raise ConfigError("out=DIR is required: the folder to write the prepared shards into")
+    if own["num_proc"] < 1:
+        raise ConfigError(f"num_proc={own['num_proc']} must be >= 1 (worker processes).")
+    if not 0 < own["chunk_mb"] < float("inf"):
+        raise ConfigError(f"chunk_mb={own['chunk_mb']} must be a number > 0 (input megabytes per shard).")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ConfigError(
+            f"out={out!r} is an existing file, not a folder; pass a folder (it is created if missing) or move the "
+            "file away."
+        )
+    parent = os.path.dirname(os.path.abspath(out))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise ConfigError(
+            f"out={out!r} cannot be created: {parent!r} is not a writable folder; pass another out=."
+        )
 
 
 def compose(overrides: list[str]) -> tuple[Any, Optional[int]]:
     """(data config, model vocab size if a model was named) from Hydra overrides."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
+    from trainer.config import compose_config
 
-    from trainer.config import register_configs, to_train_config
-
-    register_configs()
-    try:
-        with initialize_config_dir(config_dir=_CONFIG_DIR, version_base="1.3"):
-            cfg = to_train_config(hydra_compose("train", overrides=overrides))
-    except (HydraException, OmegaConfBaseException) as err:
-        raise ConfigError(f"{err}".strip().splitlines()[0]) from err
+    cfg = compose_config(*overrides)  # ConfigError (one line) on an unknown preset or key, a wrong type
     named_model = any(o.lstrip("+~").startswith(("model", "experiment")) for o in overrides)
     return cfg.data, cfg.model.vocab_size if named_model else None
 

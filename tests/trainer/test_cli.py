@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -79,12 +80,170 @@ def test_bad_config_fails_on_every_rank_before_collectives(tmp_path, overrides, 
     assert not dump.exists(), "a failed config must leave no output behind"
 
 
-def test_unknown_preset_and_key_fail_with_hydra_message(tmp_path) -> None:
+def test_unknown_preset_and_key_fail_with_one_line_under_torchrun(tmp_path) -> None:
     proc = _torchrun(1, "+experiment=debug", "model=no_such_model", f"job.dump_folder={tmp_path / 'x'}")
     assert proc.returncode != 0
-    assert "no_such_model" in proc.stderr and "Available options" in proc.stderr
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("[rank0] config error:")]
+    assert "model=no_such_model" in line and "available options: 1b, 38m, debug" in line, line
+    assert "base_model" not in line, "the schemas are not presets"
     proc = _torchrun(1, "+experiment=debug", "training.no_such_key=1", f"job.dump_folder={tmp_path / 'y'}")
     assert proc.returncode != 0 and "no_such_key" in proc.stderr
+
+
+# Bad arguments of every command (`grep -l '__name__ == "__main__"' trainer/*.py`): each exits with
+# status 2 and a message naming the bad value, without a traceback. The cases of one command run
+# in one process through its ``main(argv)``; one case per command also runs as the real command.
+# Placeholders: {file} an existing file, {dir} an empty folder, {tmp} a fresh path.
+SWEEP: dict[str, list[tuple[list[str], str]]] = {
+    "trainer.main": [
+        (["+experiment=nope"], "experiment=nope"),
+        (["+experiment=debug", "model=no_such_model"], "model=no_such_model"),
+        (["+experiment=debug", "training.no_such_key=1"], "no_such_key"),
+        (["+experiment=debug", "training.steps=abc"], "training.steps=abc"),
+        (["+experiment=debug", "training.steps=0"], "training.steps=0"),
+        (["+experiment=debug", "training.seq_len=4096"], "training.seq_len=4096"),
+        (["+experiment=debug", "optimizer.lr=-1"], "optimizer.lr=-1"),
+        (["+experiment=debug", "job.dump_folder={file}"], "{file}"),
+        (["+experiment=debug", "job.dump_folder=${{oops}}"], "oops"),
+        (["experiment=debug"], "+experiment=debug"),
+        (["+experiment=debug", "training.steps=[1"], "[1"),
+        (["+experiment=debug", "--bogus"], "--bogus"),
+    ],
+    "trainer.plan": [
+        (["+experiment=nope"], "experiment=nope"),
+        (["+experiment=debug", "cluster=nope"], "cluster='nope'"),
+        (["+experiment=debug", "cluster=cpu", "cluster.nodes=0"], "cluster.nodes=0"),
+        (["+experiment=debug", "cluster.no_key=1"], "no_key"),
+        (["+experiment=debug", "cluster.mfu=abc"], "cluster.mfu=abc"),
+        (["+experiment=debug", "cluster.mfu=2"], "cluster.mfu=2"),
+        (["+experiment=debug", "cluster=cpu", "cluster.nodes=1", "parallelism.tp=3"], "parallelism.tp=3"),
+        (["+experiment=debug", "training.micro_batch_size=-2"], "micro_batch_size=-2"),
+        (["+experiment=debug", "--jsn"], "--jsn"),
+        (["--run={tmp}"], "{tmp}"),
+    ],
+    "trainer.prepare_data": [
+        (["data=builtin", "out={file}"], "{file}"),
+        (["data=builtin", "out={file}/shards"], "{file}/shards"),
+        (["data=builtin"], "out=DIR"),
+        (["data=builtin", "out={tmp}", "num_proc=0"], "num_proc=0"),
+        (["data=builtin", "out={tmp}", "num_proc=abc"], "num_proc=abc"),
+        (["data=builtin", "out={tmp}", "chunk_mb=-5"], "chunk_mb=-5"),
+        (["data=nope", "out={tmp}"], "data=nope"),
+        (["data=builtin", "data.no_key=1", "out={tmp}"], "no_key"),
+        (["data=builtin", "data.val_fraction=2", "out={tmp}"], "data.val_fraction=2"),
+        (["data=text", "data.path={tmp}/corpus", "out={tmp}"], "{tmp}/corpus"),
+        (["data=builtin", "model.vocab_size=100", "out={tmp}"], "vocab_size=100"),
+    ],
+    "trainer.generate": [
+        (["{tmp}"], "{tmp}"),
+        (["{file}"], "{file}"),
+        (["{dir}"], "{dir}"),
+        (["{dir}", "--temperature", "-1"], "--temperature=-1"),
+        (["{dir}", "--temperature", "nan"], "--temperature=nan"),
+        (["{dir}", "--top-k", "-5"], "--top-k=-5"),
+        (["{dir}", "--top-k", "abc"], "'abc'"),
+        (["{dir}", "--max-new-tokens", "0"], "--max-new-tokens=0"),
+        (["{dir}", "--num-samples", "0"], "--num-samples=0"),
+        (["{dir}", "--device", "tpu"], "tpu"),
+        ([], "path"),
+    ],
+    "trainer.export_hf": [
+        (["{tmp}", "{tmp}-hf"], "{tmp}"),
+        (["{file}", "{tmp}-hf"], "{file}"),
+        (["{dir}", "{tmp}-hf"], "{dir}"),
+        (["{dir}", "{file}"], "{file}"),
+        (["{dir}", "{tmp}-hf", "--dtype", "float8"], "'float8'"),
+        (["{dir}", "{tmp}-hf", "--max-shard-size", "abc"], "'abc'"),
+        (["{dir}", "{tmp}-hf", "--max-shard-size", "0"], "'0'"),
+    ],
+}
+# The case of each command that also runs as `python -m trainer.X`, and the one run as `python trainer/main.py`.
+REAL = {
+    "trainer.main": 0,
+    "trainer.plan": 0,
+    "trainer.prepare_data": 0,
+    "trainer.generate": 3,
+    "trainer.export_hf": 0,
+}
+SCRIPT_CASE = 1
+
+_DRIVER = """
+import contextlib, io, json, sys
+mod = __import__(sys.argv[1], fromlist=["main"])
+results = []
+for argv in json.loads(sys.argv[2]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = mod.main(argv)
+        except SystemExit as e:
+            code = e.code
+        except BaseException:
+            import traceback; traceback.print_exc(file=err); code = "exception"
+    results.append({"code": code, "stderr": err.getvalue()})
+print(json.dumps(results))
+"""
+
+
+def _fill(text: str, paths: dict[str, str]) -> str:
+    return text.format(**paths)
+
+
+def _start(cmd: list[str], cwd: str) -> subprocess.Popen:
+    env = _env() | {"PYTHONPATH": str(REPO)}  # the drivers run elsewhere; the checkout need not be installed
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """All cases at once: ``results[(command, i)]`` (in-process, through ``main(argv)``),
+    ``results["real:" + command]`` (``python -m command``) and ``results["script"]``
+    (``python trainer/main.py``), each ``{"code", "stderr"}``; ``paths`` fill the placeholders."""
+    tmp = tmp_path_factory.mktemp("sweep")
+    paths = {"file": str(tmp / "a_file"), "dir": str(tmp / "empty"), "tmp": str(tmp / "missing")}
+    (tmp / "a_file").write_text("not a folder")
+    (tmp / "empty").mkdir()
+    procs = {}
+    for cli, cases in SWEEP.items():
+        argvs = [[_fill(a, paths) for a in argv] for argv, _ in cases]
+        procs[cli] = _start([sys.executable, "-c", _DRIVER, cli, json.dumps(argvs)], str(tmp))
+        procs[f"real:{cli}"] = _start([sys.executable, "-m", cli, *argvs[REAL[cli]]], str(REPO))
+    main_argv = [_fill(a, paths) for a in SWEEP["trainer.main"][SCRIPT_CASE][0]]
+    procs["script"] = _start([sys.executable, "trainer/main.py", *main_argv], str(REPO))
+    results = {}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=240)
+        if name in SWEEP:
+            assert proc.returncode == 0, err[-3000:]
+            results.update({(name, i): r for i, r in enumerate(json.loads(out.splitlines()[-1]))})
+        else:
+            results[name] = {"code": proc.returncode, "stderr": err}
+    return {"results": results, "paths": paths}
+
+
+def _check(result: dict, needle: str) -> None:
+    err = result["stderr"]
+    assert result["code"] == 2, f"exit {result['code']}: {err[-3000:]}"
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert lines and needle in lines[-1], f"{needle!r} not in the last line of:\n{err}"
+    if "usage:" not in err:  # argparse prints its usage, then one error line
+        assert len(lines) == 1, f"one line expected:\n{err}"
+
+
+@pytest.mark.parametrize("cli,index", [(cli, i) for cli, cases in SWEEP.items() for i in range(len(cases))])
+def test_bad_argument_exits_2_with_one_line_naming_it(sweep, cli: str, index: int) -> None:
+    argv, needle = SWEEP[cli][index]
+    result = sweep["results"][(cli, index)]
+    print(f"{cli} {' '.join(argv)}\n  -> {result['stderr'].strip().splitlines()[-1:]}")
+    _check(result, _fill(needle, sweep["paths"]))
+
+
+@pytest.mark.parametrize("name", ["script", *(f"real:{cli}" for cli in REAL)])
+def test_bad_argument_of_the_real_command(sweep, name: str) -> None:
+    cli = name.removeprefix("real:") if name != "script" else "trainer.main"
+    needle = SWEEP[cli][REAL[cli] if name != "script" else SCRIPT_CASE][1]
+    _check(sweep["results"][name], _fill(needle, sweep["paths"]))
 
 
 def test_launch_two_nodes_without_slurm_matches_one_node(tmp_path) -> None:
