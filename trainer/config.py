@@ -401,8 +401,9 @@ def _with_typed_model(dcfg: DictConfig) -> DictConfig:
 
 def to_train_config(dcfg: DictConfig | dict[str, Any]) -> TrainConfig:
     """Convert a composed Hydra config into typed dataclasses and validate it."""
-    if not isinstance(dcfg, DictConfig):
-        dcfg = OmegaConf.create(dcfg)
+    # A plain copy: Hydra's ``+key=value`` composes with struct mode off on that node, a flag the
+    # merge below would inherit, letting an unknown key through; plain values merge strictly.
+    dcfg = OmegaConf.create(OmegaConf.to_container(dcfg, resolve=False) if isinstance(dcfg, DictConfig) else dcfg)
     merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), _with_typed_model(dcfg))
     missing = sorted(OmegaConf.missing_keys(merged))
     if missing:

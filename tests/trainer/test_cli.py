@@ -99,6 +99,7 @@ SWEEP: dict[str, list[tuple[list[str], str]]] = {
         (["+experiment=nope"], "experiment=nope"),
         (["+experiment=debug", "model=no_such_model"], "model=no_such_model"),
         (["+experiment=debug", "training.no_such_key=1"], "no_such_key"),
+        (["+experiment=debug", "+training.added_key=1"], "added_key"),  # '+' adds no key to a schema
         (["+experiment=debug", "training.steps=abc"], "training.steps=abc"),
         (["+experiment=debug", "training.steps=0"], "training.steps=0"),
         (["+experiment=debug", "training.seq_len=4096"], "training.seq_len=4096"),
