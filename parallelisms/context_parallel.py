@@ -44,86 +44,13 @@ from models.attention import AttentionCore, MaskCache, MaskSpec, attend, compile
 from models.errors import ConfigError
 
 __all__ = [
-    "CP_IMPLS",
-    "CP_LOAD_BALANCE",
     "AllGatherAttention",
     "apply_cp",
     "cp_batch_sharder",
     "cp_contexts",
     "gather_sequence",
     "shard_indices",
-    "validate_cp",
 ]
-
-CP_IMPLS = ("allgather", "ring")
-CP_LOAD_BALANCE = ("headtail", "none")
-
-
-# --------------------------------------------------------------------------------------------
-# Validation (pure: called by ParallelDims.from_config before any process group)
-# --------------------------------------------------------------------------------------------
-
-
-def validate_cp(
-    *,
-    cp: int,
-    cp_impl: str,
-    load_balance: str,
-    tp: int,
-    sequence_parallel: bool,
-    seq_len: int,
-    device_type: str,
-    attention_mask: str,
-) -> None:
-    """Check the context-parallel options against the sequence, device and mask."""
-    if cp_impl not in CP_IMPLS:
-        raise ConfigError(f"parallelism.cp_impl={cp_impl!r} is not one of {list(CP_IMPLS)}; use allgather.")
-    if load_balance not in CP_LOAD_BALANCE:
-        raise ConfigError(
-            f"parallelism.cp_load_balance={load_balance!r} is not one of {list(CP_LOAD_BALANCE)}; "
-            "use headtail (zigzag, balanced causal work) or none (contiguous chunks)."
-        )
-    if cp == 1:
-        return
-    chunks = 2 * cp if load_balance == "headtail" else cp
-    if seq_len % chunks != 0:
-        raise ConfigError(
-            f"training.seq_len={seq_len} is not divisible by {chunks} = "
-            f"{'2*cp' if load_balance == 'headtail' else 'cp'} (parallelism.cp={cp}, cp_load_balance="
-            f"{load_balance} cuts each sequence into {chunks} chunks); choose a seq_len that is a multiple "
-            f"of {chunks}, or change parallelism.cp."
-        )
-    if tp > 1 and sequence_parallel and (seq_len // cp) % tp != 0:
-        raise ConfigError(
-            f"training.seq_len={seq_len} / parallelism.cp={cp} = {seq_len // cp} local tokens are not "
-            f"divisible by parallelism.tp={tp}, which sequence parallelism needs; choose a seq_len that is a "
-            f"multiple of {_lcm(chunks, cp * tp)}, "
-            f"or set parallelism.sequence_parallel=false."
-        )
-    if cp_impl == "ring":
-        if device_type != "cuda":
-            raise ConfigError(
-                f"parallelism.cp_impl=ring runs torch's experimental ring attention, which needs CUDA "
-                f"(NCCL and flash / memory-efficient SDPA); this run is on {device_type}. Use "
-                f"parallelism.cp_impl=allgather, which works on every device and backend."
-            )
-        if attention_mask != "causal":
-            raise ConfigError(
-                f"parallelism.cp_impl=ring supports only model.attention_mask=causal (torch's ring attention "
-                f"has no document mask), got {attention_mask}; use parallelism.cp_impl=allgather for "
-                f"block_causal."
-            )
-
-
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
-
-
-def _lcm(a: int, b: int) -> int:
-    return a * b // _gcd(a, b)
-
 
 # --------------------------------------------------------------------------------------------
 # Layout and batch sharding

@@ -44,53 +44,9 @@ from models.errors import ConfigError
 from models.spec import ModelSpec
 from parallelisms.parallel_dims import ParallelDims
 
-__all__ = ["AllToAllDispatcher", "LoadBalancer", "apply_ep", "validate_ep"]
+__all__ = ["AllToAllDispatcher", "LoadBalancer", "apply_ep"]
 
 logger = logging.getLogger("meshwright")
-
-
-# --------------------------------------------------------------------------------------------
-# Validation (pure, before any process group)
-# --------------------------------------------------------------------------------------------
-
-
-def validate_ep(spec: ModelSpec, args: Any, dims: ParallelDims, *, compile: bool, device_type: str) -> None:
-    """Expert counts and grouped-mm override against the layout and device (``ConfigError``)."""
-    num_experts = getattr(args, "num_experts", 0)
-    if dims.ep > 1:
-        if "expert_modules" not in spec.extra:
-            raise ConfigError(
-                f"parallelism.ep={dims.ep} needs a mixture-of-experts model; the {spec.family} family has none. "
-                f"Set parallelism.ep=1 or pick an MoE preset (model=moe_debug)."
-            )
-        if num_experts % dims.ep != 0:
-            raise ConfigError(
-                f"model.num_experts={num_experts} is not divisible by parallelism.ep={dims.ep}: each ep rank "
-                f"holds num_experts / ep whole experts. Choose an ep that divides {num_experts}."
-            )
-        if dims.cp > 1:
-            raise ConfigError(
-                f"parallelism.ep={dims.ep} with parallelism.cp={dims.cp} is not supported yet; set cp=1."
-            )
-        if compile:
-            raise ConfigError(
-                f"training.compile=true with parallelism.ep={dims.ep} is not supported yet (the all_to_all "
-                f"splits are synchronised to the host inside each block); set training.compile=false."
-            )
-    mode = getattr(args, "grouped_mm", "auto")
-    if mode == "on":
-        if not hasattr(torch, "_grouped_mm"):
-            raise ConfigError(
-                f"model.grouped_mm=on but torch {torch.__version__} has no torch._grouped_mm; use "
-                f"model.grouped_mm=auto or off (batched matmul fallback)."
-            )
-        if device_type == "cuda" and torch.cuda.is_available():
-            capability = torch.cuda.get_device_capability()
-            if capability < (8, 0):
-                raise ConfigError(
-                    f"model.grouped_mm=on needs a GPU of compute capability >= 8.0 for torch._grouped_mm; this "
-                    f"one is {capability[0]}.{capability[1]}. Use model.grouped_mm=auto or off."
-                )
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,9 +1,10 @@
-"""Parallel degrees, all layout validation, and the DeviceMesh they describe.
+"""Parallel degrees and the DeviceMesh they describe.
 
-``ParallelDims.from_config`` is called once, from the config and the world size, BEFORE any
-process group exists: every parallelism check lives here (degrees, model divisibility,
-pipeline options, DDP / FSDP options, combinations not supported), so a bad layout fails
-fast on every rank with one ``ConfigError`` naming both numbers and the fix.
+``ParallelDims(...)`` checks the degrees against the world size on construction; every other
+layout check (model divisibility, pipeline, context/expert parallel and DDP / FSDP options,
+combinations not supported) lives in ``parallelisms/validate.py``, whose ``validated_dims`` builds
+the ``ParallelDims`` of a run once, BEFORE any process group exists, so a bad layout fails fast on
+every rank with one ``ConfigError`` naming both numbers and the fix.
 
 ``build_mesh`` then creates the mesh once, in the fixed order ``pp, dp_replicate, dp_shard,
 cp, tp`` (outermost first: TP innermost so it stays inside a node, since torchrun ranks are
@@ -34,13 +35,11 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from models.errors import ConfigError
-from models.spec import ModelSpec
-from parallelisms.config import ParallelismConfig
 
 MESH_DIM_NAMES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 # With expert parallel dp_shard is split into (dp_shard / (ep / cp), ep / cp).
@@ -53,7 +52,6 @@ FLAT_VIEWS: dict[str, tuple[str, ...]] = {
 }
 # Built only when a run needs it (DDP with context parallel), to spare every other run a group.
 OPTIONAL_VIEWS: dict[str, tuple[str, ...]] = {"dp_replicate_cp": ("dp_replicate", "cp")}
-_FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -106,119 +104,6 @@ class ParallelDims:
                     f"(and be a multiple of cp={self.cp}): experts are carved out of the FSDP axes, not of "
                     f"dp_replicate, tp or pp. Choose an ep that divides {shard_cp}, or raise parallelism.dp_shard."
                 )
-
-    # -- construction from the config, with every check --------------------------------
-    @classmethod
-    def from_config(
-        cls,
-        cfg: ParallelismConfig,
-        world_size: int,
-        *,
-        spec: ModelSpec,
-        model_args: Any,
-        seq_len: int,
-        global_batch_size: int,
-        micro_batch_size: int,
-        compile: bool = False,
-        device_type: str = "cpu",
-    ) -> ParallelDims:
-        """Degrees from ``cfg`` and every layout check against the model, batch and device."""
-        dims = cls(
-            dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, cp=cfg.cp, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep,
-            world_size=world_size,
-        )  # fmt: skip
-        dims.validate_options(cfg, compile=compile, device_type=device_type)
-        dims.validate_model(spec, model_args, seq_len=seq_len, sequence_parallel=cfg.sequence_parallel)
-        from parallelisms.context_parallel import validate_cp
-
-        validate_cp(
-            cp=dims.cp, cp_impl=cfg.cp_impl, load_balance=cfg.cp_load_balance, tp=dims.tp,
-            sequence_parallel=cfg.sequence_parallel, seq_len=seq_len, device_type=device_type,
-            attention_mask=getattr(model_args, "attention_mask", "causal"),
-        )  # fmt: skip
-        dims.grad_accum_steps(global_batch_size, micro_batch_size)
-        if dims.ep > 1 or getattr(model_args, "num_experts", 0) > 0:
-            from parallelisms.expert_parallel import validate_ep
-
-            validate_ep(spec, model_args, dims, compile=compile, device_type=device_type)
-        if dims.pp > 1:
-            from parallelisms.pipeline_split import validate_pp
-
-            validate_pp(
-                spec, model_args, cfg, pp=dims.pp, local_batch_size=global_batch_size // dims.dp,
-                micro_batch_size=micro_batch_size, compile=compile,
-            )  # fmt: skip
-        return dims
-
-    def validate_options(self, cfg: ParallelismConfig, *, compile: bool, device_type: str) -> None:
-        """DDP / FSDP / TP options and the combinations that are not supported."""
-        _choices(cfg.ddp.impl, ("custom", "torch"), "parallelism.ddp.impl")
-        if not (math.isfinite(cfg.ddp.bucket_mb) and cfg.ddp.bucket_mb > 0):
-            raise ConfigError(
-                f"parallelism.ddp.bucket_mb={cfg.ddp.bucket_mb} must be a number > 0 (e.g. 25)."
-            )
-        if cfg.ddp.grad_dtype is not None:
-            _choices(cfg.ddp.grad_dtype, _FLOAT_DTYPES, "parallelism.ddp.grad_dtype")
-        for key in ("param_dtype", "reduce_dtype"):
-            _choices(getattr(cfg.fsdp, key), _FLOAT_DTYPES, f"parallelism.fsdp.{key}")
-        if cfg.fsdp.cpu_offload and device_type != "cuda":
-            raise ConfigError(
-                "parallelism.fsdp.cpu_offload=true offloads GPU memory to the host; on a CPU run the "
-                "parameters already live there. Set parallelism.fsdp.cpu_offload=false."
-            )
-        if self.cp > 1 and cfg.ddp.sharded_optimizer and self.ddp_enabled:
-            raise ConfigError(
-                f"parallelism.ddp.sharded_optimizer=true with parallelism.cp={self.cp} is not supported (ZeRO-1 "
-                f"shards optimizer state over dp_replicate only); with context parallel use FSDP "
-                f"(parallelism.dp_shard > 1, or dp_replicate=1: FSDP then shards over cp), or set "
-                f"sharded_optimizer=false."
-            )
-        if self.cp > 1 and self.pp > 1 and cfg.pp_schedule.lower() in ("interleavedzerobubble", "zbvzerobubble"):
-            raise ConfigError(
-                f"parallelism.pp_schedule={cfg.pp_schedule} with parallelism.cp={self.cp} is not supported: "
-                f"zero-bubble schedules split backward into input and weight passes, and the context-parallel "
-                f"attention's reduce-scatter of dK/dV is not verified under that split; use 1F1B, GPipe or "
-                f"Interleaved1F1B."
-            )
-        if cfg.ddp.sharded_optimizer and self.tp > 1:
-            raise ConfigError(
-                f"parallelism.ddp.sharded_optimizer=true with parallelism.tp={self.tp} is not supported (the "
-                f"ZeRO-1 optimizer flattens plain tensors, not tensor-parallel shards); with TP use FSDP "
-                f"(parallelism.dp_shard > 1), which shards the optimizer state too, or set sharded_optimizer=false."
-            )
-        if cfg.ddp.impl == "torch" and self.tp > 1:
-            raise ConfigError(
-                f"parallelism.ddp.impl=torch with parallelism.tp={self.tp}: torch's DistributedDataParallel "
-                f"does not accept tensor-parallel (DTensor) parameters; use parallelism.ddp.impl=custom, or "
-                f"FSDP (parallelism.dp_shard > 1)."
-            )
-        if self.tp > 1:
-            _validate_tp_options(cfg, compile=compile, device_type=device_type)
-
-    def validate_model(self, spec: ModelSpec, args: Any, *, seq_len: int, sequence_parallel: bool) -> None:
-        """Model- and sequence-dependent checks (head counts, layers, sequence length, experts)."""
-        if self.tp > 1:
-            for key, value in spec.tp_divisible(args).items():
-                if value % self.tp != 0:
-                    raise ConfigError(
-                        f"{key}={value} is not divisible by parallelism.tp={self.tp}; tensor parallelism "
-                        f"splits it evenly across ranks: choose a tp that divides {value}."
-                    )
-            if sequence_parallel and seq_len % self.tp != 0:
-                raise ConfigError(
-                    f"training.seq_len={seq_len} is not divisible by parallelism.tp={self.tp}, which "
-                    f"sequence parallelism needs; change seq_len or set parallelism.sequence_parallel=false."
-                )
-        if self.pp > args.n_layers:
-            raise ConfigError(
-                f"parallelism.pp={self.pp} exceeds model.n_layers={args.n_layers}: every pipeline stage needs "
-                f"at least one block; use pp <= {args.n_layers}."
-            )
-        if self.ep > 1 and getattr(args, "num_experts", 0) < 1:
-            raise ConfigError(
-                f"parallelism.ep={self.ep} needs a mixture-of-experts model; the {spec.family} family has no "
-                f"experts. Set parallelism.ep=1."
-            )
 
     # -- derived sizes ----------------------------------------------------------------
     @property
@@ -396,28 +281,3 @@ class ParallelDims:
     def pp_rank(self) -> int:
         return self.get_mesh("pp").get_local_rank()
 
-
-def _validate_tp_options(cfg: ParallelismConfig, *, compile: bool, device_type: str) -> None:
-    """``async_tp`` needs CUDA, compile and sequence parallel."""
-    if not cfg.async_tp:
-        return
-    if device_type != "cuda":
-        raise ConfigError(
-            f"parallelism.async_tp=true needs CUDA GPUs (symmetric memory between the tp ranks), "
-            f"but this run is on {device_type!r}. Set parallelism.async_tp=false."
-        )
-    if not compile:
-        raise ConfigError(
-            "parallelism.async_tp=true is an Inductor rewrite of the compiled graph; it needs "
-            "training.compile=true. Set training.compile=true or parallelism.async_tp=false."
-        )
-    if not cfg.sequence_parallel:
-        raise ConfigError(
-            "parallelism.async_tp=true overlaps sequence parallel's all_gather / reduce_scatter with "
-            "the matmuls; set parallelism.sequence_parallel=true or parallelism.async_tp=false."
-        )
-
-
-def _choices(value: Any, allowed: tuple[str, ...], key: str) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}; set {key} to one of them.")

@@ -45,7 +45,6 @@ from parallelisms.pipeline_split import (
     stage_module_names,
     stage_names,
     stages_per_rank,
-    validate_pp,
 )
 
 __all__ = [
@@ -56,7 +55,6 @@ __all__ = [
     "stage_module_names",
     "stage_ids_of_rank",
     "stages_per_rank",
-    "validate_pp",
 ]
 
 LossFn = Callable[[Tensor, Tensor], Tensor]  # (logits, labels) -> summed token loss
@@ -303,7 +301,7 @@ def apply_pp(
 ) -> Pipeline:
     """Split the meta-device ``model`` into this pp rank's stages, parallelize each, build the schedule.
 
-    ``ParallelDims.from_config`` has validated the options. ``parallelize_part`` gets each
+    ``validated_dims`` (parallelisms/validate.py) has validated the options. ``parallelize_part`` gets each
     stage's module on meta and returns it materialised, initialised and sharded (TP / FSDP)
     like a whole model. Under pure replication (DDP layout) the Pipeline averages gradients
     over ``dp_replicate`` itself, once per step.

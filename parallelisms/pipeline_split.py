@@ -1,6 +1,6 @@
 """Pipeline splitting and option checks, pure (no torch.distributed.pipelining import): which
-modules each stage owns, which stages each rank owns, microbatch counts, and ``validate_pp``, which
-``ParallelDims.from_config`` and the planner call before any process group exists.
+modules each stage owns, which stages each rank owns, microbatch counts (the checks, ``validate_pp``, are in
+``parallelisms/validate.py``).
 ``parallelisms/pipeline_parallel.py`` builds the stages and schedules from these.
 """
 
@@ -22,7 +22,6 @@ __all__ = [
     "stage_module_names",
     "stage_names",
     "stages_per_rank",
-    "validate_pp",
 ]
 
 # Schedule name -> (torch class name, kind). "single": one stage per rank; "loop": v stages per
@@ -154,80 +153,3 @@ def num_microbatches(cfg: ParallelismConfig, *, local_batch_size: int, micro_bat
     if cfg.pp_microbatches is not None:
         return cfg.pp_microbatches
     return max(1, local_batch_size // max(1, micro_batch_size))
-
-
-def validate_pp(
-    spec: ModelSpec,
-    args: object,
-    cfg: ParallelismConfig,
-    *,
-    pp: int,
-    local_batch_size: int,
-    micro_batch_size: int,
-    compile: bool = False,
-) -> None:
-    """Check every pipeline option against the model and batch; raise ``ConfigError`` naming the fix.
-
-    Pure: ``ParallelDims.from_config`` calls it before any process group exists.
-    ``local_batch_size`` is the number of sequences one data-parallel rank processes per
-    optimizer step (global batch / dp); ``compile`` is ``training.compile``.
-    """
-    if pp <= 1:
-        return
-    schedule = canonical_schedule(cfg.pp_schedule)
-    if compile and schedule in ZERO_BUBBLE:
-        raise ConfigError(
-            f"parallelism.pp_schedule={schedule} splits backward into input and weight gradients, which torch "
-            f"cannot do through compiled blocks; set training.compile=false or use 1F1B / Interleaved1F1B."
-        )
-    if getattr(args, "tie_embeddings", False):
-        raise ConfigError(
-            f"model.tie_embeddings=true cannot be pipelined (parallelism.pp={pp}): the embedding lives on the "
-            f"first stage and the output head on the last, so one shared weight would need its gradient summed "
-            f"across stages. Set model.tie_embeddings=false or parallelism.pp=1."
-        )
-    _validate_stages_per_rank(cfg, schedule)
-    stage_names(spec, args, cfg, pp * stages_per_rank(cfg))
-    _validate_microbatches(cfg, schedule, pp, local_batch_size, micro_batch_size)
-
-
-def _validate_stages_per_rank(cfg: ParallelismConfig, schedule: str) -> None:
-    v = cfg.pp_stages_per_rank
-    if v is None:
-        return
-    low, high, text = {"single": (1, 1, "1"), "loop": (2, None, "2 or more"), "v": (2, 2, "2")}[
-        schedule_kind(schedule)
-    ]
-    if isinstance(v, bool) or not isinstance(v, int) or v < low or (high is not None and v > high):
-        raise ConfigError(
-            f"parallelism.pp_stages_per_rank={v!r} does not fit parallelism.pp_schedule={schedule}, which needs "
-            f"{text} virtual stages per rank (GPipe / 1F1B: 1; interleaved schedules: 2 or more; ZBVZeroBubble: "
-            f"2). Set pp_stages_per_rank={low}, or null to use that default."
-        )
-
-
-def _validate_microbatches(
-    cfg: ParallelismConfig, schedule: str, pp: int, local_batch_size: int, micro_batch_size: int
-) -> None:
-    if cfg.pp_microbatches is None and (micro_batch_size < 1 or local_batch_size % micro_batch_size != 0):
-        raise ConfigError(
-            f"the local batch of {local_batch_size} sequences (global batch / dp) is not divisible by "
-            f"training.micro_batch_size={micro_batch_size}; change either, or set parallelism.pp_microbatches."
-        )
-    m = num_microbatches(cfg, local_batch_size=local_batch_size, micro_batch_size=micro_batch_size)
-    if isinstance(m, bool) or not isinstance(m, int) or m < pp:
-        raise ConfigError(
-            f"{m!r} pipeline microbatches (parallelism.pp_microbatches, or local batch {local_batch_size} / "
-            f"training.micro_batch_size {micro_batch_size}) is fewer than parallelism.pp={pp} stages, so a "
-            f"stage would always idle; use at least {pp} (e.g. lower training.micro_batch_size)."
-        )
-    if local_batch_size % m != 0:
-        raise ConfigError(
-            f"parallelism.pp_microbatches={m} does not divide the local batch of {local_batch_size} sequences "
-            f"(global batch / dp); choose a divisor of {local_batch_size} that is >= {pp}."
-        )
-    if schedule_kind(schedule) == "loop" and m % max(1, m // pp) != 0:
-        raise ConfigError(
-            f"parallelism.pp_schedule={schedule} with {m} microbatches and pp={pp} needs the microbatches to be "
-            f"a multiple of the number of rounds max(1, M // pp) = {m // pp}; use a multiple of {pp}."
-        )

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from models import get_spec
-from parallelisms.parallel_dims import ParallelDims
+from parallelisms.validate import validated_dims
 from tests.configs import CONFIG_DIR, make_config
 from tests.models.test_llama import PUBLISHED
 
@@ -31,7 +31,7 @@ def test_experiment_composes_and_validates(name: str) -> None:
     world = intended_world_size(name)
     p, t = cfg.parallelism, cfg.training
     spec = get_spec(cfg.model.family)
-    dims = ParallelDims.from_config(
+    dims = validated_dims(
         p, world, spec=spec, model_args=cfg.model, seq_len=t.seq_len, global_batch_size=t.global_batch_size,
         micro_batch_size=t.micro_batch_size, compile=t.compile, device_type="cuda",
     )  # fmt: skip

@@ -302,7 +302,7 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
 
 def validate(cfg: TrainConfig) -> None:
     """Cross-field checks that need neither the world size nor the mesh. Every parallelism
-    option is checked by ``ParallelDims.from_config`` (one place, before any process group)."""
+    option is checked by ``parallelisms.validate.validated_dims`` (one place, before any process group)."""
     validate_model(cfg.model)
     _validate_training(cfg.training, cfg.model.max_seq_len)
     if cfg.metrics.comm_ledger and cfg.training.compile:

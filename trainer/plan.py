@@ -3,7 +3,7 @@
 ``python -m trainer.plan +experiment=7b_hsdp [cluster=h100_node cluster.nodes=4 ...] [--json]``
 
 It composes the same Hydra config as training (plus the planner-only ``cluster`` group,
-``configs/cluster/``), validates the layout with ``ParallelDims.from_config`` and answers the
+``configs/cluster/``), validates the layout with ``validated_dims`` and answers the
 two questions that decide every layout: does each rank's memory fit, and can communication
 hide behind compute. Nothing is built: parameter counts come from ``spec.param_counts`` and
 the model args, FLOPs from ``spec.flops_per_token``.
@@ -45,6 +45,7 @@ from omegaconf import OmegaConf
 from models import get_spec
 from models.errors import ConfigError
 from parallelisms.parallel_dims import ParallelDims
+from parallelisms.validate import validated_dims
 from trainer.config import CONFIG_DIR
 from trainer.plan_params import ModuleParams, ParamTable, param_table
 
@@ -366,7 +367,7 @@ def _context(cfg: Any, cluster: ClusterConfig) -> _Ctx:
     from parallelisms.pipeline_split import num_microbatches, stages_per_rank
 
     spec, t, p = get_spec(cfg.model.family), cfg.training, cfg.parallelism
-    dims = ParallelDims.from_config(
+    dims = validated_dims(
         p, _world_size(cfg, cluster), spec=spec, model_args=cfg.model, seq_len=t.seq_len,
         global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size, compile=t.compile,
         device_type="cpu" if cluster.backend == "gloo" else "cuda",

@@ -17,9 +17,9 @@ import torch.distributed as dist
 from models import get_spec
 from models.errors import ConfigError
 from parallelisms.expert_parallel import LoadBalancer
-from parallelisms.parallel_dims import ParallelDims
 from parallelisms.parallelize import PartOptions, parallelize, parallelize_pipeline
 from parallelisms.utils import clip_grad_norm_, copy_full_into
+from parallelisms.validate import validated_dims
 from trainer.checkpoint import (
     Checkpointer,
     describe_layout,
@@ -102,7 +102,7 @@ class Trainer:
             seed_parallelism(cfg.parallelism) if cfg.checkpoint.create_seed else cfg.parallelism
         )
         self.device = resolve_device(t.device, self.local_rank)
-        self.dims = ParallelDims.from_config(
+        self.dims = validated_dims(
             self.parallelism, self.world_size, spec=self.spec, model_args=cfg.model, seq_len=t.seq_len,
             global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size, compile=t.compile,
             device_type=self.device.type,

@@ -10,6 +10,7 @@ from models import get_spec
 from models.errors import ConfigError
 from models.moe import MOE_SPEC, MoE, MoEArgs, param_counts
 from parallelisms.parallel_dims import ParallelDims
+from parallelisms.validate import validated_dims
 from tests.configs import make_config
 
 # Published totals and active parameters (model cards / papers).
@@ -158,7 +159,7 @@ def test_ep_layout_checks(model: str, kw: dict, world: int, needle: str) -> None
     for key, value in kw.items():
         setattr(cfg.parallelism, key, value)
     with pytest.raises(ConfigError, match=needle):
-        ParallelDims.from_config(
+        validated_dims(
             cfg.parallelism, world, spec=get_spec(cfg.model.family), model_args=cfg.model, seq_len=256,
             global_batch_size=24, micro_batch_size=2, compile=compile,
         )  # fmt: skip

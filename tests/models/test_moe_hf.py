@@ -26,8 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from models.errors import ConfigError
-from models.moe import moe_layers
-from models.moe_hf import MoEHF
+from models.moe import MoEHF, moe_layers
 from tests.configs import REPO, make_config
 from trainer.hf import load_hf_into, read_hf, read_hf_config, save_hf, save_hf_distributed
 

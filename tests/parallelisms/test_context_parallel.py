@@ -17,7 +17,8 @@ import torch
 
 from models.attention import AttentionCore, MaskSpec, document_ids
 from models.errors import ConfigError
-from parallelisms.context_parallel import shard_indices, validate_cp
+from parallelisms.context_parallel import shard_indices
+from parallelisms.validate import validate_cp, validated_dims
 from tests.configs import tiny_config
 from tests.dist import run_distributed
 from trainer.config import TrainConfig
@@ -123,7 +124,7 @@ def test_parallel_dims_accepts_cp_and_rejects_bad_combinations() -> None:
         cfg = make_config("model=debug", "training.seq_len=64", "training.global_batch_size=8",
                           "training.micro_batch_size=2", *ov)  # fmt: skip
         t = cfg.training
-        return ParallelDims.from_config(
+        return validated_dims(
             cfg.parallelism, world, spec=get_spec("llama"), model_args=cfg.model, seq_len=t.seq_len,
             global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
         )  # fmt: skip

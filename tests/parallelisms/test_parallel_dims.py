@@ -7,6 +7,7 @@ import pytest
 from models.errors import ConfigError
 from models.llama import LLAMA_SPEC, LlamaArgs
 from parallelisms.parallel_dims import ParallelDims
+from parallelisms.validate import validate_model, validated_dims
 
 
 def dims(world: int, **kw: int) -> ParallelDims:
@@ -60,7 +61,7 @@ def test_batch_divisibility() -> None:
 def test_model_checks(kw: dict, args: LlamaArgs, seq_len: int, needle: str) -> None:
     d = dims(8, **kw)
     with pytest.raises(ConfigError, match=needle):
-        d.validate_model(LLAMA_SPEC, args, seq_len=seq_len, sequence_parallel=True)
+        validate_model(d, LLAMA_SPEC, args, seq_len=seq_len, sequence_parallel=True)
 
 
 @pytest.mark.parametrize(
@@ -76,13 +77,13 @@ def test_model_checks(kw: dict, args: LlamaArgs, seq_len: int, needle: str) -> N
     ],
 )
 def test_unsupported_tp_compositions_are_config_errors(overrides: tuple[str, ...], needle: str) -> None:
-    """Every parallelism check runs in ``ParallelDims.from_config``, once, before any process group."""
+    """Every parallelism check runs in ``validated_dims``, once, before any process group."""
     from tests.configs import make_config
 
     cfg = make_config(*overrides)
     t = cfg.training
     with pytest.raises(ConfigError, match=needle):
-        ParallelDims.from_config(
+        validated_dims(
             cfg.parallelism, 4, spec=LLAMA_SPEC, model_args=cfg.model, seq_len=t.seq_len,
             global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
         )  # fmt: skip

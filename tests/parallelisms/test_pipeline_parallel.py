@@ -29,7 +29,8 @@ from models.llama import LLAMA_SPEC, LlamaArgs, Transformer
 from parallelisms.config import ParallelismConfig
 from parallelisms.pipeline_parallel import SCHEDULES, _build_part, stage_ids_of_rank, stages_per_rank
 from parallelisms.pipeline_parallel import stage_module_names as _stage_module_names
-from parallelisms.pipeline_parallel import validate_pp as _validate_pp
+from parallelisms.validate import validate_pp as _validate_pp
+from parallelisms.validate import validated_dims
 from tests.configs import NO_CLIP, tiny_config
 from tests.dist import run_distributed
 from tests.parity import PARAM_ATOL, assert_parity, history_from
@@ -60,7 +61,6 @@ def _train(cfg: TrainConfig, world_size: int, name: str) -> dict:
     from torch import nn
     from torch.distributed.tensor import DTensor
 
-    from parallelisms.parallel_dims import ParallelDims
     from parallelisms.parallelize import PartOptions, parallelize, parallelize_pipeline
     from parallelisms.utils import clip_grad_norm_, copy_full_into
     from trainer.data import build_dataloader
@@ -69,7 +69,7 @@ def _train(cfg: TrainConfig, world_size: int, name: str) -> dict:
     from trainer.tokenizer import build_tokenizer
 
     t, p = cfg.training, cfg.parallelism
-    dims = ParallelDims.from_config(
+    dims = validated_dims(
         p, world_size, spec=LLAMA_SPEC, model_args=cfg.model, seq_len=t.seq_len,
         global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size, compile=t.compile,
     )  # fmt: skip
@@ -451,12 +451,11 @@ def test_validate_pp_accepts_good_layouts() -> None:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_debug_pp_preset_validates_on_2_and_4_ranks(world: int) -> None:
-    from parallelisms.parallel_dims import ParallelDims
     from tests.configs import make_config
 
     cfg = make_config("+experiment=debug_pp")
     p, t = cfg.parallelism, cfg.training
-    ParallelDims.from_config(
+    validated_dims(
         p, world, spec=LLAMA_SPEC, model_args=cfg.model, seq_len=t.seq_len,
         global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
     )  # fmt: skip

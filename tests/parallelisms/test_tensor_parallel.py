@@ -33,6 +33,7 @@ from parallelisms.config import ParallelismConfig
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.tensor_parallel import ReplicateParallel, apply_tp, check_tp_fits_node
 from parallelisms.tensor_parallel import tp_plan as _tp_plan
+from parallelisms.validate import validate_model, validated_dims
 from tests.configs import NO_CLIP, tiny_config
 from tests.dist import run_distributed
 from tests.parity import Case, GroupedRuns, assert_parallel_run
@@ -93,7 +94,7 @@ def test_plan_is_data_with_expected_styles() -> None:
 def test_async_tp_requirements(kw: dict, needle: str) -> None:
     cfg = ParallelismConfig(tp=2, async_tp=kw["async_tp"], sequence_parallel=kw.get("sequence_parallel", True))
     with pytest.raises(ConfigError, match=needle):
-        ParallelDims.from_config(
+        validated_dims(
             cfg, 2, spec=LLAMA_SPEC, model_args=LlamaArgs(**ARGS), seq_len=32, global_batch_size=2,
             micro_batch_size=1, compile=kw["compile"], device_type=kw["device_type"],
         )  # fmt: skip
@@ -111,7 +112,7 @@ def test_async_tp_requirements(kw: dict, needle: str) -> None:
 def test_divisibility_errors(args: dict, tp: int, needle: str) -> None:
     dims = ParallelDims(tp=tp, world_size=tp)
     with pytest.raises(ConfigError, match=f"{needle}.*parallelism.tp={tp}"):
-        dims.validate_model(LLAMA_SPEC, LlamaArgs(**args), seq_len=32, sequence_parallel=True)
+        validate_model(dims, LLAMA_SPEC, LlamaArgs(**args), seq_len=32, sequence_parallel=True)
 
 
 def test_tp_larger_than_a_node_warns_on_gpu_only(monkeypatch: pytest.MonkeyPatch) -> None:

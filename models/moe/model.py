@@ -1,6 +1,6 @@
 """Mixture-of-experts decoder (Mixtral / Qwen3-MoE / DeepSeek-MoE shapes), free of any parallelism.
 
-The model is the Llama decoder (``models/llama.py``) whose feed-forward is, in chosen layers, a
+The model is the Llama decoder (``models/llama/model.py``) whose feed-forward is, in chosen layers, a
 mixture of experts: layer ``i`` is an MoE layer when ``i >= first_k_dense`` and
 ``i % moe_layer_freq == 0`` (DeepSeek's rule), the others keep Llama's dense SwiGLU. Module tree::
 
@@ -39,7 +39,7 @@ untouched and works with pipeline stages. The weight of each forward's aux term 
 ``aux_grad_scale * tokens`` (the trainer sets ``aux_grad_scale`` = dp_cp / tokens per step, so that
 over all microbatches and ranks the objective is ``LM mean + coeff * token-weighted mean aux``).
 
-``MOE_SPEC`` at the bottom is what the rest of the stack sees; its ``extra`` holds
+``MOE_SPEC`` (``models/moe/__init__.py``) is what the rest of the stack sees; its ``extra`` holds
 ``moe_layers(model)`` (the MoE modules by name) and ``expert_modules(model)`` (the stacked experts),
 which expert parallelism, FSDP and the load balancer use.
 """
@@ -57,10 +57,10 @@ from torch import Tensor, nn
 
 from models.common import ParamInit, RMSNorm
 from models.errors import ConfigError
-from models.llama import (
+from models.llama.model import (
     TP_PLAN as LLAMA_TP_PLAN,
 )
-from models.llama import (
+from models.llama.model import (
     Attention,
     FeedForward,
     LlamaArgs,
@@ -69,11 +69,10 @@ from models.llama import (
     _positive_int,
     num_flops_per_token,
 )
-from models.moe_hf import MoEHF
-from models.spec import ModelSpec, ParamCounts
+from models.spec import ParamCounts
 
 __all__ = [
-    "MOE_SPEC",
+    "TP_PLAN",
     "GroupedExperts",
     "MoE",
     "MoEArgs",
@@ -563,16 +562,3 @@ TP_PLAN: dict[str, str] = {
     "layers.*.moe.router.gate": "replicate",
     "layers.*.moe.shared_experts": "replicate",
 }
-
-
-MOE_SPEC = ModelSpec(
-    family="moe",
-    args_cls=MoEArgs,
-    model_cls=MoETransformer,
-    param_counts=param_counts,
-    flops_per_token=flops_per_token,
-    tp_plan=TP_PLAN,
-    tp_divisible=tp_divisible,
-    hf=MoEHF(),
-    extra={"moe_layers": moe_layers, "expert_modules": expert_modules},
-)

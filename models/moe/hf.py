@@ -1,21 +1,19 @@
-"""Hugging Face adapter of the MoE family (``models/moe.py``): Mixtral and Qwen3-MoE configs and
+"""Hugging Face adapter of the MoE family (``models/moe/model.py``): Mixtral and Qwen3-MoE configs and
 tensor names, with stacked experts <-> per-expert tensors. Attention, norms and embeddings reuse
-Llama's names (``models/llama.py``)."""
+Llama's names (``models/llama/hf.py``)."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
 from models.errors import ConfigError
-from models.llama import LLAMA_HF_LAYER_NAMES, LLAMA_HF_TOP_NAMES, decoder_hf_config, rope_scaling_from_hf
-
-if TYPE_CHECKING:
-    from models.moe import MoEArgs
+from models.llama.hf import LLAMA_HF_LAYER_NAMES, LLAMA_HF_TOP_NAMES, decoder_hf_config, rope_scaling_from_hf
+from models.moe.model import MoEArgs, MoETransformer
 
 __all__ = ["MoEHF"]
 
@@ -247,8 +245,6 @@ class MoEHF:
         """HF tensors -> our full state dict (parameters and the routing bias, which starts at zero).
         ``ConfigError`` naming a tensor the folder lacks, or one it has that the model does not."""
         with torch.device("meta"):
-            from models.moe import MoETransformer
-
             shapes = {n: t.shape for n, t in MoETransformer(args).state_dict().items()}
         state, used = {}, set()
         for name, shape in shapes.items():

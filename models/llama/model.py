@@ -27,13 +27,14 @@ Four properties let the parallelism code in ``parallelisms/`` work without touch
   ``(seed, canonical name)`` (``models.common.ParamInit``), so a model built on the meta device,
   sharded and materialised anywhere gets bit-identical weights to a one-process CPU build.
 
-``LLAMA_SPEC`` at the bottom is what the rest of the stack sees (``models/spec.py``).
+``LLAMA_SPEC`` in ``models/llama/__init__.py`` is what the rest of the stack sees (``models/spec.py``);
+the Hugging Face adapter lives in ``models/llama/hf.py`` (this file never imports it).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -51,14 +52,13 @@ from models.common import (
     precompute_rope_cache,
 )
 from models.errors import ConfigError
-from models.spec import ModelArgs, ModelSpec, ParamCounts
+from models.spec import ModelArgs, ParamCounts
 
 __all__ = [
-    "LLAMA_SPEC",
+    "TP_PLAN",
     "Attention",
     "FeedForward",
     "LlamaArgs",
-    "LlamaHF",
     "Transformer",
     "TransformerBlock",
     "num_flops_per_token",
@@ -461,215 +461,3 @@ TP_PLAN: dict[str, str] = {
     "norm": "norm",
     "output": "head",
 }
-
-
-# --------------------------------------------------------------------------------------------
-# Hugging Face adapter (LlamaForCausalLM)
-# --------------------------------------------------------------------------------------------
-#
-# Our attention uses HF's rotate_half RoPE layout, so q/k projections need no row permutation.
-#
-#   tok_embeddings.weight              model.embed_tokens.weight
-#   layers.{i}.attention.wq/wk/wv/wo   model.layers.{i}.self_attn.q_proj/k_proj/v_proj/o_proj
-#   layers.{i}.feed_forward.w1/w3/w2   model.layers.{i}.mlp.gate_proj/up_proj/down_proj
-#   layers.{i}.attention_norm          model.layers.{i}.input_layernorm
-#   layers.{i}.ffn_norm                model.layers.{i}.post_attention_layernorm
-#   norm.weight                        model.norm.weight
-#   output.weight                      lm_head.weight (absent when tie_word_embeddings)
-
-LLAMA_HF_LAYER_NAMES = {
-    "attention.wq": "self_attn.q_proj",
-    "attention.wk": "self_attn.k_proj",
-    "attention.wv": "self_attn.v_proj",
-    "attention.wo": "self_attn.o_proj",
-    "feed_forward.w1": "mlp.gate_proj",
-    "feed_forward.w3": "mlp.up_proj",
-    "feed_forward.w2": "mlp.down_proj",
-    "attention_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-LLAMA_HF_TOP_NAMES = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-
-
-def rope_scaling_to_hf(scaling: RopeScaling, theta: float) -> Optional[dict[str, Any]]:
-    """``RopeScaling`` -> HF's ``rope_scaling`` dict (None for the default RoPE)."""
-    if scaling.type == "default":
-        return None
-    out: dict[str, Any] = {"rope_type": scaling.type, "type": scaling.type, "factor": scaling.factor}
-    if scaling.type == "llama3":
-        out.update(
-            low_freq_factor=scaling.low_freq_factor,
-            high_freq_factor=scaling.high_freq_factor,
-            original_max_position_embeddings=scaling.original_max_seq_len,
-        )
-    return out
-
-
-def rope_scaling_from_hf(cfg: dict[str, Any]) -> tuple[float, dict[str, Any]]:
-    """(rope_theta, our ``rope_scaling`` fields) from a HF config (``rope_parameters`` in
-    transformers >= 5, ``rope_scaling`` + ``rope_theta`` before)."""
-    rope = dict(cfg.get("rope_parameters") or {})
-    rope.update({k: v for k, v in (cfg.get("rope_scaling") or {}).items() if k not in rope})
-    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    kind = rope.get("rope_type", rope.get("type", "default")) or "default"
-    if kind == "default":
-        return theta, {"type": "default"}
-    if kind not in ("linear", "llama3"):
-        raise ConfigError(
-            f"config.json uses rope_type={kind!r}; meshwright supports default, linear and llama3 RoPE."
-        )
-    out: dict[str, Any] = {"type": kind, "factor": float(rope["factor"])}
-    if kind == "llama3":
-        out.update(
-            low_freq_factor=float(rope["low_freq_factor"]),
-            high_freq_factor=float(rope["high_freq_factor"]),
-            # transformers falls back to max_position_embeddings when the key is absent
-            original_max_seq_len=int(
-                rope.get("original_max_position_embeddings") or cfg["max_position_embeddings"]
-            ),
-        )
-    return theta, out
-
-
-def decoder_hf_config(
-    args: Any, *, architecture: str, model_type: str, bos_id: Optional[int], eos_id: Optional[int], dtype: str
-) -> dict[str, Any]:
-    """The ``config.json`` keys every decoder family shares (sizes, norm, RoPE both ways, tokens)."""
-    scaling = rope_scaling_to_hf(args.rope_scaling, args.rope_theta)
-    return {
-        "architectures": [architecture],
-        "model_type": model_type,
-        "hidden_size": args.dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "max_position_embeddings": args.max_seq_len,
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,  # transformers < 5
-        "rope_scaling": scaling,  # transformers < 5
-        "rope_parameters": {"rope_theta": args.rope_theta, **(scaling or {"rope_type": "default"})},  # >= 5
-        "hidden_act": "silu",
-        "attention_dropout": 0.0,
-        "tie_word_embeddings": bool(args.tie_embeddings),
-        "initializer_range": args.init_std,
-        "bos_token_id": bos_id,
-        "eos_token_id": eos_id,
-        "torch_dtype": dtype,
-        "use_cache": True,
-    }
-
-
-class LlamaHF:
-    """Hugging Face ``LlamaForCausalLM`` <-> meshwright Llama (config and tensor names)."""
-
-    architecture = "LlamaForCausalLM"
-    model_type = "llama"
-
-    def to_hf_config(
-        self, args: LlamaArgs, *, bos_id: Optional[int], eos_id: Optional[int], dtype: str
-    ) -> dict:
-        """A ``LlamaConfig`` dict for ``args``."""
-        return {
-            **decoder_hf_config(args, architecture=self.architecture, model_type=self.model_type, bos_id=bos_id,
-                                eos_id=eos_id, dtype=dtype),
-            "intermediate_size": args.hidden_dim,
-            "attention_bias": False,
-            "mlp_bias": False,
-        }  # fmt: skip
-
-    def args_from_hf_config(self, cfg: dict[str, Any]) -> dict[str, Any]:
-        """Our ``LlamaArgs`` fields from a HF ``config.json`` (refuses what we cannot represent)."""
-        if cfg.get("model_type") not in (self.model_type, None):
-            raise ConfigError(
-                f"config.json has model_type={cfg.get('model_type')!r}; the llama family reads 'llama'."
-            )
-        for key in ("attention_bias", "mlp_bias"):
-            if cfg.get(key):
-                raise ConfigError(f"config.json has {key}=true; meshwright's Llama has no biases.")
-        dim, n_heads = cfg["hidden_size"], cfg["num_attention_heads"]
-        if cfg.get("head_dim") not in (None, dim // n_heads):
-            raise ConfigError(f"config.json head_dim={cfg['head_dim']} != hidden_size / num_attention_heads.")
-        theta, scaling = rope_scaling_from_hf(cfg)
-        return {
-            "family": "llama",
-            "dim": dim,
-            "n_layers": cfg["num_hidden_layers"],
-            "n_heads": n_heads,
-            "n_kv_heads": cfg.get("num_key_value_heads", n_heads),
-            "vocab_size": cfg["vocab_size"],
-            "ffn_hidden_dim": cfg["intermediate_size"],
-            "norm_eps": cfg.get("rms_norm_eps", 1e-6),
-            "rope_theta": theta,
-            "rope_scaling": scaling,
-            "max_seq_len": cfg.get("max_position_embeddings", 2048),
-            "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
-        }
-
-    def hf_names_of(self, name: str, args: Any = None) -> list[str]:
-        """The HF tensor(s) holding our parameter ``name`` (one for Llama)."""
-        if name in LLAMA_HF_TOP_NAMES:
-            return [LLAMA_HF_TOP_NAMES[name]]
-        parts = name.split(".")
-        if len(parts) >= 4 and parts[0] == "layers" and parts[-1] == "weight":
-            local = ".".join(parts[2:-1])
-            if local in LLAMA_HF_LAYER_NAMES:
-                return [f"model.layers.{parts[1]}.{LLAMA_HF_LAYER_NAMES[local]}.weight"]
-        raise ConfigError(f"parameter {name!r} has no Hugging Face Llama equivalent.")
-
-    def from_hf_name(self, hf_name: str) -> str:
-        """HF tensor name -> ours."""
-        for ours, hf in LLAMA_HF_TOP_NAMES.items():
-            if hf_name == hf:
-                return ours
-        parts = hf_name.split(".")
-        if len(parts) >= 5 and parts[:2] == ["model", "layers"] and parts[-1] == "weight":
-            local = ".".join(parts[3:-1])
-            for ours, hf in LLAMA_HF_LAYER_NAMES.items():
-                if local == hf:
-                    return f"layers.{parts[2]}.{ours}.weight"
-        raise ConfigError(
-            f"Hugging Face tensor {hf_name!r} is not part of a Llama model meshwright supports "
-            "(biases and other architectures are not)."
-        )
-
-    def full_shape(self, name: str, hf_shapes: list[list[int]], args: Any = None) -> list[int]:
-        """Our full shape of ``name`` given the shapes of its HF tensors (one, unchanged)."""
-        return hf_shapes[0]
-
-    def read_slice(self, name: str, index: tuple[slice, ...], reader: Any, args: Any = None) -> Tensor:
-        """The ``index`` slice of our ``name``, read from the HF files through ``reader.read``."""
-        return reader.read(self.hf_names_of(name)[0], index)
-
-    def to_hf_state(self, state: dict[str, Tensor], args: LlamaArgs) -> Iterator[tuple[str, Tensor]]:
-        """Our full tensors -> (HF name, tensor); a tied head is written once, as the embedding."""
-        for name, tensor in state.items():
-            if args.tie_embeddings and name == "output.weight":
-                continue
-            yield self.hf_names_of(name)[0], tensor
-
-    def from_hf_state(self, hf_state: dict[str, Tensor], args: LlamaArgs) -> dict[str, Tensor]:
-        """HF tensors -> our names (derived buffers such as ``rotary_emb.inv_freq`` skipped)."""
-        state = {
-            self.from_hf_name(k): v for k, v in hf_state.items() if not k.endswith("rotary_emb.inv_freq")
-        }
-        if args.tie_embeddings and "output.weight" not in state and "tok_embeddings.weight" in state:
-            state["output.weight"] = state["tok_embeddings.weight"]
-        return state
-
-
-LLAMA_SPEC = ModelSpec(
-    family="llama",
-    args_cls=LlamaArgs,
-    model_cls=Transformer,
-    param_counts=param_counts,
-    flops_per_token=num_flops_per_token,
-    tp_plan=TP_PLAN,
-    tp_divisible=tp_divisible,
-    hf=LlamaHF(),
-)

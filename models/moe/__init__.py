@@ -1,0 +1,45 @@
+"""The mixture-of-experts family: ``MOE_SPEC``, what the rest of the stack sees of it.
+
+``model.py`` holds the arguments, the modules (router, stacked experts, load balancing), the counts
+and the TP plan; ``hf.py`` the Hugging Face adapter (Mixtral, Qwen3-MoE). The model never imports
+the adapter; this file joins the two.
+"""
+
+from __future__ import annotations
+
+from models.moe.hf import MoEHF
+from models.moe.model import (
+    TP_PLAN,
+    MoE,
+    MoEArgs,
+    MoETransformer,
+    expert_modules,
+    flops_per_token,
+    moe_layers,
+    param_counts,
+    tp_divisible,
+)
+from models.spec import ModelSpec
+
+__all__ = [
+    "MOE_SPEC",
+    "MoE",
+    "MoEArgs",
+    "MoEHF",
+    "MoETransformer",
+    "expert_modules",
+    "moe_layers",
+    "param_counts",
+]
+
+MOE_SPEC = ModelSpec(
+    family="moe",
+    args_cls=MoEArgs,
+    model_cls=MoETransformer,
+    param_counts=param_counts,
+    flops_per_token=flops_per_token,
+    tp_plan=TP_PLAN,
+    tp_divisible=tp_divisible,
+    hf=MoEHF(),
+    extra={"moe_layers": moe_layers, "expert_modules": expert_modules},
+)
