@@ -33,7 +33,7 @@ if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
   export OMP_NUM_THREADS=1
 fi
 
-# Preemption (trainer/preemption.py): torchrun forwards SIGTERM to its workers, and SIGUSR1
+# Preemption (trainer/resilience/preemption.py): torchrun forwards SIGTERM to its workers, and SIGUSR1
 # (Slurm's "time is nearly up" warning) too once it is listed here; each worker then finishes
 # its step, all of them checkpoint together and exit with status 75. torchrun waits
 # TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (default 30) for that before it kills them.

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from models.llama import LlamaArgs, Transformer  # noqa: E402
 from parallelisms.context_parallel import shard_indices  # noqa: E402
-from trainer.spawn import run_distributed  # noqa: E402
+from tests.spawn import run_distributed  # noqa: E402
 
 DEBUG = dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden_dim=768, vocab_size=512)
 

@@ -102,7 +102,7 @@ def loader_rate(prep: str, seconds: float = 3.0) -> float:
     """Batches per second of the debug run's loader (16 x 256, one rank, no prefetch)."""
     from trainer.config import DataConfig
     from trainer.data import build_dataloader
-    from trainer.tokenizer import ByteTokenizer
+    from trainer.data.tokenizer import ByteTokenizer
 
     dl = build_dataloader(DataConfig(source="tokens", path=prep, prefetch=0), ByteTokenizer(), split="train",
                           seq_len=256, global_batch_size=16, dp_rank=0, dp_size=1, seed=0)  # fmt: skip

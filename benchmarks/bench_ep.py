@@ -52,7 +52,7 @@ def _overrides(args: argparse.Namespace, folder: str, layout: list[str]) -> list
 
 
 def _run(args: argparse.Namespace, folder: str, layout: list[str]) -> dict[str, Any]:
-    from trainer.checkpoint import unwrap
+    from trainer.checkpoint.checkpointer import unwrap
     from trainer.config import compose_config
     from trainer.train import Trainer
 

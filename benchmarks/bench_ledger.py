@@ -25,14 +25,14 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from trainer.spawn import run_distributed  # noqa: E402
+from tests.spawn import run_distributed  # noqa: E402
 
 
 def _rank(rank: int, world: int, overrides: list[str], steps: int, rounds: int) -> dict:
     import torch
 
-    from trainer.comm_ledger import CommLedger, axis_names_of_groups
     from trainer.config import compose_config
+    from trainer.observe.comm_ledger import CommLedger, axis_names_of_groups
     from trainer.train import Trainer
 
     torch.set_num_threads(1)
@@ -44,7 +44,7 @@ def _rank(rank: int, world: int, overrides: list[str], steps: int, rounds: int) 
     ledger = CommLedger(axis_names_of_groups(dims.mesh, names))
 
     def timed(with_ledger: bool) -> float:
-        trainer.comm_ledger = ledger if with_ledger else None
+        trainer.observe.comm_ledger = ledger if with_ledger else None
         trainer.cfg.training.steps = trainer.state.step + steps
         start = time.perf_counter()
         trainer.train()

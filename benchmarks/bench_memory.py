@@ -39,8 +39,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tests.spawn import run_distributed  # noqa: E402
 from trainer.config import compose_config as make_config  # noqa: E402
-from trainer.spawn import run_distributed  # noqa: E402
 
 MIB = 2**20
 _PAGE = os.sysconf("SC_PAGE_SIZE")

@@ -50,7 +50,7 @@ from torch.distributed.pipelining import PipelineStage
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from parallelisms.pipeline_parallel import SCHEDULES, _kind, stage_ids_of_rank  # noqa: E402
-from trainer.spawn import run_distributed  # noqa: E402
+from tests.spawn import run_distributed  # noqa: E402
 
 K = 4  # pipeline ranks
 DIM = 32

@@ -1,5 +1,5 @@
-"""The multi-process test harness is the product's own spawner (``trainer/spawn.py``), which the
-benchmarks use too: run a function on N gloo ranks with bounded waits and a report of which
+"""The multi-process test harness is the spawner in ``tests/spawn.py`` (not shipped: only the tests
+and the benchmarks use it): run a function on N gloo ranks with bounded waits and a report of which
 rank died and how.
 
 The tests start their ranks from a fork server (``start_method="forkserver"``) that imported
@@ -20,8 +20,8 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from trainer.spawn import DistributedError, describe_exit, free_port
-from trainer.spawn import run_distributed as _run_distributed
+from tests.spawn import DistributedError, describe_exit, free_port
+from tests.spawn import run_distributed as _run_distributed
 
 __all__ = ["DistributedError", "describe_exit", "free_port", "run_distributed"]
 
@@ -31,11 +31,11 @@ PRELOAD = [
     "torch",
     "torch.distributed",
     "trainer.train",
-    "trainer.checkpoint",
+    "trainer.checkpoint.checkpointer",
     "tests.configs",
     "tests.parity",
 ]
-# Set by trainer/spawn.py's worker for its rank: kept when the test process's environment is applied.
+# Set by tests/spawn.py's worker for its rank: kept when the test process's environment is applied.
 _RANK_ENV = (
     "MASTER_ADDR",
     "MASTER_PORT",
@@ -81,7 +81,7 @@ def _as_launched(
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0) -> list[Any]:
-    """``trainer.spawn.run_distributed`` with ranks forked from the session's preloaded fork server."""
+    """``tests.spawn.run_distributed`` with ranks forked from the session's preloaded fork server."""
     return _run_distributed(
         _as_launched, world_size, fn, dict(os.environ), os.getcwd(), _LauncherStdio(), *args,
         timeout=timeout, start_method=START_METHOD,

@@ -22,7 +22,7 @@ from models.errors import ConfigError
 from models.spec import ModelArgs
 from parallelisms.config import DDPConfig, FSDPConfig, ParallelismConfig
 from parallelisms.utils import DTYPES
-from trainer.hf import parse_size
+from trainer.checkpoint.hf import parse_size
 
 __all__ = [
     "CheckpointConfig",
@@ -123,7 +123,7 @@ class MetricsConfig:
     wandb_project: str = "meshwright"
     wandb_entity: Optional[str] = None  # W&B team or user; None = the account's default
     wandb_mode: Optional[str] = None  # online | offline | disabled; None = W&B's default (WANDB_MODE)
-    comm_ledger: bool = False  # bytes/calls of every collective of each logged step, per rank (trainer/comm_ledger.py)
+    comm_ledger: bool = False  # bytes/calls of every collective of each logged step, per rank (trainer/observe/comm_ledger.py)
 
 
 @dataclass

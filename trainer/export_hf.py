@@ -14,57 +14,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
-from typing import Any, Optional
 
-from models import get_spec
 from models.errors import ConfigError
 from parallelisms.utils import DTYPES
-from trainer.checkpoint import load_full_state, read_marker, verify_files
-from trainer.hf import parse_size, save_hf
-
-
-def export(
-    checkpoint: str, out_dir: str, *, dtype: str = "float32", max_shard_size: str = "5GB"
-) -> list[str]:
-    """Convert the DCP checkpoint folder ``checkpoint`` (a ``step-N``) into ``out_dir``; return the files."""
-    if dtype not in DTYPES:
-        raise ConfigError(f"--dtype={dtype!r} is not one of {sorted(DTYPES)}.")
-    info = read_marker(checkpoint)
-    verify_files(checkpoint, info)
-    if "model" not in info:
-        raise ConfigError(
-            f"{checkpoint} records no model config; it was not written by meshwright's trainer."
-        )
-    state = load_full_state(checkpoint, "model.")
-    spec = get_spec(info["model"].get("family", "llama"))
-    args = spec.make_args(info["model"])
-    extra, bos, eos, tokenizer_file = hf_sidecar(info, info["step"], os.path.abspath(checkpoint))
-    files = save_hf(state, spec, args, out_dir, max_shard_bytes=parse_size(max_shard_size), dtype=DTYPES[dtype],
-                    extra=extra, bos_id=bos, eos_id=eos)  # fmt: skip
-    if tokenizer_file is not None:
-        shutil.copyfile(tokenizer_file, os.path.join(out_dir, "tokenizer.json"))
-        files.append("tokenizer.json")
-    return files
-
-
-def hf_sidecar(
-    info: dict[str, Any], step: int, source: str
-) -> tuple[dict[str, Any], Optional[int], Optional[int], Optional[str]]:
-    """(``meshwright.json`` contents, bos id, eos id, the tokenizer.json to copy or None) of a HF
-    folder written from a run whose marker fields are ``info`` (``trainer.checkpoint.model_info``)."""
-    from trainer.tokenizer import build_tokenizer
-
-    tokenizer = info.get("tokenizer", "byte")
-    extra: dict[str, Any] = {"tokenizer": "byte", "model": info["model"], "step": step, "source": source}
-    try:
-        tok = build_tokenizer(tokenizer)
-    except ConfigError:  # the tokenizer file moved: write the weights anyway
-        return {**extra, "tokenizer": None}, None, None, None
-    if tokenizer == "byte":
-        return extra, tok.bos_id, tok.eos_id, None
-    return {**extra, "tokenizer": "tokenizer.json"}, tok.bos_id, tok.eos_id, tokenizer
+from trainer.checkpoint.export import export
+from trainer.checkpoint.hf import parse_size
 
 
 def _check_args(args: argparse.Namespace) -> None:

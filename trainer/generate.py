@@ -30,9 +30,9 @@ from models import get_spec
 from models.attention import KVCacheCore
 from models.errors import ConfigError
 from models.spec import ModelSpec
-from trainer.checkpoint import MARKER, load_full_state, read_marker, verify_files
-from trainer.hf import CONFIG_FILE, MESHWRIGHT_FILE, read_hf
-from trainer.tokenizer import Tokenizer, build_tokenizer
+from trainer.checkpoint.checkpointer import MARKER, load_full_state, read_marker, verify_files
+from trainer.checkpoint.hf import CONFIG_FILE, MESHWRIGHT_FILE, read_hf
+from trainer.data.tokenizer import Tokenizer, build_tokenizer
 
 
 def _build(spec: ModelSpec, args: Any, state: dict[str, torch.Tensor], device: torch.device) -> nn.Module:

@@ -25,8 +25,7 @@ from omegaconf import DictConfig  # noqa: E402
 from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
 from models.errors import ConfigError  # noqa: E402
-from trainer.checkpoint_space import EXIT_DISK_FULL, CheckpointDiskFull  # noqa: E402
-from trainer.comm import EXIT_COMM_FAILURE, describe_comm_failure, is_comm_failure  # noqa: E402
+from trainer.checkpoint.space import EXIT_DISK_FULL, CheckpointDiskFull  # noqa: E402
 from trainer.config import (  # noqa: E402
     CONFIG_DIR,
     TrainConfig,
@@ -35,7 +34,8 @@ from trainer.config import (  # noqa: E402
     register_configs,
     to_train_config,
 )
-from trainer.preemption import EXIT_PREEMPTED, Preempted  # noqa: E402
+from trainer.resilience.preemption import EXIT_PREEMPTED, Preempted  # noqa: E402
+from trainer.resilience.watchdog import EXIT_COMM_FAILURE, describe_comm_failure, is_comm_failure  # noqa: E402
 from trainer.train import Trainer, TrainingError  # noqa: E402
 
 register_configs()

@@ -20,24 +20,24 @@ from parallelisms.expert_parallel import LoadBalancer
 from parallelisms.parallelize import PartOptions, parallelize, parallelize_pipeline
 from parallelisms.utils import clip_grad_norm_, copy_full_into
 from parallelisms.validate import validated_dims
-from trainer.checkpoint import (
+from trainer.checkpoint.checkpointer import (
     Checkpointer,
     describe_layout,
     model_info,
     seed_parallelism,
     validate_checkpoint_config,
 )
-from trainer.comm import CommMonitor, configure_flight_recorder
-from trainer.comm_ledger import CommLedger, axis_names_of_groups
 from trainer.config import TrainConfig, to_yaml
 from trainer.data import DataLoader, build_dataloader
-from trainer.guards import install_test_nan_hook, non_finite_message
-from trainer.metrics import MetricsLogger, setup_logging
+from trainer.data.tokenizer import build_tokenizer, check_vocab_size
+from trainer.observe.comm_ledger import CommLedger, axis_names_of_groups
+from trainer.observe.metrics import MetricsLogger, setup_logging
+from trainer.observe.profiling import StepProfiler
 from trainer.optim import build_lr_scheduler, build_optimizer
-from trainer.preemption import PreemptionHandler
-from trainer.profiling import StepProfiler
+from trainer.resilience.guards import install_test_nan_hook, non_finite_message
+from trainer.resilience.preemption import PreemptionHandler
+from trainer.resilience.watchdog import CommMonitor, configure_flight_recorder
 from trainer.step import StepBatch, StepContext, count_targets, document_positions, token_loss_sum
-from trainer.tokenizer import build_tokenizer, check_vocab_size
 
 if TYPE_CHECKING:  # imported when pp > 1 (torch.distributed.pipelining costs ~1 s to import)
     from parallelisms.pipeline_parallel import Pipeline
@@ -142,7 +142,7 @@ class Trainer:
         torch.manual_seed(self.cfg.training.seed)
 
     def _build_operations(self) -> None:
-        """Collective timeouts + hang reports (trainer/comm.py), SIGTERM/SIGUSR1 (trainer/preemption.py,
+        """Collective timeouts + hang reports (trainer/resilience/watchdog.py), SIGTERM/SIGUSR1 (trainer/resilience/preemption.py,
         collective: every rank builds it) and the profiler."""
         cfg = self.cfg
         self.comm = CommMonitor(
@@ -226,7 +226,7 @@ class Trainer:
         )
         self.lr_scheduler = build_lr_scheduler(self.optimizer, self.cfg.lr_scheduler, self.cfg.training.steps)
         self.state = TrainState()
-        # test-only (trainer/guards.py): MESHWRIGHT_TEST_NAN_AT=<rank>@<step> injects a NaN
+        # test-only (trainer/resilience/guards.py): MESHWRIGHT_TEST_NAN_AT=<rank>@<step> injects a NaN
         install_test_nan_hook(self.model, self.rank, lambda: self.state.step + 1)
 
     def _build_checkpointer(self) -> None:

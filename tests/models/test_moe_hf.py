@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from models.errors import ConfigError
 from models.moe import MoEHF, moe_layers
 from tests.configs import REPO, make_config
-from trainer.hf import load_hf_into, read_hf, read_hf_config, save_hf, save_hf_distributed
+from trainer.checkpoint.hf import load_hf_into, read_hf, read_hf_config, save_hf, save_hf_distributed
 
 transformers = pytest.importorskip("transformers", reason="transformers (the dev extra) is not installed")
 
@@ -264,7 +264,7 @@ def test_export_loads_in_transformers_and_refuses_a_moved_bias(folders, kind: st
 @pytest.mark.parametrize("kind", KINDS)
 def test_generate_cli_on_a_transformers_folder(folders, kind: str) -> None:
     """Greedy tokens of the CLI are transformers' greedy tokens."""
-    from trainer.tokenizer import build_tokenizer
+    from trainer.data.tokenizer import build_tokenizer
 
     folder, hf = folders[kind]
     new_tokens = 6
@@ -297,8 +297,8 @@ _RUN = ("training.steps=2", "training.seq_len=64", "training.global_batch_size=2
 def test_initial_load_hf_run_starts_from_transformers_weights(folders, kind: str, tmp_path) -> None:
     """Two steps through the CLI; the first loss is transformers' loss on the run's first batch."""
     from models.common import IGNORE_INDEX
-    from trainer.data.loader import build_dataloader
-    from trainer.tokenizer import build_tokenizer
+    from trainer.data.build import build_dataloader
+    from trainer.data.tokenizer import build_tokenizer
 
     folder, hf = folders[kind]
     overrides = ("model=moe_debug", *RUN_OVERRIDES[kind], *_RUN, f"checkpoint.initial_load_hf={folder}")

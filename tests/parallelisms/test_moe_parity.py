@@ -60,7 +60,7 @@ def _records(history: list[dict]) -> list[tuple[float, float]]:
 
 def _biases(trainer) -> dict[str, list[float]]:
     """Plain lists: tensors would travel between processes through shared memory."""
-    from trainer.checkpoint import unwrap
+    from trainer.checkpoint.checkpointer import unwrap
 
     return {f"{name}.expert_bias": moe.expert_bias.tolist()
             for name, moe in trainer.spec.extra["moe_layers"](unwrap(trainer.model))}  # fmt: skip
@@ -77,7 +77,7 @@ def _train(cfg: TrainConfig) -> dict:
 
 
 def _resume(cfg: TrainConfig) -> dict:
-    from trainer.checkpoint import load_full_state
+    from trainer.checkpoint.checkpointer import load_full_state
     from trainer.train import Trainer
 
     path = cfg.checkpoint.initial_load_path

@@ -64,9 +64,9 @@ def _train(cfg: TrainConfig, world_size: int, name: str) -> dict:
     from parallelisms.parallelize import PartOptions, parallelize, parallelize_pipeline
     from parallelisms.utils import clip_grad_norm_, copy_full_into
     from trainer.data import build_dataloader
+    from trainer.data.tokenizer import build_tokenizer
     from trainer.optim import build_lr_scheduler, build_optimizer
     from trainer.step import StepContext, token_loss_sum
-    from trainer.tokenizer import build_tokenizer
 
     t, p = cfg.training, cfg.parallelism
     dims = validated_dims(

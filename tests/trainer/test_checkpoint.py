@@ -21,9 +21,9 @@ from models.errors import ConfigError
 from models.llama import LlamaHF
 from tests.configs import tiny_config
 from tests.dist import run_distributed
-from trainer.checkpoint import complete_steps, load_full_state, validate_checkpoint_config
-from trainer.checkpoint_io import remove_leftovers
-from trainer.hf import read_hf
+from trainer.checkpoint.checkpointer import complete_steps, load_full_state, validate_checkpoint_config
+from trainer.checkpoint.hf import read_hf
+from trainer.checkpoint.storage import remove_leftovers
 
 # -- folder rules and config validation (no processes) -----------------------------------
 
@@ -96,7 +96,7 @@ def _train_runs(rank: int, world_size: int, tmp: str) -> None:
 def _full_model(trainer) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
-    from trainer.checkpoint import ModelState, unwrap
+    from trainer.checkpoint.checkpointer import ModelState, unwrap
 
     sd = ModelState(unwrap(trainer.model)).state_dict()
     return {

@@ -2,7 +2,7 @@
 and reproduces the uninterrupted run's losses bitwise; leftovers are cleaned up.
 
 Real CLI processes (``python trainer/main.py``); the ``MESHWRIGHT_TEST_CRASH_AT`` hook in
-trainer/checkpoint_io.py SIGKILLs the process at the named phase of the step-6 save. The runs
+trainer/checkpoint/storage.py SIGKILLs the process at the named phase of the step-6 save. The runs
 checkpoint every 2 steps and keep the latest 2, so the step-6 save also purges step-2.
 
 The two-rank test arms the hook in one rank only (the variable is read per process): one
@@ -20,7 +20,7 @@ import pytest
 from tests.configs import REPO, TINY, tiny_config
 from tests.dist import DistributedError, run_distributed
 from tests.parity import assert_parity, step_metrics
-from trainer.checkpoint import complete_steps
+from trainer.checkpoint.checkpointer import complete_steps
 from trainer.config import TrainConfig
 
 pytestmark = pytest.mark.slow
@@ -106,7 +106,7 @@ MULTI_CASES = {
 
 def _crash_worker(rank: int, world_size: int, cfg: TrainConfig, kill_rank: int, spec: str) -> None:
     """Train with the crash hook armed on ``kill_rank`` only (the env var is per process)."""
-    from trainer.checkpoint_io import CRASH_ENV
+    from trainer.checkpoint.storage import CRASH_ENV
     from trainer.train import Trainer
 
     if rank == kill_rank:

@@ -23,8 +23,8 @@ import subprocess
 import pytest
 
 from tests.configs import REPO, TINY
-from trainer.checkpoint import complete_steps
-from trainer.checkpoint_space import EXIT_DISK_FULL
+from trainer.checkpoint.checkpointer import complete_steps
+from trainer.checkpoint.space import EXIT_DISK_FULL
 
 pytestmark = pytest.mark.slow
 

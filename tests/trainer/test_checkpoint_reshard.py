@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from tests.configs import NO_CLIP, tiny_config
 from tests.dist import run_distributed
 from tests.parity import assert_parity
-from trainer.checkpoint import load_full_state
+from trainer.checkpoint.checkpointer import load_full_state
 from trainer.config import TrainConfig
 
 pytestmark = pytest.mark.slow
@@ -56,7 +56,7 @@ COMMON = ["checkpoint.interval=4", NO_CLIP]
 
 def _full_state(trainer) -> dict[str, torch.Tensor]:
     """Model + optimizer tensors of any layout, gathered to full form on every rank (collective)."""
-    from trainer.checkpoint import ModelState, OptimizerState, unwrap
+    from trainer.checkpoint.checkpointer import ModelState, OptimizerState, unwrap
 
     module = unwrap(trainer.model)
     flat = {f"model.{k}": v for k, v in ModelState(module).state_dict().items()}

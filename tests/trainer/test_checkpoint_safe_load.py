@@ -1,4 +1,4 @@
-"""Loading a checkpoint never runs code from it (``trainer/checkpoint_reader.py``).
+"""Loading a checkpoint never runs code from it (``trainer/checkpoint/reader.py``).
 
 A DCP ``.metadata`` is a pickle, and so is every BYTES entry (non-tensor state) in the data
 files. A checkpoint whose ``.metadata`` or a bytes entry was replaced by a crafted pickle (its
@@ -37,8 +37,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from models.errors import ConfigError
 from tests.configs import REPO, TINY, tiny_config
 from tests.dist import run_distributed
-from trainer.checkpoint_io import MARKER, file_crc32, load_full_state, read_metadata
-from trainer.checkpoint_reader import CheckpointReader, UnsafeCheckpointError, dcp_load, metadata_globals
+from trainer.checkpoint.reader import CheckpointReader, UnsafeCheckpointError, dcp_load, metadata_globals
+from trainer.checkpoint.storage import MARKER, file_crc32, load_full_state, read_metadata
 
 RUN = ("checkpoint.enable=true", "training.steps=2")
 FSDP = ("parallelism.dp_shard=2",)
@@ -225,9 +225,7 @@ def test_allow_list_is_exactly_the_dcp_metadata_globals() -> None:
 PRODUCT = ("trainer", "models", "parallelisms", "benchmarks")
 # (file, what) -> why it is safe.
 ALLOWED_DESERIALIZATION = {
-    ("trainer/spawn.py", "pickle.loads"): "IPC: a rank's result sent back over the multiprocessing pipe by a "
-    "process this launcher forked itself (same user, same code); never a file",
-    ("trainer/checkpoint_reader.py", "pickle.Unpickler"): "the base of the allow-list unpickler of DCP "
+    ("trainer/checkpoint/reader.py", "pickle.Unpickler"): "the base of the allow-list unpickler of DCP "
     ".metadata (find_class resolves only metadata_globals())",
 }
 _UNSAFE_ATTRS = {
@@ -292,7 +290,7 @@ def test_no_unsafe_deserialization_in_the_product() -> None:
                             unexpected.append(f"{file}:{line}: {what}")
     assert not unexpected, (
         "unsafe deserialization of possibly untrusted data (use torch.load(weights_only=True), JSON, "
-        "safetensors, or trainer.checkpoint_reader; or add it to ALLOWED_DESERIALIZATION with the reason):\n"
+        "safetensors, or trainer.checkpoint.reader; or add it to ALLOWED_DESERIALIZATION with the reason):\n"
         + "\n".join(unexpected)
     )
     assert seen == set(ALLOWED_DESERIALIZATION), (

@@ -25,7 +25,7 @@ from trainer.data import (
     load_documents,
     tokenize_documents,
 )
-from trainer.tokenizer import ByteTokenizer, HFTokenizer
+from trainer.data.tokenizer import ByteTokenizer, HFTokenizer
 
 
 @dataclass

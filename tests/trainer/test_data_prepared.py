@@ -25,9 +25,9 @@ from trainer.data import (
 )
 from trainer.data import windows as windows_mod
 from trainer.data.prepared import prepare
+from trainer.data.tokenizer import ByteTokenizer, HFTokenizer
 from trainer.prepare_data import main as prepare_main
 from trainer.step import document_positions
-from trainer.tokenizer import ByteTokenizer, HFTokenizer
 
 BYTE = ByteTokenizer()
 

@@ -26,7 +26,7 @@ CHILD = """
 import json, resource, sys, time
 from trainer.config import DataConfig
 from trainer.data import build_dataloader
-from trainer.tokenizer import ByteTokenizer
+from trainer.data.tokenizer import ByteTokenizer
 t0 = time.perf_counter()  # after the imports, whose time on a busy machine is noise here
 dl = build_dataloader(DataConfig(source="tokens", path=sys.argv[1]), ByteTokenizer(), split="train", seq_len=256,
                       global_batch_size=16, dp_rank=0, dp_size=1, seed=0)

@@ -1,7 +1,7 @@
 """Failures that must stop every rank, saying where: a collective one rank never enters (hang),
 and a NaN on one rank. Real 2-rank torchrun jobs on gloo, with the test-only hooks
-``MESHWRIGHT_TEST_SKIP_COLLECTIVE_AT`` (trainer/preemption.py) and ``MESHWRIGHT_TEST_NAN_AT``
-(trainer/guards.py)."""
+``MESHWRIGHT_TEST_SKIP_COLLECTIVE_AT`` (trainer/resilience/preemption.py) and ``MESHWRIGHT_TEST_NAN_AT``
+(trainer/resilience/guards.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import time
 import pytest
 
 from tests.configs import REPO, TINY
-from trainer.checkpoint import complete_steps, read_marker, verify_files
+from trainer.checkpoint.checkpointer import complete_steps, read_marker, verify_files
 
 pytestmark = pytest.mark.slow
 

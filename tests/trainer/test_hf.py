@@ -22,7 +22,7 @@ from models.errors import ConfigError
 from models.llama import LlamaHF
 from tests.configs import make_config, tiny_config
 from tests.dist import run_distributed
-from trainer.hf import read_hf, save_hf
+from trainer.checkpoint.hf import read_hf, save_hf
 
 transformers = pytest.importorskip("transformers", reason="transformers (the dev extra) is not installed")
 
@@ -152,7 +152,7 @@ def _tiny(tmp_path, name: str, *overrides: str):
 
 
 def test_load_hf_into_checks_the_folder(tmp_path, caplog) -> None:
-    from trainer.hf import load_hf_into
+    from trainer.checkpoint.hf import load_hf_into
 
     spec, args, source = _tiny(tmp_path, "a", "model.rope_theta=50000")
     hf_dir = str(tmp_path / "hf")
@@ -231,12 +231,12 @@ def _load_38m(rank: int, world_size: int, tmp: str, hf_dir: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    import trainer.hf
-    from trainer.checkpoint import ModelState, unwrap
+    import trainer.checkpoint.hf
+    from trainer.checkpoint.checkpointer import ModelState, unwrap
     from trainer.train import Trainer
 
     out: dict = {}
-    trainer.hf.load_hf_into = _measured(trainer.hf.load_hf_into, out)  # the Checkpointer imports it late
+    trainer.checkpoint.hf.load_hf_into = _measured(trainer.checkpoint.hf.load_hf_into, out)  # the Checkpointer imports it late
     cfg = make_config(
         "model=38m", f"job.dump_folder={tmp}/run38m", "parallelism.dp_shard=2", "training.seq_len=32",
         "training.global_batch_size=4", "training.micro_batch_size=2", "data.max_documents=40",
@@ -318,7 +318,7 @@ def _train_and_save_hf(rank: int, world_size: int, tmp: str, runs: dict) -> None
 def test_last_save_in_hf_single_process_fsdp_and_tp(tmp_path) -> None:
     from safetensors.torch import load_file
 
-    from trainer.checkpoint import load_full_state
+    from trainer.checkpoint.checkpointer import load_full_state
     from trainer.generate import load_model
 
     tmp = str(tmp_path)
@@ -359,8 +359,8 @@ def test_last_save_in_hf_single_process_fsdp_and_tp(tmp_path) -> None:
 
 
 def test_hf_folders_are_not_checkpoints_and_their_leftovers_are_removed(tmp_path) -> None:
-    from trainer.checkpoint import complete_steps
-    from trainer.checkpoint_io import remove_leftovers
+    from trainer.checkpoint.checkpointer import complete_steps
+    from trainer.checkpoint.storage import remove_leftovers
 
     for name in ("step-2", "step-2-hf", "step-4-hf.tmp-ab12", "step-4-hf.trash-cd34"):
         (tmp_path / name).mkdir()

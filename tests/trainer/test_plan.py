@@ -16,15 +16,10 @@ import time
 import pytest
 
 from trainer.config import compose_config
-from trainer.plan import (
-    ClusterConfig,
-    activation_bytes_per_token_layer,
-    build_plan,
-    compose_cluster,
-    main,
-    pp_bubble,
-    ring_wire_bytes,
-)
+from trainer.plan import main
+from trainer.planner.cluster import ClusterConfig, compose_cluster, pp_bubble, ring_wire_bytes
+from trainer.planner.memory import activation_bytes_per_token_layer
+from trainer.planner.plan import build_plan
 
 GB, MB = 1e9, 1e6
 H100 = ClusterConfig()
@@ -169,7 +164,7 @@ def test_recommend_70b_on_4_nodes_of_8_h100(capsys: pytest.CaptureFixture[str]) 
     per GPU for the in-node shard), FSDP over 32 GPUs fits only with full checkpointing and its
     all-gathers would need the whole compute time on InfiniBand, so tensor parallel inside the node
     is taken; TP=8 x FSDP=4 fits without checkpointing and is the fastest of those that fit."""
-    from trainer.plan_recommend import recommend
+    from trainer.planner.recommend import recommend
 
     cfg = compose_config("+experiment=70b_tp_fsdp")
     chosen, tried = recommend(cfg, ClusterConfig(nodes=4))
@@ -185,7 +180,7 @@ def test_recommend_70b_on_4_nodes_of_8_h100(capsys: pytest.CaptureFixture[str]) 
 
 
 def test_recommend_small_model_stays_data_parallel() -> None:
-    from trainer.plan_recommend import recommend
+    from trainer.planner.recommend import recommend
 
     chosen, tried = recommend(compose_config("+experiment=38m_ddp"), ClusterConfig())
     assert chosen is tried[0] and chosen.label == "DDP 8" and chosen.ac == "none"

@@ -18,8 +18,10 @@ import pytest
 
 from tests.configs import tiny_config
 from tests.parity import Case, GroupedRuns
-from trainer.plan import build_plan, compose_cluster, main
-from trainer.plan_compare import compare_with_ledger
+from trainer.plan import main
+from trainer.planner.cluster import compose_cluster
+from trainer.planner.compare import compare_with_ledger
+from trainer.planner.plan import build_plan
 
 pytestmark = pytest.mark.slow
 
@@ -112,7 +114,7 @@ def test_ledger_off_installs_nothing(runs: dict) -> None:
                       "checkpoint.enable=false")  # fmt: skip
     trainer = Trainer(cfg)
     try:
-        assert trainer.comm_ledger is None
+        assert trainer.observe.comm_ledger is None
         history = trainer.train()
     finally:
         trainer.close()

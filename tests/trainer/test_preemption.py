@@ -18,7 +18,7 @@ import time
 import pytest
 
 from tests.configs import REPO, TINY
-from trainer.checkpoint import complete_steps, read_marker, verify_files
+from trainer.checkpoint.checkpointer import complete_steps, read_marker, verify_files
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from models.errors import ConfigError
-from trainer.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, build_tokenizer, check_vocab_size
+from trainer.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, build_tokenizer, check_vocab_size
 
 TEXTS = [
     "def main():\n    return 42\n",

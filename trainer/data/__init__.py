@@ -5,9 +5,11 @@
   (``python -m trainer.prepare_data``) and opens them;
 * :mod:`~trainer.data.windows` cuts a token store into windows and maps global sample
   indices to windows (epoch permutations, weighted mixtures);
-* :mod:`~trainer.data.loader` is the per-rank loader (state: global samples seen) and
-  ``build_dataloader`` for every source;
+* :mod:`~trainer.data.loader` is the per-rank loader (state: global samples seen);
 * :mod:`~trainer.data.stream` tokenizes and packs streamed corpora on the fly;
+* :mod:`~trainer.data.build` is ``build_dataloader``: the loader for every source (it imports
+  ``loader`` and ``stream``; neither imports it);
+* :mod:`~trainer.data.tokenizer` is the tokenizer (byte-level or a ``tokenizer.json``);
 * :mod:`~trainer.data.prefetch` runs batch preparation in a background thread.
 """
 
@@ -18,7 +20,7 @@ from typing import Any
 _EXPORTS = {
     "SOURCES": "documents", "SPLITS": "documents", "_builtin_files": "documents", "builtin_root": "documents",
     "is_validation": "documents", "load_documents": "documents",
-    "DataLoader": "loader", "build_dataloader": "loader", "tokenize_documents": "loader",
+    "DataLoader": "loader", "build_dataloader": "build", "tokenize_documents": "loader",
     "tokenize_with_starts": "loader",
     "Batch": "windows", "DocWindows": "windows", "Mixture": "windows", "PackedWindows": "windows",
     "SampleOrder": "windows", "TokenWindows": "windows", "feistel_permutation": "windows",

@@ -44,7 +44,13 @@ from trainer.data.documents import (
     builtin_root,
     is_validation,
 )
-from trainer.tokenizer import Tokenizer, build_tokenizer, encode_documents, token_dtype, tokenizer_fingerprint
+from trainer.data.tokenizer import (
+    Tokenizer,
+    build_tokenizer,
+    encode_documents,
+    token_dtype,
+    tokenizer_fingerprint,
+)
 
 logger = logging.getLogger("meshwright")
 

@@ -40,10 +40,10 @@ import torch
 from models.common import IGNORE_INDEX
 from models.errors import ConfigError
 from trainer.data.documents import _SOURCE_ALIASES, _expand_path, _root_cause, is_validation
-from trainer.data.loader import _entry, check_dp_shard, mixture_names
+from trainer.data.loader import check_dp_shard
 from trainer.data.prefetch import Prefetcher
-from trainer.data.windows import MIX_BLOCK, Batch, mixture_pattern
-from trainer.tokenizer import Tokenizer, encode_documents
+from trainer.data.tokenizer import Tokenizer, encode_documents
+from trainer.data.windows import MIX_BLOCK, Batch, mixture_entry, mixture_names, mixture_pattern
 
 logger = logging.getLogger("meshwright")
 
@@ -196,7 +196,7 @@ class StreamingDataLoader:
     def __init__(self, cfg: Any, tokenizer: Tokenizer, *, split: str, seq_len: int, global_batch_size: int,
                  dp_rank: int, dp_size: int, prefetch: int = 0, pin_memory: bool = False) -> None:  # fmt: skip
         check_dp_shard(dp_rank, dp_size, global_batch_size)
-        entries = [_entry(e) for e in (getattr(cfg, "sources", None) or [])] or [(cfg.path, 1.0)]
+        entries = [mixture_entry(e) for e in (getattr(cfg, "sources", None) or [])] or [(cfg.path, 1.0)]
         for i, (_, w) in enumerate(entries):
             if w <= 0:
                 raise ConfigError(f"data.sources[{i}].weight={w} must be > 0; drop the source instead")

@@ -33,7 +33,7 @@ import os
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol
 
 import numpy as np
 import torch
@@ -417,3 +417,19 @@ class Mixture:
                 pos = None if batch.positions is None else batch.positions[row : row + 1]
                 parts[j] = Batch(batch.inputs[row : row + 1], batch.labels[row : row + 1], pos)
         return Batch.cat(parts)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------- mixture entries
+
+
+def mixture_entry(e: Any) -> tuple[str, float]:
+    """(path, weight) of a ``data.sources`` entry (a MixtureSource or a plain mapping)."""
+    path = e["path"] if isinstance(e, dict) else e.path
+    weight = e.get("weight", 1.0) if isinstance(e, dict) else e.weight
+    return str(path), float(weight)
+
+
+def mixture_names(paths: list[str]) -> list[str]:
+    """Short unique names of the mixture sources (for logs and metrics)."""
+    names = [os.path.basename(os.path.normpath(p)) or p for p in paths]
+    return names if len(set(names)) == len(names) else [f"{i}:{n}" for i, n in enumerate(names)]

@@ -1,7 +1,7 @@
 """Step metrics to stdout, ``metrics.jsonl`` and the trackers (TensorBoard, W&B); rank 0 writes.
 
 After a resume from step K the records of later steps (written by the interrupted attempt)
-are dropped from ``metrics.jsonl`` and superseded in the trackers (``trainer/trackers.py``), so
+are dropped from ``metrics.jsonl`` and superseded in the trackers (``trainer/observe/trackers.py``), so
 each step appears once.
 """
 
@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 
 from trainer.config import MetricsConfig
-from trainer.trackers import Tracker, build_trackers, truncate_jsonl
+from trainer.observe.trackers import Tracker, build_trackers, truncate_jsonl
 
 logger = logging.getLogger("meshwright")
 

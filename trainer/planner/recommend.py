@@ -102,9 +102,10 @@ def _good(plan: Any) -> bool:
 
 def recommend(cfg: Any, cluster: Any) -> tuple[Optional[Candidate], list[Candidate]]:
     """(the recommended candidate or None, every candidate tried, in order)."""
-    from trainer.plan import _world_size, build_plan
+    from trainer.planner.context import world_size_of
+    from trainer.planner.plan import build_plan
 
-    world = _world_size(cfg, cluster) if cluster.nodes is None else cluster.nodes * cluster.gpus_per_node
+    world = world_size_of(cfg, cluster) if cluster.nodes is None else cluster.nodes * cluster.gpus_per_node
     tried: list[Candidate] = []
     for step, label, layout in _layouts(world, cluster.gpus_per_node):
         for ac in ("none", "full"):
@@ -136,7 +137,8 @@ def recommend(cfg: Any, cluster: Any) -> tuple[Optional[Candidate], list[Candida
 
 
 def render_recommendation(chosen: Optional[Candidate], tried: list[Candidate]) -> str:
-    from trainer.plan import GIB, render
+    from trainer.planner.cluster import GIB
+    from trainer.planner.report import render
 
     lines = ["layouts tried, in the article's decision order (first that fits and hides its communication wins):",
              f"  {'step':<7} {'layout':<24} {'AC':<5} {'peak GiB':>9} {'exposed':>8} {'tokens/s':>11}  verdict"]  # fmt: skip

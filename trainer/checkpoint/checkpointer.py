@@ -54,7 +54,18 @@ from torch.distributed.checkpoint.state_dict import (
 
 from models.errors import ConfigError
 from parallelisms.utils import DTYPES
-from trainer.checkpoint_io import (
+from trainer.checkpoint.reader import dcp_load
+from trainer.checkpoint.space import (
+    CheckpointDiskFull,
+    as_disk_full,
+    checkpoint_bytes,
+    disk_full_message,
+    find_disk_full,
+    free_bytes,
+    human_bytes,
+    optimizer_states_per_param,
+)
+from trainer.checkpoint.storage import (
     CRC_SUFFIX,
     FORMAT_VERSION,
     MARKER,
@@ -75,17 +86,6 @@ from trainer.checkpoint_io import (
     step_dir,
     verify_files,
     write_json_durable,
-)
-from trainer.checkpoint_reader import dcp_load
-from trainer.checkpoint_space import (
-    CheckpointDiskFull,
-    as_disk_full,
-    checkpoint_bytes,
-    disk_full_message,
-    find_disk_full,
-    free_bytes,
-    human_bytes,
-    optimizer_states_per_param,
 )
 
 __all__ = [  # the checkpoint_io names re-exported here are the ones other modules use
@@ -329,7 +329,7 @@ class Checkpointer:
         target = self._resolve()
         if target is None:
             if self.cfg.initial_load_hf:
-                from trainer.hf import load_hf_into
+                from trainer.checkpoint.hf import load_hf_into
 
                 spec, args = self.hf_target
                 start = time.perf_counter()
@@ -550,11 +550,11 @@ class Checkpointer:
         would from the checkpoint of ``step``); return its path. Collective.
 
         One tensor is gathered at a time and rank 0 writes each safetensors file as soon as it is
-        full (``trainer.hf.save_hf_distributed``). Atomic like a checkpoint: written into
+        full (``trainer.checkpoint.hf.save_hf_distributed``). Atomic like a checkpoint: written into
         ``step-N-hf.tmp-<id>`` and renamed when complete, replacing an older folder of that step.
         """
-        from trainer.export_hf import hf_sidecar
-        from trainer.hf import parse_size, save_hf_distributed
+        from trainer.checkpoint.export import hf_sidecar
+        from trainer.checkpoint.hf import parse_size, save_hf_distributed
 
         start = time.perf_counter()
         final = hf_step_dir(self.folder, step)

@@ -178,7 +178,7 @@ class CheckpointReader(FileSystemReader):
         if not isinstance(planner, SafeLoadPlanner):
             raise TypeError(
                 "CheckpointReader needs planner=SafeLoadPlanner(reader): DCP's default planner unpickles "
-                "bytes entries with torch.load(weights_only=False). Use trainer.checkpoint_reader.dcp_load."
+                "bytes entries with torch.load(weights_only=False). Use trainer.checkpoint.reader.dcp_load."
             )
         return super().read_data(plan, planner)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from trainer.plan import Collective, _collective, _Ctx, _link
+from trainer.planner.context import Collective, PlanContext, link_kind, make_collective
 
 __all__ = ["rank_collectives"]
 
@@ -14,7 +14,7 @@ __all__ = ["rank_collectives"]
 class _Rows:
     """Collects the collectives of one rank; rows over a group of one rank are dropped."""
 
-    def __init__(self, c: _Ctx, comp: dict[str, float]) -> None:
+    def __init__(self, c: PlanContext, comp: dict[str, float]) -> None:
         self.c, self.comp, self.rows = c, comp, []
 
     def add(self, name: str, op: str, axis: str, axes: tuple[str, ...], calls: float, size: float,
@@ -22,12 +22,12 @@ class _Rows:
         n = self.c.dims.axis_size(axis) if axis in ("ep", "dp_shard_mod_ep") else math.prod(getattr(self.c.dims, a) for a in axes)
         if n <= 1 or calls <= 0 or size <= 0:
             return
-        link = _link(self.c.dims, axes, self.c.cluster.gpus_per_node)
+        link = link_kind(self.c.dims, axes, self.c.cluster.gpus_per_node)
         window_s = self.comp.get(window, 0.0)
-        self.rows.append(_collective(self.c.cluster, name, op, axis, n, link, int(round(calls)), size, overlap, window_s))
+        self.rows.append(make_collective(self.c.cluster, name, op, axis, n, link, int(round(calls)), size, overlap, window_s))
 
 
-def _fsdp_units(c: _Ctx, pp_rank: int) -> tuple[list[float], list[float], float, float]:
+def _fsdp_units(c: PlanContext, pp_rank: int) -> tuple[list[float], list[float], float, float]:
     """(dense params per block, expert params per block, head unit, root unit) local counts of
     ``pp_rank``, in forward order: FSDP's units (``parallelisms/fsdp.py``)."""
     tp, ep, t = c.dims.tp, c.dims.ep, c.table
@@ -46,7 +46,7 @@ def _fsdp_units(c: _Ctx, pp_rank: int) -> tuple[list[float], list[float], float,
     return dense, experts, head, root
 
 
-def _fsdp_rows(rows: _Rows, c: _Ctx, pp_rank: int) -> None:
+def _fsdp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
     """FSDP2 per unit: all-gather in forward, again in backward for the units resharded after
     forward (every block but the last, and the root), reduce-scatter (and HSDP all-reduce) of the
     gradients -- every microbatch (the trainer does not skip gradient sync while accumulating),
@@ -76,7 +76,7 @@ def _fsdp_rows(rows: _Rows, c: _Ctx, pp_rank: int) -> None:
                      syncs * len(fwd), sum(fwd) / len(fwd) * c.sync_bytes / n, "backward", "backward_s")  # fmt: skip
 
 
-def _ddp_rows(rows: _Rows, c: _Ctx, pp_rank: int) -> None:
+def _ddp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
     """Bucketed DDP: one all-reduce of every gradient per step (no_sync while accumulating), over
     dp_replicate x cp; ZeRO-1 then re-replicates the parameters over dp_replicate: one broadcast per
     owner on gloo, one all-gather on NCCL (``parallelisms/sharded_optimizer.py``)."""
@@ -97,7 +97,7 @@ def _ddp_rows(rows: _Rows, c: _Ctx, pp_rank: int) -> None:
                      1, local * 4, "none: after the step", "")  # fmt: skip
 
 
-def _tp_counts(c: _Ctx, pp_rank: int) -> dict[str, float]:
+def _tp_counts(c: PlanContext, pp_rank: int) -> dict[str, float]:
     """Activation-sized TP collectives per microbatch of ``pp_rank``, by op, from the TP-plan kinds of
     its modules (``parallelisms/tensor_parallel.py``): a region entry (``gather_input``, the head's
     input) is all-gather fwd / reduce-scatter bwd under SP, all-reduce bwd without; a region exit
@@ -127,7 +127,7 @@ def _tp_counts(c: _Ctx, pp_rank: int) -> dict[str, float]:
     return counts
 
 
-def _tp_rows(rows: _Rows, c: _Ctx, pp_rank: int) -> None:
+def _tp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
     p, args = c.cfg.parallelism, c.cfg.model
     size = c.micro_tokens * args.dim * c.act_bytes  # (b, S/cp, H), the full sequence of the region
     overlap = ("matmuls (async TP)", "compute_s") if p.async_tp else ("none: critical path", "")
@@ -147,7 +147,7 @@ def _tp_rows(rows: _Rows, c: _Ctx, pp_rank: int) -> None:
                  4 * sum(norms) / max(len(norms), 1), "backward", "backward_s")  # fmt: skip
 
 
-def _cp_ep_rows(rows: _Rows, c: _Ctx, pp_rank: int) -> None:
+def _cp_ep_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
     """CP (all-gather of K and V per attention layer, reduce-scatter of dK, dV) and EP (per MoE layer
     token dispatch + combine all-to-alls, forward and backward, and the token-count exchange)."""
     dims, p, args = c.dims, c.cfg.parallelism, c.cfg.model
@@ -169,7 +169,7 @@ def _cp_ep_rows(rows: _Rows, c: _Ctx, pp_rank: int) -> None:
                  args.num_experts * 8, "none: critical path", "")  # fmt: skip
 
 
-def _pp_rows(rows: _Rows, c: _Ctx, pp_rank: int) -> None:
+def _pp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
     """Stage boundaries: per microbatch, activations forward and their gradients backward, to and
     from each neighbouring stage held by another rank."""
     dims = c.dims
@@ -182,7 +182,7 @@ def _pp_rows(rows: _Rows, c: _Ctx, pp_rank: int) -> None:
                  "forward+backward (async p2p)", "compute_s")  # fmt: skip
 
 
-def rank_collectives(c: _Ctx, pp_rank: int, comp: dict[str, float]) -> list[Collective]:
+def rank_collectives(c: PlanContext, pp_rank: int, comp: dict[str, float]) -> list[Collective]:
     rows = _Rows(c, comp)
     if c.dims.ddp_enabled:
         _ddp_rows(rows, c, pp_rank)

@@ -36,8 +36,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from models.errors import ConfigError
-from trainer.checkpoint_reader import CheckpointReader, dcp_load
-from trainer.checkpoint_space import as_disk_full
+from trainer.checkpoint.reader import CheckpointReader, dcp_load
+from trainer.checkpoint.space import as_disk_full
 
 logger = logging.getLogger("meshwright")
 

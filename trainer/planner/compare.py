@@ -13,7 +13,10 @@ import yaml
 from omegaconf import OmegaConf
 
 from models.errors import ConfigError
-from trainer.plan import Plan, build_plan, compose_cluster, render
+from trainer.planner.cluster import compose_cluster
+from trainer.planner.context import Plan
+from trainer.planner.plan import build_plan
+from trainer.planner.report import render
 
 __all__ = ["compare_with_ledger", "load_run", "main_run", "pp_rank_of", "render_comparison"]
 
@@ -32,7 +35,7 @@ def compare_with_ledger(plan: Plan, ledger: dict[str, Any]) -> list[dict[str, An
     The planned total leaves out what the plan does not model: scalars (token counts, the loss,
     grad-norm partial sums) and the load-balancer's per-expert counts; they are a fraction of a
     percent of the bytes and show up as ``measured`` ops without a plan."""
-    from trainer.comm_ledger import ledger_totals
+    from trainer.observe.comm_ledger import ledger_totals
 
     out = []
     for rank_key, counts in sorted(ledger["ranks"].items(), key=lambda kv: int(kv[0])):

@@ -1,0 +1,9 @@
+"""Checkpoints: everything that reads or writes the run's weights on disk.
+
+* :mod:`~trainer.checkpoint.checkpointer`: ``Checkpointer`` (DCP save/resume/reshard, async, purge);
+* :mod:`~trainer.checkpoint.storage`: the on-disk layout (folders, marker, CRCs, atomic commit);
+* :mod:`~trainer.checkpoint.reader`: safe loading (allow-list unpickler for DCP metadata);
+* :mod:`~trainer.checkpoint.space`: disk-room checks and the disk-full error;
+* :mod:`~trainer.checkpoint.hf`: Hugging Face safetensors read/write (sharded, distributed);
+* :mod:`~trainer.checkpoint.export`: checkpoint -> HF folder (``python -m trainer.export_hf``).
+"""

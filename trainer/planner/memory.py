@@ -1,0 +1,87 @@
+"""Per-rank memory: activations per layer and token, and the model states, activations and
+buffers each pipeline rank holds."""
+
+from __future__ import annotations
+
+from trainer.planner.cluster import ADAM_BYTES, DTYPE_BYTES, pp_in_flight
+from trainer.planner.context import PlanContext, StageMemory
+
+
+def activation_bytes_per_token_layer(
+    dim: int, n_heads: int, n_kv_heads: int, *, tp: int = 1, sequence_parallel: bool = False, act_bytes: int = 2
+) -> float:
+    """Activation bytes one layer saves for backward per token (no checkpointing, SDPA).
+
+    The article's ``34 H`` (bf16): 10 H outside the TP regions, 24 H inside; with GQA the K and
+    V parts (2 H each) scale by ``n_kv_heads / n_heads``; TP divides the inside part, SP the
+    outside part as well. ``act_bytes=4`` (fp32 training) doubles everything.
+    """
+    inside = 24 - 4 * (1 - n_kv_heads / n_heads)
+    outside = 10.0
+    coeff = (outside + inside) / tp if (tp > 1 and sequence_parallel) else outside + inside / tp
+    return coeff * dim * act_bytes / 2
+
+
+
+
+def activation_memory(c: PlanContext, layers: int, has_head: bool, pp_rank: int) -> float:
+    """Activation bytes of ``layers`` blocks on one rank at its peak (in-flight microbatches)."""
+    args, t = c.cfg.model, c.cfg.training
+    tp, sp = c.tp_sp
+    per_tok = activation_bytes_per_token_layer(
+        args.dim, args.n_heads, args.kv_heads, tp=tp, sequence_parallel=sp, act_bytes=c.act_bytes
+    )
+    block_input = 2 * args.dim * c.act_bytes / 2 / (tp if sp else 1)
+    in_flight = pp_in_flight(c.schedule, c.dims.pp, c.accum, c.stages_per_rank, pp_rank)
+    tokens = c.micro_tokens
+    if t.activation_checkpoint == "full":
+        stored = layers * in_flight * tokens * block_input + tokens * per_tok  # + one layer recomputed
+    elif t.activation_checkpoint == "selective" and t.ac_selective == "layer":
+        k = t.ac_layer_interval
+        ckpt = layers // k
+        stored = in_flight * tokens * (ckpt * block_input + (layers - ckpt) * per_tok) + tokens * per_tok
+    else:  # none, or selective op (SDPA already keeps no S^2 scores: about the same as none)
+        stored = layers * in_flight * tokens * per_tok
+    if has_head:  # fp32 logits for the loss, vocab-sharded under loss parallel
+        vocab_split = tp if (tp > 1 and c.cfg.parallelism.loss_parallel) else 1
+        stored += tokens * args.vocab_size / vocab_split * 4
+    return stored
+
+
+def stage_memory_of(c: PlanContext, pp_rank: int) -> StageMemory:
+    """Model states, activations and buffers of ``pp_rank``: parameters after TP (1/tp of the
+    sharded kinds) and EP (1/ep of the experts); FSDP divides all by dp_shard x cp (experts: their
+    ep share by dp_shard x cp / ep); DDP's gradients live in its flat buckets (param dtype)."""
+    dims, p = c.dims, c.cfg.parallelism
+    tp = dims.tp
+    stages = c.ranks[pp_rank]
+    group = c.group(pp_rank)
+    local = group.local(tp, dims.ep)
+    held = local  # parameters this rank stores: FSDP shards the dense ones over dp_shard x cp and the
+    if dims.fsdp_enabled:  # experts' ep share over what is left of it (dp_shard x cp / ep)
+        experts = group.experts / dims.ep
+        held = (local - experts) / (dims.dp_shard * dims.cp) + experts / (dims.dp_shard * dims.cp // dims.ep)
+    params_b, grads_b, opt_b = 4 * held, 4 * held, ADAM_BYTES * held
+    buffers: dict[str, float] = {}
+    if dims.ddp_enabled and p.ddp.sharded_optimizer:
+        opt_b = ADAM_BYTES * local / dims.dp_replicate
+    if dims.ddp_enabled and p.ddp.grad_dtype and DTYPE_BYTES[p.ddp.grad_dtype] != 4:
+        buffers["ddp_wire_cast"] = min(local, p.ddp.bucket_mb * 1e6 / 4) * DTYPE_BYTES[p.ddp.grad_dtype]
+    blocks = [b for st in stages for b in st.blocks]
+    if dims.fsdp_enabled and blocks:
+        block_local = max(c.table.blocks[b].local(tp, dims.ep) for b in blocks)
+        gathered = (len(blocks) if not c.reshard_after_forward else min(2, len(blocks))) * block_local
+        buffers["fsdp_unsharded_params"] = gathered * c.param_gather_bytes
+        buffers["fsdp_grad_reduce"] = block_local * c.sync_bytes
+    acts = activation_memory(c, len(blocks), any(st.last for st in stages), pp_rank)
+    if dims.pp > 1:
+        boundary = c.micro_tokens * c.cfg.model.dim * c.act_bytes / (tp if c.tp_sp[1] else 1)
+        buffers["pp_p2p"] = 2 * boundary * c.stages_per_rank  # send + recv buffers per virtual stage
+    total = params_b + grads_b + opt_b + acts + sum(buffers.values())
+    return StageMemory(
+        pp_rank=pp_rank, layers=len(blocks), params_local=local, params_bytes=params_b, grads_bytes=grads_b,
+        optimizer_bytes=opt_b, activations_bytes=acts, buffers=buffers, total_bytes=total,
+    )  # fmt: skip
+
+
+# -- communication and compute ---------------------------------------------------------------

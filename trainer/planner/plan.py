@@ -1,0 +1,92 @@
+"""The plan of one layout: ``build_plan`` puts the memory, compute and communication sections
+together and gives the verdict (fits? communication hidden?)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from trainer.planner.cluster import GIB, ClusterConfig, pp_bubble
+from trainer.planner.comm import rank_collectives
+from trainer.planner.context import Collective, Plan, PlanContext, build_context, strategy_of
+from trainer.planner.memory import activation_bytes_per_token_layer, stage_memory_of
+
+
+def compute_seconds(c: PlanContext) -> dict[str, float]:
+    """FLOPs and time of one step on one rank; full checkpointing recomputes the forward (+1/3)."""
+    t, dims = c.cfg.training, c.dims
+    tokens = t.global_batch_size * t.seq_len
+    flops = c.spec.flops_per_token(c.cfg.model, t.seq_len) * tokens / dims.world_size
+    recompute = 4 / 3 if c.recompute else 1.0
+    seconds = flops * recompute / (c.cluster.peak_tflops * 1e12 * c.cluster.mfu)
+    bubble = pp_bubble(c.schedule, dims.pp, c.accum, c.stages_per_rank)
+    return {
+        "tokens_per_step": float(tokens), "flops_per_rank": flops * recompute, "compute_s": seconds,
+        "forward_s": seconds * (1 / 3 if recompute == 1 else 1 / 2), "backward_s": seconds * (2 / 3 if recompute == 1 else 1 / 2),
+        "pp_bubble": bubble, "compute_with_bubble_s": seconds / (1 - bubble),
+    }  # fmt: skip
+
+
+
+
+def _verdict(plan: Plan) -> dict[str, Any]:
+    cl, comp = plan.cluster, plan.compute
+    peak = max(s.total_bytes for s in plan.stages) + cl.workspace_gib * GIB
+    free = cl.memory_gib * GIB - peak
+
+    def exposed_of(rows: list[Collective]) -> tuple[float, float]:
+        overlappable = sum(x.time_s for x in rows if x.window_s > 0)
+        critical = sum(x.time_s for x in rows if x.window_s == 0)
+        return critical + max(0.0, overlappable - comp["compute_s"]), overlappable
+
+    # the slowest pipeline rank sets the pace
+    exposed, overlappable = max(exposed_of(rows) for rows in (plan.pp_rank_collectives or [plan.collectives]))
+    step = comp["compute_with_bubble_s"] + exposed
+    comm_share = exposed / step if step > 0 else 0.0
+    memory = (f"fits with {free / GIB:.1f} GiB free" if free >= 0 else f"does not fit by {-free / GIB:.1f} GiB") + (
+        f" (peak {peak / GIB:.1f} of {cl.memory_gib:.1f} GiB, incl. {cl.workspace_gib:g} GiB workspace)"
+    )
+    if comm_share > 0.05:
+        comm = f"communication-bound by {100 * comm_share:.0f}% (exposed {exposed * 1e3:.0f} ms of a {step * 1e3:.0f} ms step)"
+    else:
+        comm = (f"compute-bound: {overlappable * 1e3:.0f} ms of overlappable communication hides behind "
+                f"{comp['compute_s'] * 1e3:.0f} ms of compute; {exposed * 1e3:.0f} ms exposed")  # fmt: skip
+    return {
+        "fits": free >= 0, "peak_bytes": peak, "free_bytes": free, "memory": memory, "exposed_comm_s": exposed,
+        "step_s": step, "comm_bound_fraction": comm_share, "communication": comm,
+        "tokens_per_s": comp["tokens_per_step"] / step if step > 0 else 0.0,
+    }  # fmt: skip
+
+
+def build_plan(cfg: Any, cluster: ClusterConfig, experiment: str = "") -> Plan:
+    """The plan of ``cfg`` (a validated ``TrainConfig``) on ``cluster``; builds the model only on the
+    meta device (shapes, no storage) to classify its parameters."""
+    c = build_context(cfg, cluster)
+    stages = [stage_memory_of(c, r) for r in range(c.dims.pp)]
+    comp = compute_seconds(c)
+    by_rank = [rank_collectives(c, r, comp) for r in range(c.dims.pp)]
+    args = cfg.model
+    tp, sp = c.tp_sp
+    per_tok = {
+        "no_ac": activation_bytes_per_token_layer(args.dim, args.n_heads, args.kv_heads, tp=tp,
+                                                  sequence_parallel=sp, act_bytes=c.act_bytes),
+        "full_ac": 2 * args.dim * c.act_bytes / 2 / (tp if sp else 1),
+    }  # fmt: skip
+    d = c.dims
+    layout = {
+        "world_size": d.world_size, "nodes": math.ceil(d.world_size / cluster.gpus_per_node),
+        "pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "cp": d.cp, "tp": d.tp,
+        "microbatches": c.accum, "micro_tokens": c.micro_tokens, "pp_schedule": c.schedule if d.pp > 1 else None,
+        "pp_stages_per_rank": c.stages_per_rank, "activation_checkpoint": cfg.training.activation_checkpoint,
+        "mixed_precision": cfg.training.mixed_precision, "fsdp_reshard_after_forward": c.reshard_after_forward,
+    }  # fmt: skip
+    plan = Plan(
+        experiment=experiment, model=args.name, cluster=cluster, layout=layout, strategy=strategy_of(d, cfg),
+        params_total=c.spec.param_counts(args).total, activation_per_token_layer=per_tok, stages=stages,
+        collectives=by_rank[0], compute=comp, pp_rank_collectives=by_rank,
+    )  # fmt: skip
+    plan.verdict = _verdict(plan)
+    return plan
+
+
+# -- report ------------------------------------------------------------------------------------

@@ -1,0 +1,69 @@
+"""The plan as text: the memory and communication tables ``python -m trainer.plan`` prints."""
+
+from __future__ import annotations
+
+from trainer.planner.cluster import GB
+from trainer.planner.context import Plan
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:9.2f}"
+
+
+def _memory_table(plan: Plan) -> list[str]:
+    lines = [f"{'pp rank':>7} {'blocks':>6} {'params':>9} {'grads':>9} {'optim':>9} {'activ.':>9} "
+             f"{'buffers':>9} {'total':>9}   (GB per rank)"]  # fmt: skip
+    stages = plan.stages
+    shown = stages if len(stages) <= 6 else [*stages[:3], None, *stages[-2:]]
+    for s in shown:
+        if s is None:
+            lines.append(f"{'...':>7}")
+            continue
+        lines.append(f"{s.pp_rank:>7} {s.layers:>6} {_gb(s.params_bytes)} {_gb(s.grads_bytes)} "
+                     f"{_gb(s.optimizer_bytes)} {_gb(s.activations_bytes)} {_gb(sum(s.buffers.values()))} "
+                     f"{_gb(s.total_bytes)}")  # fmt: skip
+    first = stages[0]
+    lines.append("buffers (pp rank 0): " + (", ".join(f"{k} {v / GB:.2f} GB" for k, v in first.buffers.items()) or "none"))
+    return lines
+
+
+def _comm_table(plan: Plan) -> list[str]:
+    lines = [f"{'collective':<46} {'axis':<15} {'n':>4} {'link':<5} {'calls':>6} {'per call':>9} "
+             f"{'logical':>9} {'wire':>9} {'time ms':>9}  hides"]  # fmt: skip
+    for x in plan.collectives:
+        hides = ("yes" if x.hidden else "no") + f" ({x.overlap})"
+        lines.append(f"{x.name:<46} {x.axis:<15} {x.group_size:>4} {x.link:<5} {x.calls:>6} "
+                     f"{x.size_bytes / 1e6:>7.1f}MB {_gb(x.logical_bytes)} {_gb(x.wire_bytes)} {x.time_s * 1e3:>9.1f}  {hides}")  # fmt: skip
+    for link in ("intra", "inter"):
+        wire = sum(x.wire_bytes for x in plan.collectives if x.link == link)
+        lines.append(f"  {link}-node wire bytes per rank per step: {wire / GB:.2f} GB")
+    return lines
+
+
+def render(plan: Plan) -> str:
+    """The plan as a readable report (GB = 1e9 bytes; the verdict in GiB)."""
+    lay, comp, cl, v = plan.layout, plan.compute, plan.cluster, plan.verdict
+    act = plan.activation_per_token_layer
+    out = [
+        f"plan: {plan.experiment or '(overrides)'}  model {plan.model} ({plan.params_total / 1e9:.2f}B params)  "
+        f"on {lay['nodes']} x {cl.gpus_per_node} {cl.name}",
+        f"layout: {plan.strategy}  (world {lay['world_size']}: pp {lay['pp']} x dp_replicate {lay['dp_replicate']} "
+        f"x dp_shard {lay['dp_shard']} x cp {lay['cp']} x tp {lay['tp']}); {lay['microbatches']} microbatch(es) "
+        f"of {lay['micro_tokens']} tokens per rank; AC {lay['activation_checkpoint']}; {lay['mixed_precision']}",
+        f"activations per layer per token: {act['no_ac'] / 1e3:.2f} KB without AC, {act['full_ac'] / 1e3:.2f} KB "
+        "kept with full AC",
+        "",
+        "memory",
+        *_memory_table(plan),
+        "",
+        "communication per step (ring model)",
+        *_comm_table(plan),
+        "",
+        f"compute: {comp['flops_per_rank'] / 1e12:.1f} TFLOP per rank per step -> {comp['compute_s'] * 1e3:.0f} ms at "
+        f"{cl.mfu:.0%} of {cl.peak_tflops:g} TFLOP/s"
+        + (f"; PP bubble {comp['pp_bubble']:.1%} ({lay['pp_schedule']}, M={lay['microbatches']}, "
+           f"v={lay['pp_stages_per_rank']})" if lay["pp"] > 1 else ""),  # fmt: skip
+        f"verdict: {v['memory']}",
+        f"         {v['communication']}; predicted step {v['step_s'] * 1e3:.0f} ms, {v['tokens_per_s']:,.0f} tokens/s",
+    ]
+    return "\n".join(out)
