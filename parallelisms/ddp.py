@@ -42,6 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from models.errors import ConfigError
+from parallelisms.validate import validate_ddp
 
 # Parameters and buffers are broadcast at construction in flat chunks of at most this many
 # bytes: few collectives, bounded temporary memory (same default as torch DDP).
@@ -144,8 +145,7 @@ class BucketedDDP(nn.Module):
         broadcast_buffers: bool = True,
     ) -> None:
         super().__init__()
-        if bucket_mb <= 0:
-            raise ConfigError(f"bucket_mb must be positive, got {bucket_mb}; 25 is a good default")
+        validate_ddp("custom", bucket_mb)
         if grad_dtype is not None and not grad_dtype.is_floating_point:
             raise ConfigError(f"grad_dtype must be a floating dtype such as torch.bfloat16, got {grad_dtype}")
         self.module = module
@@ -461,12 +461,7 @@ def apply_ddp(
     gradients kept as views of the buckets, ``grad_dtype`` compression via torch's
     bf16/fp16 comm hooks. Call :func:`finish_gradient_sync` before clipping either way.
     """
-    if impl not in ("custom", "torch"):
-        raise ConfigError(f"parallelism.ddp.impl must be 'custom' or 'torch', got {impl!r}")
-    if bucket_mb <= 0:
-        raise ConfigError(
-            f"parallelism.ddp.bucket_mb must be positive, got {bucket_mb}; 25 is a good default"
-        )
+    validate_ddp(impl, bucket_mb)
     if grad_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
         raise ConfigError(f"DDP grad_dtype must be None, float32, bfloat16 or float16, got {grad_dtype}")
     if mesh.ndim != 1:

@@ -41,7 +41,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from models.errors import ConfigError
 
+# The mesh axes, outermost first: the only copy of the order (the planner and the checkpoint marker read it).
 MESH_DIM_NAMES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# Every degree of a layout (ep is carved out of dp_shard x cp, not a mesh axis of its own).
+DEGREE_NAMES: tuple[str, ...] = (*MESH_DIM_NAMES, "ep")
+DP_REPLICATE_CP = "dp_replicate_cp"  # the DDP view under context parallel
 # With expert parallel dp_shard is split into (dp_shard / (ep / cp), ep / cp).
 EP_MESH_DIM_NAMES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp", "tp")
 # Flattened views: name -> the mesh dims they merge.
@@ -51,7 +55,7 @@ FLAT_VIEWS: dict[str, tuple[str, ...]] = {
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
 }
 # Built only when a run needs it (DDP with context parallel), to spare every other run a group.
-OPTIONAL_VIEWS: dict[str, tuple[str, ...]] = {"dp_replicate_cp": ("dp_replicate", "cp")}
+OPTIONAL_VIEWS: dict[str, tuple[str, ...]] = {DP_REPLICATE_CP: ("dp_replicate", "cp")}
 
 
 @dataclass
@@ -250,7 +254,7 @@ class ParallelDims:
     def ddp_mesh(self) -> DeviceMesh:
         """Where DDP averages gradients: ``dp_replicate``, or ``dp_replicate_cp`` under context parallel
         (the cp ranks of a replica hold the same parameters and different tokens)."""
-        return self.get_mesh("dp_replicate_cp") if self.cp > 1 else self.get_mesh("dp_replicate")
+        return self.get_mesh(DP_REPLICATE_CP) if self.cp > 1 else self.get_mesh("dp_replicate")
 
     @property
     def cp_mesh(self) -> DeviceMesh:

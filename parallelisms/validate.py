@@ -30,7 +30,9 @@ from parallelisms.pipeline_split import (
 __all__ = [
     "CP_IMPLS",
     "CP_LOAD_BALANCE",
+    "DDP_IMPLS",
     "validate_cp",
+    "validate_ddp",
     "validate_ep",
     "validate_model",
     "validate_options",
@@ -41,6 +43,7 @@ __all__ = [
 CP_IMPLS = ("allgather", "ring")
 CP_LOAD_BALANCE = ("headtail", "none")
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+DDP_IMPLS = ("custom", "torch")
 
 
 def validated_dims(
@@ -80,11 +83,7 @@ def validated_dims(
 
 def validate_options(dims: ParallelDims, cfg: ParallelismConfig, *, compile: bool, device_type: str) -> None:
     """DDP / FSDP / TP options and the combinations that are not supported."""
-    _choices(cfg.ddp.impl, ("custom", "torch"), "parallelism.ddp.impl")
-    if not (math.isfinite(cfg.ddp.bucket_mb) and cfg.ddp.bucket_mb > 0):
-        raise ConfigError(
-            f"parallelism.ddp.bucket_mb={cfg.ddp.bucket_mb} must be a number > 0 (e.g. 25)."
-        )
+    validate_ddp(cfg.ddp.impl, cfg.ddp.bucket_mb)
     if cfg.ddp.grad_dtype is not None:
         _choices(cfg.ddp.grad_dtype, _FLOAT_DTYPES, "parallelism.ddp.grad_dtype")
     for key in ("param_dtype", "reduce_dtype"):
@@ -147,6 +146,14 @@ def validate_model(dims: ParallelDims, spec: ModelSpec, args: Any, *, seq_len: i
             f"parallelism.ep={dims.ep} needs a mixture-of-experts model; the {spec.family} family has no "
             f"experts. Set parallelism.ep=1."
         )
+
+
+def validate_ddp(impl: str, bucket_mb: float) -> None:
+    """``parallelism.ddp.{impl,bucket_mb}``: the one copy of the DDP option checks (also run by
+    ``apply_ddp`` and ``BucketedDDP`` for callers that skip ``validated_dims``)."""
+    _choices(impl, DDP_IMPLS, "parallelism.ddp.impl")
+    if not (math.isfinite(bucket_mb) and bucket_mb > 0):
+        raise ConfigError(f"parallelism.ddp.bucket_mb={bucket_mb} must be a number > 0 (e.g. 25).")
 
 
 def _validate_tp_options(cfg: ParallelismConfig, *, compile: bool, device_type: str) -> None:

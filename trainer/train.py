@@ -17,6 +17,7 @@ import torch.distributed as dist
 from models import get_spec
 from models.errors import ConfigError
 from parallelisms.expert_parallel import LoadBalancer
+from parallelisms.parallel_dims import DP_REPLICATE_CP
 from parallelisms.parallelize import PartOptions, parallelize, parallelize_pipeline
 from parallelisms.utils import clip_grad_norm_, copy_full_into
 from parallelisms.validate import validated_dims
@@ -251,7 +252,7 @@ class Trainer:
         )  # fmt: skip
         self.comm_ledger: Optional[CommLedger] = None
         if cfg.metrics.comm_ledger:
-            names = (*self.dims.mesh_dim_names, *self.dims.flat_views, "dp_replicate_cp")
+            names = (*self.dims.mesh_dim_names, *self.dims.flat_views, DP_REPLICATE_CP)
             self.comm_ledger = CommLedger(axis_names_of_groups(self.dims.mesh, names))
 
     def _log_summary(self) -> None:

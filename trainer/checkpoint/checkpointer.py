@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from models.errors import ConfigError
+from parallelisms.parallel_dims import DEGREE_NAMES
 from parallelisms.utils import DTYPES
 from trainer.checkpoint.reader import dcp_load
 from trainer.checkpoint.space import (
@@ -140,7 +141,7 @@ def unwrap(model: Any) -> nn.Module:
 
 def describe_layout(dims: Any, parallelism: Any) -> dict[str, Any]:
     """What wrote the checkpoint (informational; loading never depends on it)."""
-    layout = {k: getattr(dims, k) for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")}
+    layout = {k: getattr(dims, k) for k in DEGREE_NAMES}
     if dims.dp_replicate > 1 and dims.dp_shard == 1:
         layout["ddp"] = parallelism.ddp.impl
         layout["sharded_optimizer"] = parallelism.ddp.sharded_optimizer

@@ -17,7 +17,6 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GB = 1e9
 GIB = 2**30
 ADAM_BYTES = 8  # two fp32 moments per parameter
-MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first
 
 
 @dataclass

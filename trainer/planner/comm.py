@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+from parallelisms.parallel_dims import DP_REPLICATE_CP
 from trainer.planner.context import Collective, PlanContext, link_kind, make_collective
 
 __all__ = ["rank_collectives"]
@@ -84,7 +85,7 @@ def _ddp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
     local = c.group(pp_rank).local(c.dims.tp, c.dims.ep)
     size = local * c.sync_bytes
     buckets = max(1, math.ceil(size / (p.ddp.bucket_mb * 1e6)))
-    axis = "dp_replicate_cp" if c.dims.cp > 1 else "dp_replicate"
+    axis = DP_REPLICATE_CP if c.dims.cp > 1 else "dp_replicate"
     rows.add("DDP all_reduce (grads, bucketed)", "all_reduce", axis, ("dp_replicate", "cp"), buckets, size / buckets,
              "backward", "backward_s")  # fmt: skip
     if p.ddp.sharded_optimizer:

@@ -11,9 +11,9 @@ from typing import Any
 
 from models import get_spec
 from models.errors import ConfigError
-from parallelisms.parallel_dims import ParallelDims
+from parallelisms.parallel_dims import MESH_DIM_NAMES, ParallelDims
 from parallelisms.validate import validated_dims
-from trainer.planner.cluster import DTYPE_BYTES, GB, MESH_ORDER, ClusterConfig, ring_steps, ring_wire_bytes
+from trainer.planner.cluster import DTYPE_BYTES, GB, ClusterConfig, ring_steps, ring_wire_bytes
 from trainer.planner.params import ModuleParams, ParamTable, param_table
 
 # ----------------------------------------------------------------------------------------------
@@ -82,7 +82,7 @@ def link_kind(dims: ParallelDims, axes: tuple[str, ...], gpus_per_node: int) -> 
     if axes == ("dp_shard_mod_ep",):  # strided over the ep groups
         return "intra" if dims.dp_shard * dims.cp * dims.tp <= gpus_per_node else "inter"
     inner = 1
-    for name in reversed(MESH_ORDER):
+    for name in reversed(MESH_DIM_NAMES):
         if name in axes:
             break
         inner *= getattr(dims, name)
