@@ -56,7 +56,14 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from models.spec import ModelSpec
 from parallelisms.config import ParallelismConfig
 
-__all__ = ["ReplicateParallel", "apply_tp", "check_tp_fits_node", "keep_gradients_sharded", "tp_plan"]
+__all__ = [
+    "ReplicateParallel",
+    "apply_tp",
+    "check_tp_fits_node",
+    "keep_gradients_sharded",
+    "tp_kinds",
+    "tp_plan",
+]
 
 
 class ReplicateParallel(ParallelStyle):
@@ -131,24 +138,31 @@ def _style(kind: str, *, sequence_parallel: bool, loss_parallel: bool) -> Parall
     raise ValueError(f"unknown tensor-parallel style {kind!r} in the model's TP plan")
 
 
-def tp_plan(
-    model: nn.Module, spec: ModelSpec, *, sequence_parallel: bool = True, loss_parallel: bool = True
-) -> dict[str, ParallelStyle]:
-    """The model's TP plan resolved for ``model`` (possibly a pipeline stage): module name -> style.
+def tp_kinds(model: nn.Module, spec: ModelSpec) -> dict[str, str]:
+    """The model's TP plan expanded for ``model`` (possibly a pipeline stage): module name -> kind.
 
     ``spec.tp_plan`` maps name patterns (``*`` = a block key) to abstract kinds; only modules
     present in ``model`` get an entry (a stage may lack the embedding, the head or some blocks).
+    The only copy of the wildcard expansion: ``tp_plan`` and the planner's parameter table use it.
     """
+    keys = [key for key, _ in spec.block_items(model)]
     present = {name for name, _ in model.named_modules()}
-    plan: dict[str, ParallelStyle] = {}
+    kinds: dict[str, str] = {}
     for pattern, kind in spec.tp_plan.items():
-        names = (
-            [pattern.replace("*", key) for key, _ in spec.block_items(model)] if "*" in pattern else [pattern]
-        )
-        for name in names:
+        for name in [pattern.replace("*", key) for key in keys] if "*" in pattern else [pattern]:
             if name in present:
-                plan[name] = _style(kind, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
-    return plan
+                kinds[name] = kind
+    return kinds
+
+
+def tp_plan(
+    model: nn.Module, spec: ModelSpec, *, sequence_parallel: bool = True, loss_parallel: bool = True
+) -> dict[str, ParallelStyle]:
+    """The model's TP plan resolved for ``model`` (possibly a pipeline stage): module name -> style."""
+    return {
+        name: _style(kind, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+        for name, kind in tp_kinds(model, spec).items()
+    }
 
 
 def apply_tp(

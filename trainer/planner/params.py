@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from models.spec import ModelSpec
+from parallelisms.tensor_parallel import tp_kinds
 
 __all__ = ["ModuleParams", "ParamTable", "param_table"]
 
@@ -86,24 +87,11 @@ def _no_weight_init() -> Iterator[None]:
             setattr(torch.nn.init, name, fn)
 
 
-def _kinds_by_module(spec: ModelSpec, model: torch.nn.Module) -> dict[str, str]:
-    """Module name -> TP-plan kind, resolving ``*`` to each block key."""
-    keys = [key for key, _ in spec.block_items(model)]
-    names = {name for name, _ in model.named_modules()}
-    out: dict[str, str] = {}
-    for pattern, kind in spec.tp_plan.items():
-        expanded = [pattern.replace("*", k) for k in keys] if "*" in pattern else [pattern]
-        for name in expanded:
-            if name in names:
-                out[name] = kind
-    return out
-
-
 def param_table(spec: ModelSpec, args: Any) -> ParamTable:
     """Classify every parameter of ``spec.build(args)`` (on the meta device)."""
     with torch.device("meta"), _no_weight_init():
         model = spec.build(args)
-    kinds = _kinds_by_module(spec, model)
+    kinds = tp_kinds(model, spec)
     blocks = spec.block_items(model)
     prefix_of = {f"{spec.blocks}.{key}.": i for i, (key, _) in enumerate(blocks)}
     expert_ids = {id(p) for m in spec.extra.get("expert_modules", lambda _m: [])(model) for p in m.parameters()}
