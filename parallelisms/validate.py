@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from models.errors import ConfigError
+from models.errors import ConfigError, check_choice
 from models.spec import ModelSpec
 from parallelisms.config import ParallelismConfig
 from parallelisms.parallel_dims import ParallelDims
@@ -85,9 +85,9 @@ def validate_options(dims: ParallelDims, cfg: ParallelismConfig, *, compile: boo
     """DDP / FSDP / TP options and the combinations that are not supported."""
     validate_ddp(cfg.ddp.impl, cfg.ddp.bucket_mb)
     if cfg.ddp.grad_dtype is not None:
-        _choices(cfg.ddp.grad_dtype, _FLOAT_DTYPES, "parallelism.ddp.grad_dtype")
+        check_choice(cfg.ddp.grad_dtype, _FLOAT_DTYPES, "parallelism.ddp.grad_dtype")
     for key in ("param_dtype", "reduce_dtype"):
-        _choices(getattr(cfg.fsdp, key), _FLOAT_DTYPES, f"parallelism.fsdp.{key}")
+        check_choice(getattr(cfg.fsdp, key), _FLOAT_DTYPES, f"parallelism.fsdp.{key}")
     if cfg.fsdp.cpu_offload and device_type != "cuda":
         raise ConfigError(
             "parallelism.fsdp.cpu_offload=true offloads GPU memory to the host; on a CPU run the "
@@ -151,7 +151,7 @@ def validate_model(dims: ParallelDims, spec: ModelSpec, args: Any, *, seq_len: i
 def validate_ddp(impl: str, bucket_mb: float) -> None:
     """``parallelism.ddp.{impl,bucket_mb}``: the one copy of the DDP option checks (also run by
     ``apply_ddp`` and ``BucketedDDP`` for callers that skip ``validated_dims``)."""
-    _choices(impl, DDP_IMPLS, "parallelism.ddp.impl")
+    check_choice(impl, DDP_IMPLS, "parallelism.ddp.impl")
     if not (math.isfinite(bucket_mb) and bucket_mb > 0):
         raise ConfigError(f"parallelism.ddp.bucket_mb={bucket_mb} must be a number > 0 (e.g. 25).")
 
@@ -175,11 +175,6 @@ def _validate_tp_options(cfg: ParallelismConfig, *, compile: bool, device_type: 
             "parallelism.async_tp=true overlaps sequence parallel's all_gather / reduce_scatter with "
             "the matmuls; set parallelism.sequence_parallel=true or parallelism.async_tp=false."
         )
-
-
-def _choices(value: Any, allowed: tuple[str, ...], key: str) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}; set {key} to one of them.")
 
 
 def validate_cp(

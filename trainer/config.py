@@ -18,7 +18,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from models import MODEL_SPECS, get_spec
-from models.errors import ConfigError
+from models.errors import ConfigError, check_choice
 from models.spec import ModelArgs
 from parallelisms.config import DDPConfig, FSDPConfig, ParallelismConfig
 from parallelisms.utils import DTYPES
@@ -206,11 +206,6 @@ def register_configs() -> None:
         cs.store(group="model", name=f"base_model_{family}", node=spec.args_cls)
 
 
-def _choices(value: str, allowed: tuple[str, ...], key: str) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}; set {key} to one of them.")
-
-
 def _positive(value: float, key: str) -> None:
     if value <= 0:
         raise ConfigError(f"{key}={value} must be positive; set {key} to a value > 0.")
@@ -245,17 +240,17 @@ def _validate_training(t: TrainingConfig, max_seq_len: int) -> None:
             f"training.seq_len={t.seq_len} exceeds model.max_seq_len={max_seq_len}; "
             f"lower training.seq_len or raise model.max_seq_len."
         )
-    _choices(t.mixed_precision, ("fp32", "bf16"), "training.mixed_precision")
-    _choices(t.activation_checkpoint, ("none", "full", "selective"), "training.activation_checkpoint")
-    _choices(t.device, ("auto", "cpu", "cuda"), "training.device")
-    _choices(t.ac_selective, ("layer", "op"), "training.ac_selective")
+    check_choice(t.mixed_precision, ("fp32", "bf16"), "training.mixed_precision")
+    check_choice(t.activation_checkpoint, ("none", "full", "selective"), "training.activation_checkpoint")
+    check_choice(t.device, ("auto", "cpu", "cuda"), "training.device")
+    check_choice(t.ac_selective, ("layer", "op"), "training.ac_selective")
     if t.grad_clip < 0 or math.isnan(t.grad_clip):
         raise ConfigError(f"training.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping).")
 
 
 def _validate_optimizer(o: OptimizerConfig, s: LRSchedulerConfig) -> None:
-    _choices(o.name, ("adamw",), "optimizer.name")
-    _choices(o.implementation, ("auto", "fused", "foreach", "for-loop"), "optimizer.implementation")
+    check_choice(o.name, ("adamw",), "optimizer.name")
+    check_choice(o.implementation, ("auto", "fused", "foreach", "for-loop"), "optimizer.implementation")
     for key in ("lr", "eps"):
         value = getattr(o, key)
         if not (math.isfinite(value) and value > 0):
@@ -266,7 +261,7 @@ def _validate_optimizer(o: OptimizerConfig, s: LRSchedulerConfig) -> None:
         raise ConfigError(f"optimizer.weight_decay={o.weight_decay} must be a finite number >= 0.")
     if not all(0.0 <= b < 1.0 for b in o.betas):
         raise ConfigError(f"optimizer.betas={list(o.betas)} must lie in [0, 1).")
-    _choices(s.decay_type, ("cosine", "linear", "constant"), "lr_scheduler.decay_type")
+    check_choice(s.decay_type, ("cosine", "linear", "constant"), "lr_scheduler.decay_type")
     if s.warmup_steps < 0:
         raise ConfigError(f"lr_scheduler.warmup_steps={s.warmup_steps} must be >= 0.")
     if not 0.0 <= s.min_lr_ratio <= 1.0:
@@ -274,7 +269,7 @@ def _validate_optimizer(o: OptimizerConfig, s: LRSchedulerConfig) -> None:
 
 
 def _validate_checkpoint(c: CheckpointConfig) -> None:
-    _choices(c.async_mode, ("disabled", "async"), "checkpoint.async_mode")
+    check_choice(c.async_mode, ("disabled", "async"), "checkpoint.async_mode")
     _positive(c.interval, "checkpoint.interval")
     if c.keep_latest == 1 or c.keep_latest < 0:
         raise ConfigError(
@@ -290,7 +285,7 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
             f"checkpoint.load_step={c.load_step} resumes from a checkpoint, but checkpoint.enable=false; "
             f"set checkpoint.enable=true (or drop checkpoint.load_step)."
         )
-    _choices(c.hf_dtype, tuple(DTYPES), "checkpoint.hf_dtype")
+    check_choice(c.hf_dtype, tuple(DTYPES), "checkpoint.hf_dtype")
     if parse_size(c.hf_max_shard_size) <= 0:
         raise ConfigError(f"checkpoint.hf_max_shard_size={c.hf_max_shard_size!r} must be a positive size.")
     if c.initial_load_path is not None and c.initial_load_hf is not None:
@@ -335,7 +330,7 @@ def validate(cfg: TrainConfig) -> None:
 def _validate_operations(cfg: TrainConfig) -> None:
     """Trackers, collective timeouts and profiling."""
     if cfg.metrics.wandb_mode is not None:
-        _choices(cfg.metrics.wandb_mode, ("online", "offline", "disabled"), "metrics.wandb_mode")
+        check_choice(cfg.metrics.wandb_mode, ("online", "offline", "disabled"), "metrics.wandb_mode")
     _positive(cfg.comm.init_timeout_s, "comm.init_timeout_s")
     _positive(cfg.comm.train_timeout_s, "comm.train_timeout_s")
     if cfg.comm.trace_buffer_size < 0:
@@ -355,7 +350,7 @@ def _validate_operations(cfg: TrainConfig) -> None:
 
 
 def _validate_data(d: DataConfig) -> None:
-    _choices(d.source, ("builtin", "text", "json", "jsonl", "parquet", "hub", "tokens"), "data.source")
+    check_choice(d.source, ("builtin", "text", "json", "jsonl", "parquet", "hub", "tokens"), "data.source")
     if not 0.0 <= d.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={d.val_fraction} must lie in [0, 1).")
     if d.prefetch < 0:

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.common import ParamInit, RMSNorm
-from models.errors import ConfigError
+from models.errors import ConfigError, check_choice
 from models.llama.model import (
     TP_PLAN as LLAMA_TP_PLAN,
 )
@@ -140,8 +140,7 @@ class MoEArgs(LlamaArgs):
             (self.aux_loss_type, AUX_LOSS_TYPES, "model.aux_loss_type"),
             (self.grouped_mm, GROUPED_MM, "model.grouped_mm"),
         ):
-            if value not in allowed:
-                raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}; set {key} to one of them.")
+            check_choice(value, allowed, key)
         for name in ("bias_update_coeff", "aux_loss_coeff", "capacity_factor"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
