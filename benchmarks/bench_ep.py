@@ -60,7 +60,7 @@ def _run(args: argparse.Namespace, folder: str, layout: list[str]) -> dict[str, 
     trainer = Trainer(cfg)
     logging.getLogger("meshwright").setLevel(logging.WARNING)  # keep stdout for the JSON
     history = trainer.train()
-    layers = trainer.spec.extra["moe_layers"](unwrap(trainer.model))
+    layers = trainer.spec.moe_layers(unwrap(trainer.model))
     stats: dict[str, int] = {}
     for _, moe in layers:
         for key, value in getattr(moe.dispatcher, "stats", {}).items():

@@ -14,14 +14,18 @@ class, so a new family plugs in without touching any strategy:
 - ``tp_plan``: module-name pattern -> abstract style (``colwise``, ``rowwise``, ...), data that
   ``parallelisms/tensor_parallel.py`` turns into torch ``ParallelStyle`` objects;
 - ``tp_divisible``: the sizes tensor parallelism must divide (head counts, hidden sizes, vocab);
-- ``hf``: the Hugging Face adapter (config conversion and tensor-name mapping).
+- ``hf``: the Hugging Face adapter (config conversion and tensor-name mapping);
+- optional features, declared here rather than probed on the args: ``moe_layers`` /
+  ``expert_modules`` (a mixture-of-experts family's routed layers and stacked experts, for expert
+  parallel, FSDP and the planner; ``has_experts`` / ``num_experts(args)``), ``ties_embeddings(args)``
+  and ``attention_mask(args)`` (both with the dense, untied, causal answer as the default).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
 import torch
@@ -75,6 +79,14 @@ class HFAdapter(Protocol):
     def read_slice(self, name: str, index: tuple[slice, ...], reader: Any, args: Any) -> torch.Tensor: ...
 
 
+def _untied(_args: Any) -> bool:
+    return False
+
+
+def _causal(_args: Any) -> str:
+    return "causal"
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A model family, as the rest of the stack sees it (see the module docstring)."""
@@ -90,7 +102,19 @@ class ModelSpec:
     blocks: str = "layers"
     first_modules: tuple[str, ...] = ("tok_embeddings",)
     last_modules: tuple[str, ...] = ("norm", "output")
-    extra: dict[str, Any] = field(default_factory=dict)
+    moe_layers: Optional[Callable[[nn.Module], list[tuple[str, nn.Module]]]] = None
+    expert_modules: Optional[Callable[[nn.Module], list[nn.Module]]] = None
+    ties_embeddings: Callable[[Any], bool] = _untied
+    attention_mask: Callable[[Any], str] = _causal
+
+    @property
+    def has_experts(self) -> bool:
+        """Whether the family has mixture-of-experts layers (``moe_layers`` and ``expert_modules``)."""
+        return self.moe_layers is not None
+
+    def num_experts(self, args: Any) -> int:
+        """Routed experts per MoE layer; 0 for a dense family."""
+        return args.num_experts if self.has_experts else 0
 
     def build(self, args: Any) -> nn.Module:
         """The model for ``args`` (call under ``torch.device("meta")`` to allocate nothing)."""

@@ -140,7 +140,7 @@ def apply_ep(model: nn.Module, spec: ModelSpec, dims: ParallelDims) -> nn.Module
     the all_to_all dispatcher in each MoE module (step 4 of ``parallelize``)."""
     ep_mesh = dims.get_mesh("ep")
     ep = ep_mesh.size()
-    for experts in spec.extra["expert_modules"](model):
+    for experts in spec.expert_modules(model):
         for name, param in list(experts.named_parameters(recurse=False)):
             if param.shape[0] % ep != 0:
                 raise ConfigError(f"{param.shape[0]} experts are not divisible by parallelism.ep={ep}.")
@@ -153,7 +153,7 @@ def apply_ep(model: nn.Module, spec: ModelSpec, dims: ParallelDims) -> nn.Module
             experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         experts.grad_scale = 1.0 / ep
     group = ep_mesh.get_group()
-    for _, moe in spec.extra["moe_layers"](model):
+    for _, moe in spec.moe_layers(model):
         moe.dispatcher = AllToAllDispatcher(group, ep)
     return model
 
@@ -180,7 +180,7 @@ class LoadBalancer:
         self, parts: list[nn.Module], spec: ModelSpec, dims: ParallelDims, args: Any, *, tokens_per_step: int,
         forwards_per_step: int,
     ) -> None:  # fmt: skip
-        self.layers = [(name, moe) for part in parts for name, moe in spec.extra["moe_layers"](part)]
+        self.layers = [(name, moe) for part in parts for name, moe in spec.moe_layers(part)]
         self.num_experts = args.num_experts
         self.n_layers = args.n_layers
         self.moe_layer_ids = [i for i in range(args.n_layers) if args.is_moe_layer(i)]
@@ -201,7 +201,7 @@ class LoadBalancer:
         forwards_per_step: int,
     ) -> Optional[LoadBalancer]:  # fmt: skip
         """A balancer for MoE families, None for dense ones."""
-        if "moe_layers" not in spec.extra:
+        if not spec.has_experts:
             return None
         return cls(
             parts, spec, dims, args, tokens_per_step=tokens_per_step, forwards_per_step=forwards_per_step

@@ -38,8 +38,8 @@ def apply_fsdp(
     backward needs it immediately. The units are the spec's repeated blocks, then its last
     modules (final norm + head) together, then the root.
 
-    With ``expert_mesh`` (expert parallel), each block's stacked experts (``spec.extra
-    ["expert_modules"]``, DTensors on the ``ep`` mesh) first become their own unit sharded over
+    With ``expert_mesh`` (expert parallel), each block's stacked experts
+    (``spec.expert_modules``, DTensors on the ``ep`` mesh) first become their own unit sharded over
     ``expert_mesh`` (dp_shard x cp / ep, x dp_replicate for HSDP): experts and dense parameters
     are reduced over different groups.
     """
@@ -51,7 +51,7 @@ def apply_fsdp(
     for i, block in enumerate(blocks):
         reshard = reshard_after_forward and i < len(blocks) - 1
         if expert_mesh is not None:
-            for experts in spec.extra["expert_modules"](block):
+            for experts in spec.expert_modules(block):
                 fully_shard(
                     experts, mesh=expert_mesh, mp_policy=mp_policy, offload_policy=offload,
                     reshard_after_forward=reshard,

@@ -69,10 +69,10 @@ def validated_dims(
     validate_cp(
         cp=dims.cp, cp_impl=cfg.cp_impl, load_balance=cfg.cp_load_balance, tp=dims.tp,
         sequence_parallel=cfg.sequence_parallel, seq_len=seq_len, device_type=device_type,
-        attention_mask=getattr(model_args, "attention_mask", "causal"),
+        attention_mask=spec.attention_mask(model_args),
     )  # fmt: skip
     dims.grad_accum_steps(global_batch_size, micro_batch_size)
-    if dims.ep > 1 or getattr(model_args, "num_experts", 0) > 0:
+    if dims.ep > 1 or spec.num_experts(model_args) > 0:
             validate_ep(spec, model_args, dims, compile=compile, device_type=device_type)
     if dims.pp > 1:
             validate_pp(
@@ -141,7 +141,7 @@ def validate_model(dims: ParallelDims, spec: ModelSpec, args: Any, *, seq_len: i
             f"parallelism.pp={dims.pp} exceeds model.n_layers={args.n_layers}: every pipeline stage needs "
             f"at least one block; use pp <= {args.n_layers}."
         )
-    if dims.ep > 1 and getattr(args, "num_experts", 0) < 1:
+    if dims.ep > 1 and spec.num_experts(args) < 1:
         raise ConfigError(
             f"parallelism.ep={dims.ep} needs a mixture-of-experts model; the {spec.family} family has no "
             f"experts. Set parallelism.ep=1."
@@ -240,9 +240,9 @@ def _lcm(a: int, b: int) -> int:
 
 def validate_ep(spec: ModelSpec, args: Any, dims: ParallelDims, *, compile: bool, device_type: str) -> None:
     """Expert counts and grouped-mm override against the layout and device (``ConfigError``)."""
-    num_experts = getattr(args, "num_experts", 0)
+    num_experts = spec.num_experts(args)
     if dims.ep > 1:
-        if "expert_modules" not in spec.extra:
+        if not spec.has_experts:
             raise ConfigError(
                 f"parallelism.ep={dims.ep} needs a mixture-of-experts model; the {spec.family} family has none. "
                 f"Set parallelism.ep=1 or pick an MoE preset (model=moe_debug)."
@@ -261,7 +261,7 @@ def validate_ep(spec: ModelSpec, args: Any, dims: ParallelDims, *, compile: bool
                 f"training.compile=true with parallelism.ep={dims.ep} is not supported yet (the all_to_all "
                 f"splits are synchronised to the host inside each block); set training.compile=false."
             )
-    mode = getattr(args, "grouped_mm", "auto")
+    mode = args.grouped_mm if spec.has_experts else "auto"
     if mode == "on":
         if not hasattr(torch, "_grouped_mm"):
             raise ConfigError(
@@ -301,7 +301,7 @@ def validate_pp(
             f"parallelism.pp_schedule={schedule} splits backward into input and weight gradients, which torch "
             f"cannot do through compiled blocks; set training.compile=false or use 1F1B / Interleaved1F1B."
         )
-    if getattr(args, "tie_embeddings", False):
+    if spec.ties_embeddings(args):
         raise ConfigError(
             f"model.tie_embeddings=true cannot be pipelined (parallelism.pp={pp}): the embedding lives on the "
             f"first stage and the output head on the last, so one shared weight would need its gradient summed "

@@ -11,8 +11,10 @@ from models.llama.model import (
     TP_PLAN,
     LlamaArgs,
     Transformer,
+    attention_mask,
     num_flops_per_token,
     param_counts,
+    ties_embeddings,
     tp_divisible,
 )
 from models.spec import ModelSpec
@@ -28,4 +30,6 @@ LLAMA_SPEC = ModelSpec(
     tp_plan=TP_PLAN,
     tp_divisible=tp_divisible,
     hf=LlamaHF(),
+    ties_embeddings=ties_embeddings,
+    attention_mask=attention_mask,
 )

@@ -432,6 +432,16 @@ def num_flops_per_token(args: Any, seq_len: int, counts: Optional[ParamCounts] =
     return 6 * n_matmul + attention
 
 
+def ties_embeddings(args: LlamaArgs) -> bool:
+    """Whether the output head shares the token embedding's weight (``ModelSpec.ties_embeddings``)."""
+    return args.tie_embeddings
+
+
+def attention_mask(args: LlamaArgs) -> str:
+    """The attention mask kind, causal or block_causal (``ModelSpec.attention_mask``)."""
+    return args.attention_mask
+
+
 def tp_divisible(args: LlamaArgs) -> dict[str, int]:
     """Sizes tensor parallelism splits evenly (key -> value)."""
     return {

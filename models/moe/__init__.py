@@ -7,6 +7,7 @@ the adapter; this file joins the two.
 
 from __future__ import annotations
 
+from models.llama.model import attention_mask, ties_embeddings
 from models.moe.hf import MoEHF
 from models.moe.model import (
     TP_PLAN,
@@ -41,5 +42,8 @@ MOE_SPEC = ModelSpec(
     tp_plan=TP_PLAN,
     tp_divisible=tp_divisible,
     hf=MoEHF(),
-    extra={"moe_layers": moe_layers, "expert_modules": expert_modules},
+    moe_layers=moe_layers,
+    expert_modules=expert_modules,
+    ties_embeddings=ties_embeddings,
+    attention_mask=attention_mask,
 )

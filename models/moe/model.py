@@ -39,9 +39,9 @@ untouched and works with pipeline stages. The weight of each forward's aux term 
 ``aux_grad_scale * tokens`` (the trainer sets ``aux_grad_scale`` = dp_cp / tokens per step, so that
 over all microbatches and ranks the objective is ``LM mean + coeff * token-weighted mean aux``).
 
-``MOE_SPEC`` (``models/moe/__init__.py``) is what the rest of the stack sees; its ``extra`` holds
+``MOE_SPEC`` (``models/moe/__init__.py``) is what the rest of the stack sees; it declares
 ``moe_layers(model)`` (the MoE modules by name) and ``expert_modules(model)`` (the stacked experts),
-which expert parallelism, FSDP and the load balancer use.
+which expert parallelism, FSDP, the load balancer and the planner use.
 """
 
 from __future__ import annotations

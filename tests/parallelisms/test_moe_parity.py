@@ -63,7 +63,7 @@ def _biases(trainer) -> dict[str, list[float]]:
     from trainer.checkpoint.checkpointer import unwrap
 
     return {f"{name}.expert_bias": moe.expert_bias.tolist()
-            for name, moe in trainer.spec.extra["moe_layers"](unwrap(trainer.model))}  # fmt: skip
+            for name, moe in trainer.spec.moe_layers(unwrap(trainer.model))}  # fmt: skip
 
 
 def _train(cfg: TrainConfig) -> dict:

@@ -6,7 +6,7 @@ no storage, ~0.1-1 s even for 405B), and every parameter is classified by the fa
 ``ModelSpec``: its block (``spec.block_items``), whether tensor parallel shards it (the TP plan's
 kind of the module that owns it: ``embedding``, ``colwise``, ``rowwise``, ``head`` shard; ``norm``,
 ``replicate``, ``head_norm`` and modules without a kind replicate), and whether it is an expert
-(``spec.extra["expert_modules"]``, sharded by expert parallel). A new family gets a correct plan
+(``spec.expert_modules``, sharded by expert parallel). A new family gets a correct plan
 from its spec alone.
 """
 
@@ -94,7 +94,7 @@ def param_table(spec: ModelSpec, args: Any) -> ParamTable:
     kinds = tp_kinds(model, spec)
     blocks = spec.block_items(model)
     prefix_of = {f"{spec.blocks}.{key}.": i for i, (key, _) in enumerate(blocks)}
-    expert_ids = {id(p) for m in spec.extra.get("expert_modules", lambda _m: [])(model) for p in m.parameters()}
+    expert_ids = {id(p) for m in (spec.expert_modules(model) if spec.expert_modules else []) for p in m.parameters()}
     groups = [ModuleParams() for _ in blocks]
     first, last = ModuleParams(), ModuleParams()
     first_ids = {id(p) for n in spec.first_modules if hasattr(model, n) for p in getattr(model, n).parameters()}
