@@ -35,12 +35,15 @@ import dataclasses
 import inspect
 import json
 import sys
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from models.errors import ConfigError
 from trainer.planner.cluster import ClusterConfig, compose_cluster
 from trainer.planner.plan import build_plan
 from trainer.planner.report import render
+
+if TYPE_CHECKING:
+    from trainer.config import TrainConfig
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -81,7 +84,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
-def _main_recommend(cfg: Any, cluster: ClusterConfig, as_json: bool) -> int:
+def _main_recommend(cfg: TrainConfig, cluster: ClusterConfig, as_json: bool) -> int:
     """``--recommend``: walk the decision order (``trainer/planner/recommend.py``) for the config's model."""
     from trainer.planner.recommend import recommend, render_recommendation
 

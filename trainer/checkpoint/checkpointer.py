@@ -38,7 +38,7 @@ import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import asdict
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -88,6 +88,10 @@ from trainer.checkpoint.storage import (
     verify_files,
     write_json_durable,
 )
+
+if TYPE_CHECKING:
+    from models.spec import ModelArgs
+    from trainer.config import CheckpointConfig
 
 __all__ = [  # the checkpoint_io names re-exported here are the ones other modules use
     "MARKER",
@@ -211,7 +215,7 @@ def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
 # -- the checkpointer ------------------------------------------------------------------
 
 
-def validate_checkpoint_config(cfg: Any, world_size: int) -> None:
+def validate_checkpoint_config(cfg: CheckpointConfig, world_size: int) -> None:
     """Checks that need the world size; run before any process group exists."""
     if cfg.create_seed and world_size != 1:
         raise ConfigError(
@@ -234,7 +238,7 @@ class Checkpointer:
 
     def __init__(
         self,
-        cfg: Any,
+        cfg: CheckpointConfig,
         *,
         dump_folder: str,
         model: nn.Module,
@@ -645,6 +649,6 @@ class Checkpointer:
                 self._pg = None
 
 
-def model_info(model_cfg: Any, tokenizer: str, layout: dict[str, Any]) -> dict[str, Any]:
+def model_info(model_cfg: ModelArgs, tokenizer: str, layout: dict[str, Any]) -> dict[str, Any]:
     """The marker fields that let export and generation rebuild the model without the config."""
     return {"model": asdict(model_cfg), "tokenizer": tokenizer, "layout": layout}

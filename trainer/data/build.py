@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -29,6 +29,9 @@ from trainer.data.windows import (
     mixture_names,
 )
 
+if TYPE_CHECKING:
+    from trainer.config import DataConfig
+
 __all__ = ["build_dataloader"]
 
 logger = logging.getLogger("meshwright")
@@ -36,7 +39,7 @@ logger = logging.getLogger("meshwright")
 _SOURCE_SEED_STRIDE = 1_000_003  # mixture source i shuffles with seed + i * stride
 
 
-def _source_windows(cfg: Any, tokenizer: Tokenizer, split: str, seq_len: int) -> tuple[Any, str]:
+def _source_windows(cfg: DataConfig, tokenizer: Tokenizer, split: str, seq_len: int) -> tuple[Any, str]:
     """Windows of one source (a prepared folder or raw documents read into memory) and a description."""
     source = _SOURCE_ALIASES.get(cfg.source, cfg.source)
     pack = bool(getattr(cfg, "pack", True))
@@ -67,7 +70,7 @@ def _source_windows(cfg: Any, tokenizer: Tokenizer, split: str, seq_len: int) ->
 
 
 def build_dataloader(
-    cfg: Any,
+    cfg: DataConfig,
     tokenizer: Tokenizer,
     *,
     split: str,

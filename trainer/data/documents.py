@@ -13,9 +13,12 @@ import os
 import sysconfig
 import zlib
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from models.errors import ConfigError
+
+if TYPE_CHECKING:
+    from trainer.config import DataConfig
 
 SPLITS = ("train", "validation")
 SOURCES = ("builtin", "text", "json", "parquet", "hub")
@@ -135,7 +138,7 @@ def _column(ds: Any, field: str, where: str) -> list[Optional[str]]:
     return ds.select_columns([field])[:][field]
 
 
-def _read_hub(cfg: Any) -> list[Optional[str]]:
+def _read_hub(cfg: DataConfig) -> list[Optional[str]]:
     """A Hugging Face Hub dataset (needs network unless cached). Capped reads stream."""
     import datasets
 
@@ -156,7 +159,7 @@ def _read_hub(cfg: Any) -> list[Optional[str]]:
         ) from err
 
 
-def _open_corpus(cfg: Any, source: str) -> tuple[list[str], Callable[[list[int]], list[str]]]:
+def _open_corpus(cfg: DataConfig, source: str) -> tuple[list[str], Callable[[list[int]], list[str]]]:
     """Stable keys of all documents (canonical order, capped) and a function reading some of them.
 
     Keys decide the split, so the builtin corpus only reads the files of the requested split.
@@ -193,7 +196,7 @@ def _open_corpus(cfg: Any, source: str) -> tuple[list[str], Callable[[list[int]]
     return [str(i) for i in kept], lambda indices: [texts[kept[j]] for j in indices]
 
 
-def _validate_cfg(cfg: Any, split: str) -> str:
+def _validate_cfg(cfg: DataConfig, split: str) -> str:
     """Check the data config fields this module reads; returns the canonical source name."""
     source = _SOURCE_ALIASES.get(cfg.source, cfg.source)
     if source not in SOURCES:
@@ -216,7 +219,7 @@ def _validate_cfg(cfg: Any, split: str) -> str:
     return source
 
 
-def load_documents(cfg: Any, split: str) -> list[str]:
+def load_documents(cfg: DataConfig, split: str) -> list[str]:
     """The documents of ``split`` ("train" or "validation"), in canonical order.
 
     A document is held out iff ``crc32(key) % 10_000 < val_fraction * 10_000``; the key is

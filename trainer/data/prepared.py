@@ -32,7 +32,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
@@ -51,6 +51,9 @@ from trainer.data.tokenizer import (
     token_dtype,
     tokenizer_fingerprint,
 )
+
+if TYPE_CHECKING:
+    from trainer.config import DataConfig
 
 logger = logging.getLogger("meshwright")
 
@@ -143,7 +146,7 @@ class Task:
     num_bytes: int = 0
 
 
-def _source_settings(cfg: Any, source: str) -> dict[str, Any]:
+def _source_settings(cfg: DataConfig, source: str) -> dict[str, Any]:
     path = cfg.path if source in ("builtin", "hub") or cfg.path is None else os.path.abspath(cfg.path)
     return {
         "source": source,
@@ -156,7 +159,7 @@ def _source_settings(cfg: Any, source: str) -> dict[str, Any]:
     }
 
 
-def _list_files(cfg: Any, source: str) -> tuple[list[str], list[str]]:
+def _list_files(cfg: DataConfig, source: str) -> tuple[list[str], list[str]]:
     """(absolute files, their split keys or display names) in canonical order."""
     if source == "builtin":
         root = builtin_root()
@@ -211,7 +214,7 @@ def _count_rows(args: tuple[str, int, int]) -> int:
     return sum(1 for _ in _iter_lines(*args))
 
 
-def plan_tasks(cfg: Any, source: str, files: list[str], keys: list[str], chunk_bytes: int,
+def plan_tasks(cfg: DataConfig, source: str, files: list[str], keys: list[str], chunk_bytes: int,
                pool: Optional[Any]) -> list[Task]:  # fmt: skip
     """Cut the corpus into tasks of about ``chunk_bytes`` of input each."""
     tasks: list[Task] = []
@@ -534,7 +537,7 @@ def _finalize(out: str, tmp: str, results: list[dict[str, Any]], settings: dict[
     return splits
 
 
-def _check_prepare_inputs(cfg: Any, num_proc: int, vocab_size: Optional[int]) -> tuple[str, Any]:
+def _check_prepare_inputs(cfg: DataConfig, num_proc: int, vocab_size: Optional[int]) -> tuple[str, Any]:
     """(canonical source, tokenizer) once the inputs are usable; ``ConfigError`` before any work."""
     source = _SOURCE_ALIASES.get(cfg.source, cfg.source)
     if source not in PREPARABLE:
@@ -555,7 +558,7 @@ def _check_prepare_inputs(cfg: Any, num_proc: int, vocab_size: Optional[int]) ->
     return source, tokenizer
 
 
-def prepare(cfg: Any, out: str, *, num_proc: int = 1, chunk_mb: float = 256.0,
+def prepare(cfg: DataConfig, out: str, *, num_proc: int = 1, chunk_mb: float = 256.0,
             vocab_size: Optional[int] = None) -> dict[str, Any]:  # fmt: skip
     """Tokenize the corpus described by the data config ``cfg`` into ``out``; returns the index.
 

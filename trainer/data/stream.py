@@ -32,7 +32,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Iterator
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import torch
@@ -45,6 +45,9 @@ from trainer.data.prefetch import Prefetcher
 from trainer.data.tokenizer import Tokenizer, encode_documents
 from trainer.data.windows import MIX_BLOCK, Batch, mixture_entry, mixture_names, mixture_pattern
 
+if TYPE_CHECKING:
+    from trainer.config import DataConfig
+
 logger = logging.getLogger("meshwright")
 
 STREAMABLE = ("text", "json", "parquet", "hub")
@@ -54,7 +57,7 @@ Window = tuple[np.ndarray, np.ndarray, np.ndarray]  # inputs, labels, positions:
 class SourceStream:
     """One source's documents for one dp rank, packed into windows, with a resumable position."""
 
-    def __init__(self, cfg: Any, path: str, tokenizer: Tokenizer, *, split: str, seq_len: int,
+    def __init__(self, cfg: DataConfig, path: str, tokenizer: Tokenizer, *, split: str, seq_len: int,
                  dp_rank: int, dp_size: int) -> None:  # fmt: skip
         self.source = _SOURCE_ALIASES.get(cfg.source, cfg.source)
         if self.source not in STREAMABLE:
@@ -193,7 +196,7 @@ def _produce(streams: list[SourceStream], states: list[dict[str, Any]], start: i
 class StreamingDataLoader:
     """Per-rank streaming loader with the :class:`~trainer.data.loader.DataLoader` interface."""
 
-    def __init__(self, cfg: Any, tokenizer: Tokenizer, *, split: str, seq_len: int, global_batch_size: int,
+    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, *, split: str, seq_len: int, global_batch_size: int,
                  dp_rank: int, dp_size: int, prefetch: int = 0, pin_memory: bool = False) -> None:  # fmt: skip
         check_dp_shard(dp_rank, dp_size, global_batch_size)
         entries = [mixture_entry(e) for e in (getattr(cfg, "sources", None) or [])] or [(cfg.path, 1.0)]

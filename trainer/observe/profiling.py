@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+if TYPE_CHECKING:
+    from trainer.config import ProfilingConfig
 
 logger = logging.getLogger("meshwright")
 
@@ -26,7 +29,7 @@ logger = logging.getLogger("meshwright")
 class StepProfiler:
     """Call :meth:`begin` before and :meth:`end` after each step; only chosen steps are profiled."""
 
-    def __init__(self, cfg: Any, *, dump_folder: str, rank: int, device: torch.device) -> None:
+    def __init__(self, cfg: ProfilingConfig, *, dump_folder: str, rank: int, device: torch.device) -> None:
         self.steps = set(cfg.steps) if cfg.enable else set()
         self.cfg = cfg
         self.folder = os.path.join(dump_folder, "profile")

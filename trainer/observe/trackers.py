@@ -17,7 +17,10 @@ import json
 import logging
 import os
 import uuid
-from typing import Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol
+
+if TYPE_CHECKING:
+    from trainer.config import MetricsConfig
 
 logger = logging.getLogger("meshwright")
 
@@ -64,7 +67,7 @@ class TensorBoardTracker:
 class WandbTracker:
     """Scalars and the resolved config (``<dump_folder>/config.yaml``) to a W&B run."""
 
-    def __init__(self, cfg: Any, dump_folder: str, run_name: str) -> None:
+    def __init__(self, cfg: MetricsConfig, dump_folder: str, run_name: str) -> None:
         try:
             import wandb
         except ImportError as e:
@@ -101,7 +104,7 @@ class WandbTracker:
         self._run.finish()
 
 
-def build_trackers(cfg: Any, dump_folder: str, resume_step: int, run_name: str) -> list[Tracker]:
+def build_trackers(cfg: MetricsConfig, dump_folder: str, resume_step: int, run_name: str) -> list[Tracker]:
     """The trackers ``cfg`` (``metrics.*``) turns on; call on the writer rank only."""
     trackers: list[Tracker] = []
     if cfg.tensorboard:

@@ -7,7 +7,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from models import get_spec
 from models.errors import ConfigError
@@ -15,6 +15,9 @@ from parallelisms.parallel_dims import MESH_DIM_NAMES, ParallelDims
 from parallelisms.validate import validated_dims
 from trainer.planner.cluster import DTYPE_BYTES, GB, ClusterConfig, ring_steps, ring_wire_bytes
 from trainer.planner.params import ModuleParams, ParamTable, param_table
+
+if TYPE_CHECKING:
+    from trainer.config import TrainConfig
 
 # ----------------------------------------------------------------------------------------------
 # The plan
@@ -119,7 +122,7 @@ class PlannedStage:
 class PlanContext:
     """Everything the sections of the plan share (derived once from the config)."""
 
-    cfg: Any
+    cfg: TrainConfig
     spec: Any
     dims: ParallelDims
     cluster: ClusterConfig
@@ -154,7 +157,7 @@ class PlanContext:
         return out
 
 
-def world_size_of(cfg: Any, cluster: ClusterConfig) -> int:
+def world_size_of(cfg: TrainConfig, cluster: ClusterConfig) -> int:
     p = cfg.parallelism
     others = p.dp_replicate * p.cp * p.tp * p.pp
     if p.dp_shard != -1:
@@ -187,7 +190,7 @@ def stages_of(spec: Any, args: Any, p: Any, dims: ParallelDims, per_rank: int) -
     return out
 
 
-def build_context(cfg: Any, cluster: ClusterConfig) -> PlanContext:
+def build_context(cfg: TrainConfig, cluster: ClusterConfig) -> PlanContext:
     from parallelisms.pipeline_split import num_microbatches, stages_per_rank
 
     spec, t, p = get_spec(cfg.model.family), cfg.training, cfg.parallelism
@@ -217,7 +220,7 @@ def build_context(cfg: Any, cluster: ClusterConfig) -> PlanContext:
     )  # fmt: skip
 
 
-def strategy_of(dims: ParallelDims, cfg: Any) -> str:
+def strategy_of(dims: ParallelDims, cfg: TrainConfig) -> str:
     parts = []
     if dims.pp > 1:
         parts.append(f"PP{dims.pp}")

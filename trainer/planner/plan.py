@@ -4,12 +4,15 @@ together and gives the verdict (fits? communication hidden?)."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainer.planner.cluster import GIB, ClusterConfig, pp_bubble
 from trainer.planner.comm import rank_collectives
 from trainer.planner.context import Collective, Plan, PlanContext, build_context, strategy_of
 from trainer.planner.memory import activation_bytes_per_token_layer, stage_memory_of
+
+if TYPE_CHECKING:
+    from trainer.config import TrainConfig
 
 
 def compute_seconds(c: PlanContext) -> dict[str, float]:
@@ -58,7 +61,7 @@ def _verdict(plan: Plan) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def build_plan(cfg: Any, cluster: ClusterConfig, experiment: str = "") -> Plan:
+def build_plan(cfg: TrainConfig, cluster: ClusterConfig, experiment: str = "") -> Plan:
     """The plan of ``cfg`` (a validated ``TrainConfig``) on ``cluster``; builds the model only on the
     meta device (shapes, no storage) to classify its parameters."""
     c = build_context(cfg, cluster)

@@ -24,9 +24,13 @@ import copy
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from models.errors import ConfigError
+
+if TYPE_CHECKING:
+    from trainer.config import TrainConfig
+    from trainer.planner.cluster import ClusterConfig
 
 __all__ = ["Candidate", "recommend", "render_recommendation"]
 
@@ -66,7 +70,7 @@ def _layouts(world: int, gpn: int) -> Iterator[tuple[str, str, dict[str, int]]]:
         pp *= 2
 
 
-def _variant(cfg: Any, layout: dict[str, int], ac: str) -> Any:
+def _variant(cfg: TrainConfig, layout: dict[str, int], ac: str) -> TrainConfig:
     out = copy.deepcopy(cfg)
     p = out.parallelism
     p.dp_replicate, p.dp_shard, p.tp, p.pp, p.cp = 1, 1, 1, 1, 1
@@ -100,7 +104,7 @@ def _good(plan: Any) -> bool:
     return v["fits"] and v["comm_bound_fraction"] <= COMM_BOUND and _overlap_load(plan) <= OVERLAP_HEADROOM
 
 
-def recommend(cfg: Any, cluster: Any) -> tuple[Optional[Candidate], list[Candidate]]:
+def recommend(cfg: TrainConfig, cluster: ClusterConfig) -> tuple[Optional[Candidate], list[Candidate]]:
     """(the recommended candidate or None, every candidate tried, in order)."""
     from trainer.planner.context import world_size_of
     from trainer.planner.plan import build_plan

@@ -24,10 +24,13 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from trainer.config import CommConfig
 
 logger = logging.getLogger("meshwright")
 
@@ -75,7 +78,7 @@ def set_timeout(seconds: float) -> None:
 class CommMonitor:
     """Per rank: switches init -> train timeout, remembers the step in progress, warns on stalls."""
 
-    def __init__(self, cfg: Any, *, rank: int, world_size: int, dump_folder: str) -> None:
+    def __init__(self, cfg: CommConfig, *, rank: int, world_size: int, dump_folder: str) -> None:
         self.cfg = cfg
         self.rank = rank
         self.world_size = world_size
