@@ -52,7 +52,6 @@ def _overrides(args: argparse.Namespace, folder: str, layout: list[str]) -> list
 
 
 def _run(args: argparse.Namespace, folder: str, layout: list[str]) -> dict[str, Any]:
-    from trainer.checkpoint.checkpointer import unwrap
     from trainer.config import compose_config
     from trainer.train import Trainer
 
@@ -60,7 +59,7 @@ def _run(args: argparse.Namespace, folder: str, layout: list[str]) -> dict[str, 
     trainer = Trainer(cfg)
     logging.getLogger("meshwright").setLevel(logging.WARNING)  # keep stdout for the JSON
     history = trainer.train()
-    layers = trainer.spec.moe_layers(unwrap(trainer.model))
+    layers = [layer for part in trainer.model_parts for layer in trainer.spec.moe_layers(part)]
     stats: dict[str, int] = {}
     for _, moe in layers:
         for key, value in getattr(moe.dispatcher, "stats", {}).items():

@@ -165,3 +165,20 @@ def parallelize_pipeline(
         model, spec, dims, cfg, device=options.device, micro_batch_size=micro_batch_size,
         local_batch_size=local_batch_size, parallelize_part=part_fn, loss_fn=loss_fn, step_context=step_context,
     )  # fmt: skip
+
+
+def model_parts(model: nn.Module | Pipeline) -> list[nn.Module]:
+    """The model as a list of parts under the model's own parameter names: the one module without
+    pipeline parallelism, this rank's stage modules with it; DDP wrappers (``BucketedDDP``, torch's
+    ``DistributedDataParallel``) stripped. The one place that knows the wrappers: the trainer and
+    the checkpointer work on these parts (FSDP / TP / compile / checkpoint-wrapped blocks stay
+    inside them; ``get_model_state_dict`` names them without those prefixes)."""
+    import sys
+
+    from parallelisms.ddp import BucketedDDP
+
+    pipelining = sys.modules.get("parallelisms.pipeline_parallel")  # loaded whenever a Pipeline exists
+    is_pipeline = pipelining is not None and isinstance(model, pipelining.Pipeline)
+    parts = list(model.model_parts) if is_pipeline else [model]
+    ddp_types = (BucketedDDP, torch.nn.parallel.DistributedDataParallel)
+    return [part.module if isinstance(part, ddp_types) else part for part in parts]

@@ -123,17 +123,16 @@ def _clean(name: str) -> str:
     return name
 
 
-def full_params(model: Any) -> dict[str, torch.Tensor]:
+def full_params(parts: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
     """This rank's parameters, gathered to full (unsharded) fp32 CPU copies, under the model's own names.
 
-    Collective for DTensor parameters (FSDP / TP shards): call it on every rank. Accepts the
-    Trainer's ``model`` in any layout: a DDP wrapper (``.module``), a pipeline (``.model_parts``,
-    each rank returns its stages' parameters), compiled or checkpoint-wrapped blocks.
+    Collective for DTensor parameters (FSDP / TP shards): call it on every rank. Takes the
+    Trainer's ``model_parts`` in any layout (``parallelisms.parallelize.model_parts``: DDP
+    stripped; under a pipeline each rank returns its stages' parameters); compiled or
+    checkpoint-wrapped blocks are named without their wrapper prefixes.
     """
-    parts: list[nn.Module] = list(getattr(model, "model_parts", [model]))
     named = {}
     for part in parts:
-        part = getattr(part, "module", part)
         for name, p in part.named_parameters():
             named[_clean(name)] = p
     out = {}
@@ -227,7 +226,7 @@ def train_case(case: Case) -> dict[str, Any]:
         observed = case.setup(trainer) if case.setup is not None else None
         out: dict[str, Any] = {"history": trainer.train(), "observed": observed}
         if case.params:
-            out["params"] = full_params(trainer.model)
+            out["params"] = full_params(trainer.model_parts)
     finally:
         trainer.close()
     return out

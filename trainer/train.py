@@ -18,7 +18,7 @@ from models import get_spec
 from models.errors import ConfigError
 from parallelisms.expert_parallel import LoadBalancer
 from parallelisms.parallel_dims import DP_REPLICATE_CP
-from parallelisms.parallelize import PartOptions, parallelize, parallelize_pipeline
+from parallelisms.parallelize import PartOptions, model_parts, parallelize, parallelize_pipeline
 from parallelisms.utils import clip_grad_norm_, copy_full_into
 from parallelisms.validate import validated_dims
 from trainer.checkpoint.checkpointer import (
@@ -197,7 +197,8 @@ class Trainer:
             self.step_context.batch_sharder = cp_batch_sharder(cp_mesh, p.cp_load_balance)
             self.step_context.extra.extend(cp_contexts(cp_mesh, impl=p.cp_impl, load_balance=p.cp_load_balance))
         # Under PP the "model" is this rank's Pipeline (its stages' parts + the schedule); it
-        # offers parameters()/train()/eval() and the Checkpointer merges its parts' names.
+        # offers parameters()/train()/eval(). ``model_parts``: the unwrapped modules (one
+        # without PP, this rank's stages with PP) that the load balancer and checkpointer take.
         self.pipeline: Optional[Pipeline] = None
         if self.dims.pp > 1:
             self.pipeline = parallelize_pipeline(
@@ -208,10 +209,10 @@ class Trainer:
         else:
             self.model = parallelize(model, self.spec, self.dims, p, options)
         self.model.train()
+        self.model_parts = model_parts(self.model)
         # MoE families: per-step expert statistics, aux-loss weight and expert-bias update.
-        parts = self.pipeline.model_parts if self.pipeline is not None else [self.model]
         self.load_balancer = LoadBalancer.build(
-            parts, self.spec, self.dims, cfg.model, tokens_per_step=t.global_batch_size * t.seq_len,
+            self.model_parts, self.spec, self.dims, cfg.model, tokens_per_step=t.global_batch_size * t.seq_len,
             forwards_per_step=self.pipeline.n_microbatches if self.pipeline is not None else self.grad_accum_steps,
         )  # fmt: skip
 
@@ -233,7 +234,7 @@ class Trainer:
     def _build_checkpointer(self) -> None:
         cfg = self.cfg
         self.checkpointer = Checkpointer(
-            cfg.checkpoint, dump_folder=self.dump_folder, model=self.model, optimizer=self.optimizer,
+            cfg.checkpoint, dump_folder=self.dump_folder, model_parts=self.model_parts, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, dataloader=self.train_loader, train_state=self.state,
             seed=cfg.training.seed, device=self.device,
             info=model_info(cfg.model, cfg.data.tokenizer, describe_layout(self.dims, self.parallelism)),

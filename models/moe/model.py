@@ -499,7 +499,7 @@ def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
     for name, module in model.named_modules():
         if isinstance(module, MoE):
             name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-            out.append((name.removeprefix("module."), module))
+            out.append((name, module))
     return out
 
 

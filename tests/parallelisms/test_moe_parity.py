@@ -60,10 +60,8 @@ def _records(history: list[dict]) -> list[tuple[float, float]]:
 
 def _biases(trainer) -> dict[str, list[float]]:
     """Plain lists: tensors would travel between processes through shared memory."""
-    from trainer.checkpoint.checkpointer import unwrap
-
     return {f"{name}.expert_bias": moe.expert_bias.tolist()
-            for name, moe in trainer.spec.moe_layers(unwrap(trainer.model))}  # fmt: skip
+            for part in trainer.model_parts for name, moe in trainer.spec.moe_layers(part)}  # fmt: skip
 
 
 def _train(cfg: TrainConfig) -> dict:

@@ -96,9 +96,9 @@ def _train_runs(rank: int, world_size: int, tmp: str) -> None:
 def _full_model(trainer) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
-    from trainer.checkpoint.checkpointer import ModelState, unwrap
+    from trainer.checkpoint.checkpointer import ModelState
 
-    sd = ModelState(unwrap(trainer.model)).state_dict()
+    sd = ModelState(trainer.model_parts).state_dict()
     return {
         k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in sorted(sd.items())
     }

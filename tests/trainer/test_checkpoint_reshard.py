@@ -56,12 +56,12 @@ COMMON = ["checkpoint.interval=4", NO_CLIP]
 
 def _full_state(trainer) -> dict[str, torch.Tensor]:
     """Model + optimizer tensors of any layout, gathered to full form on every rank (collective)."""
-    from trainer.checkpoint.checkpointer import ModelState, OptimizerState, unwrap
+    from trainer.checkpoint.checkpointer import ModelState, OptimizerState
 
-    module = unwrap(trainer.model)
-    flat = {f"model.{k}": v for k, v in ModelState(module).state_dict().items()}
+    parts = trainer.model_parts
+    flat = {f"model.{k}": v for k, v in ModelState(parts).state_dict().items()}
     flat.update(
-        {f"optimizer.{k}": v for k, v in OptimizerState(module, trainer.optimizer).state_dict().items()}
+        {f"optimizer.{k}": v for k, v in OptimizerState(parts, trainer.optimizer).state_dict().items()}
     )
     local = {}
     for key in sorted(flat):  # same DTensor keys in the same order on every rank

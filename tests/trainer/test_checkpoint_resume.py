@@ -50,8 +50,8 @@ def dropout_noise(trainer) -> None:  # noqa: ANN001
     def hook(module, inputs, output):  # noqa: ANN001, ANN202
         return F.dropout(output, p=0.1, training=True)
 
-    for part in getattr(trainer.model, "model_parts", [trainer.model]):
-        for block in getattr(part, "module", part).layers.values():
+    for part in trainer.model_parts:
+        for block in part.layers.values():
             block.feed_forward.register_forward_hook(hook)
 
 

@@ -232,7 +232,7 @@ def _load_38m(rank: int, world_size: int, tmp: str, hf_dir: str) -> dict:
     from torch.distributed.tensor import DTensor
 
     import trainer.checkpoint.hf
-    from trainer.checkpoint.checkpointer import ModelState, unwrap
+    from trainer.checkpoint.checkpointer import ModelState
     from trainer.train import Trainer
 
     out: dict = {}
@@ -243,7 +243,7 @@ def _load_38m(rank: int, world_size: int, tmp: str, hf_dir: str) -> dict:
         "metrics.tensorboard=false", f"checkpoint.initial_load_hf={hf_dir}",
     )  # fmt: skip
     run = Trainer(cfg)  # training.seed=0 here, the export used seed 5: equality proves the load
-    state = ModelState(unwrap(run.model)).state_dict()
+    state = ModelState(run.model_parts).state_dict()
     local = sum(v.to_local().numel() * v.element_size() for v in state.values() if isinstance(v, DTensor))
     want = read_hf(hf_dir)[2] if rank == 0 else {}
     mismatched = []

@@ -4,8 +4,8 @@ What a checkpoint holds (DCP keys, identical whatever layout wrote them, so a ch
 one logical model: any layout loads what any other wrote):
 
 * ``model.<fqn>``: the weights, named as in ``models/llama.py`` (no ``module.`` / FSDP /
-  compile prefixes), via ``get_model_state_dict`` on the unwrapped module (pipeline stages
-  merged).
+  compile prefixes), via ``get_model_state_dict`` on each model part (``model_parts``: DDP
+  stripped, pipeline stages merged).
 * ``optimizer.state.<fqn>.<exp_avg|exp_avg_sq|step>`` and ``optimizer.param_groups.<fqn>.<key>``:
   the flattened optimizer state (``flatten_optimizer_state_dict``), so FSDP/TP shards, ZeRO-1
   owners and replicated optimizers all write the same logical keys.
@@ -104,9 +104,9 @@ __all__ = [  # the checkpoint_io names re-exported here are the ones other modul
     "describe_layout",
     "load_full_state",
     "model_info",
+    "one_module",
     "seed_parallelism",
     "read_marker",
-    "unwrap",
     "validate_checkpoint_config",
     "verify_files",
 ]
@@ -121,13 +121,12 @@ _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 # -- small helpers -------------------------------------------------------------------
 
 
-def unwrap(model: Any) -> nn.Module:
-    """The module whose parameter names are the model's own: strips BucketedDDP / torch DDP, and
-    merges a pipeline's ``model_parts`` (stages keep global names) into one view module."""
-    parts = getattr(model, "model_parts", None)
-    if parts is None:
-        return getattr(model, "module", model)
-    parts = [getattr(p, "module", p) for p in parts]
+def one_module(parts: list[nn.Module]) -> nn.Module:
+    """One module naming every parameter of ``parts`` (the model parts from
+    ``parallelisms.parallelize.model_parts``) as the whole model does: the part itself when there
+    is one; pipeline stages (which keep global names) merged into a view module that owns no
+    parameters. For what needs one module: the optimizer state (one optimizer spans the parts),
+    HF load and export."""
     if len(parts) == 1:
         return parts[0]
     view = nn.Module()  # registers the stages' children; it owns no parameters itself
@@ -156,27 +155,37 @@ def describe_layout(dims: Any, parallelism: Any) -> dict[str, Any]:
 
 
 class ModelState:
-    """DCP Stateful over the unwrapped model: layout-independent, prefix-free keys."""
+    """DCP Stateful over the model parts: layout-independent, prefix-free keys (the parts' state
+    dicts merged; pipeline stages hold disjoint names)."""
 
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
+    def __init__(self, parts: list[nn.Module]) -> None:
+        self.parts = parts
 
     def state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.module)
+        merged: dict[str, Any] = {}
+        for part in self.parts:
+            merged.update(get_model_state_dict(part))
+        return merged
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_model_state_dict(self.module, state_dict)
+        if len(self.parts) == 1:
+            set_model_state_dict(self.parts[0], state_dict)
+            return
+        for part in self.parts:  # each part takes its own names
+            names = get_model_state_dict(part).keys()
+            set_model_state_dict(part, {k: state_dict[k] for k in names})
 
 
 class OptimizerState:
     """DCP Stateful over the optimizer, flattened to ``state.<fqn>.*`` / ``param_groups.<fqn>.*``.
 
     Works for AdamW over plain, FSDP or TP parameters and for the ZeRO-1 ShardedOptimizer,
-    whose ``state`` holds only this rank's parameters: each rank contributes its own keys.
+    whose ``state`` holds only this rank's parameters: each rank contributes its own keys. One
+    optimizer spans all model parts, so torch names its parameters within ``one_module(parts)``.
     """
 
-    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.module = module
+    def __init__(self, parts: list[nn.Module], optimizer: torch.optim.Optimizer) -> None:
+        self.module = one_module(parts)
         self.optimizer = optimizer
 
     def state_dict(self) -> dict[str, Any]:
@@ -241,7 +250,7 @@ class Checkpointer:
         cfg: CheckpointConfig,
         *,
         dump_folder: str,
-        model: nn.Module,
+        model_parts: list[nn.Module],
         optimizer: torch.optim.Optimizer,
         lr_scheduler: Any,
         dataloader: Any,
@@ -258,7 +267,8 @@ class Checkpointer:
         # its own state dict cannot tell a foreign checkpoint from the other stages' tensors).
         self.full_shapes = full_shapes
         self.folder = os.path.join(dump_folder, cfg.folder)
-        self.module = unwrap(model)
+        self.parts = model_parts  # ``parallelisms.parallelize.model_parts``: no wrappers
+        self.module = one_module(model_parts)
         self.train_state = train_state
         self.seed = seed
         self.device = device
@@ -267,8 +277,8 @@ class Checkpointer:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.states: dict[str, Any] = {
-            "model": ModelState(self.module),
-            "optimizer": OptimizerState(self.module, optimizer),
+            "model": ModelState(model_parts),
+            "optimizer": OptimizerState(model_parts, optimizer),
             "lr_scheduler": lr_scheduler,
             "dataloader": dataloader,
             "train_state": TrainProgress(train_state),
@@ -299,7 +309,7 @@ class Checkpointer:
     def _expected_shapes(self) -> dict[str, torch.Size]:
         if self.full_shapes is not None:
             return self.full_shapes
-        return {k: v.shape for k, v in get_model_state_dict(self.module).items()}
+        return {k: v.shape for k, v in self.states["model"].state_dict().items()}
 
     def _resolve(self) -> Optional[tuple[str, bool]]:
         """(path, model_only) of what to start from, or None for a fresh start. No collectives."""
