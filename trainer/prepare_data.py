@@ -18,16 +18,18 @@ vocabulary before any work) plus:
 Re-running with the same inputs does nothing; a changed tokenizer, setting or source file
 is refused with the differences listed. Progress (documents, tokens, MB/s, ETA) goes to
 stderr. Exit code 2 on bad input.
+
+Argument parsing only: the preparation and its checks are ``trainer/data/prepared.py``.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from typing import Any, Optional
 
 from models.errors import ConfigError
+from trainer.data.prepared import check_out_folder, prepare
 
 _OWN_KEYS = {"out": str, "num_proc": int, "chunk_mb": float}
 _TYPE_NAMES = {str: "a path", int: "an integer", float: "a number"}
@@ -54,7 +56,7 @@ def parse_args(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
 
 
 def _check_own(own: dict[str, Any]) -> None:
-    """``out`` names a folder that can be created; ``num_proc`` and ``chunk_mb`` are positive."""
+    """``out`` is given and names a folder that can be created; ``num_proc`` and ``chunk_mb`` are positive."""
     out = own["out"]
     if not out:
         raise ConfigError("out=DIR is required: the folder to write the prepared shards into")
@@ -62,18 +64,7 @@ def _check_own(own: dict[str, Any]) -> None:
         raise ConfigError(f"num_proc={own['num_proc']} must be >= 1 (worker processes).")
     if not 0 < own["chunk_mb"] < float("inf"):
         raise ConfigError(f"chunk_mb={own['chunk_mb']} must be a number > 0 (input megabytes per shard).")
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise ConfigError(
-            f"out={out!r} is an existing file, not a folder; pass a folder (it is created if missing) or move the "
-            "file away."
-        )
-    parent = os.path.dirname(os.path.abspath(out))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        raise ConfigError(
-            f"out={out!r} cannot be created: {parent!r} is not a writable folder; pass another out=."
-        )
+    check_out_folder(out)
 
 
 def compose(overrides: list[str]) -> tuple[Any, Optional[int]]:
@@ -91,11 +82,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         own, overrides = parse_args(sys.argv[1:] if argv is None else argv)
         data, vocab_size = compose(overrides)
-        if data.sources:
-            raise ConfigError("data.sources: prepare each corpus into its own folder, then mix them at training "
-                              "time with data=tokens data.sources=[{path: DIR, weight: W}, ...]")  # fmt: skip
-        from trainer.data.prepared import prepare
-
         prepare(data, own["out"], num_proc=own["num_proc"], chunk_mb=own["chunk_mb"], vocab_size=vocab_size)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr, flush=True)

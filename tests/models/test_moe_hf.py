@@ -1,8 +1,8 @@
 """Hugging Face interop of the MoE family against ``transformers`` itself.
 
 Small random Mixtral and Qwen3-MoE models, written by ``save_pretrained`` (safetensors, with a
-tokenizer saved alongside), must: import with transformers' logits (``trainer.generate``'s loader
-and the sliced reader of ``checkpoint.initial_load_hf``); generate through
+tokenizer saved alongside), must: import with transformers' logits (``trainer.checkpoint.load``,
+``trainer.generate``'s loader, and the sliced reader of ``checkpoint.initial_load_hf``); generate through
 ``python -m trainer.generate``; start a run through ``trainer/main.py`` with
 ``checkpoint.initial_load_hf`` whose first loss is transformers' loss on that batch. HF stores no
 routing bias (``expert_bias``): it starts at zero; every other tensor is still required, and a
@@ -119,7 +119,7 @@ def _logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_import_matches_transformers_logits(folders, kind: str) -> None:
-    from trainer.generate import load_model
+    from trainer.checkpoint.load import load_model
 
     folder, hf = folders[kind]
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(os.listdir(folder))
@@ -229,7 +229,7 @@ def test_representable_config_variants_are_read(caplog) -> None:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_export_loads_in_transformers_and_refuses_a_moved_bias(folders, kind: str, tmp_path) -> None:
-    from trainer.generate import load_model
+    from trainer.checkpoint.load import load_model
 
     folder, _ = folders[kind]
     ours, _ = load_model(folder)

@@ -217,9 +217,9 @@ def test_checkpoint_errors_hf_round_trip_seed_and_generation(tmp_path, capsys) -
     run_distributed(_train_runs, 1, tmp)
 
     # -- Hugging Face export -> transformers -> logits, sharded and tied variants.
+    from trainer.checkpoint.load import load_model
     from trainer.export_hf import export
     from trainer.export_hf import main as export_main
-    from trainer.generate import load_model
     from trainer.generate import main as generate_main
 
     step2 = os.path.join(tmp, "untied", "checkpoints", "step-2")
@@ -254,7 +254,7 @@ def test_checkpoint_errors_hf_round_trip_seed_and_generation(tmp_path, capsys) -
     assert hf.config.tie_word_embeddings
 
     # -- generation: from the checkpoint and from the HF folder, same seed -> same tokens.
-    from trainer.generate import generate
+    from models.generation import generate
 
     hf_ours, hf_tokenizer = load_model(hf_dir)
     prompt = [tokenizer.bos_id, *tokenizer.encode("def ")]

@@ -85,7 +85,7 @@ def _logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", ["llama3", "linear"])
 def test_scaled_rope_imports_and_exports_with_transformers_logits(tmp_path, kind: str) -> None:
-    from trainer.generate import _build, load_model
+    from trainer.checkpoint.load import _build, load_model
 
     torch.manual_seed(0)
     theirs = transformers.LlamaForCausalLM(_hf_config(kind)).eval()
@@ -319,7 +319,7 @@ def test_last_save_in_hf_single_process_fsdp_and_tp(tmp_path) -> None:
     from safetensors.torch import load_file
 
     from trainer.checkpoint.checkpointer import load_full_state
-    from trainer.generate import load_model
+    from trainer.checkpoint.load import load_model
 
     tmp = str(tmp_path)
     run_distributed(_train_and_save_hf, 1, tmp, {"single": ("checkpoint.enable=true",), "hf_only": ()})

@@ -6,4 +6,5 @@
 * :mod:`~trainer.checkpoint.space`: disk-room checks and the disk-full error;
 * :mod:`~trainer.checkpoint.hf`: Hugging Face safetensors read/write (sharded, distributed);
 * :mod:`~trainer.checkpoint.export`: checkpoint -> HF folder (``python -m trainer.export_hf``).
+* :mod:`~trainer.checkpoint.load`: a step-N or HF folder -> a plain model + tokenizer (``trainer.generate``).
 """

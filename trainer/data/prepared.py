@@ -537,8 +537,27 @@ def _finalize(out: str, tmp: str, results: list[dict[str, Any]], settings: dict[
     return splits
 
 
+def check_out_folder(out: str) -> None:
+    """``ConfigError`` unless ``out`` is a folder, or a path under a writable folder where it can be created."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ConfigError(
+            f"out={out!r} is an existing file, not a folder; pass a folder (it is created if missing) or move the "
+            "file away."
+        )
+    parent = os.path.dirname(os.path.abspath(out))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise ConfigError(
+            f"out={out!r} cannot be created: {parent!r} is not a writable folder; pass another out=."
+        )
+
+
 def _check_prepare_inputs(cfg: DataConfig, num_proc: int, vocab_size: Optional[int]) -> tuple[str, Any]:
     """(canonical source, tokenizer) once the inputs are usable; ``ConfigError`` before any work."""
+    if cfg.sources:
+        raise ConfigError("data.sources: prepare each corpus into its own folder, then mix them at training "
+                          "time with data=tokens data.sources=[{path: DIR, weight: W}, ...]")  # fmt: skip
     source = _SOURCE_ALIASES.get(cfg.source, cfg.source)
     if source not in PREPARABLE:
         raise ConfigError(f"data.source={cfg.source!r} cannot be prepared; use one of {list(PREPARABLE)}")

@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
+from models.generation import generate
 from models.llama import LlamaArgs, Transformer
-from trainer.generate import generate
 
 
 @pytest.mark.parametrize("n_kv_heads", [2, 4])
@@ -35,7 +35,7 @@ def test_kv_cache_matches_full_recompute(n_kv_heads: int) -> None:
 
 def test_kv_cache_logits_equal_full_forward() -> None:
     """Token by token through the cache gives the same logits as one forward over the sequence."""
-    from trainer.generate import kv_cache
+    from models.generation import kv_cache
 
     args = LlamaArgs(
         dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, ffn_hidden_dim=96, max_seq_len=32
