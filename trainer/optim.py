@@ -13,10 +13,12 @@ from torch.optim.lr_scheduler import LambdaLR
 from trainer.config import LRSchedulerConfig, OptimizerConfig
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Decay matrices (linear and embedding weights); never decay norms or other vectors."""
+def param_groups(model: nn.Module | list[nn.Module], weight_decay: float) -> list[dict[str, Any]]:
+    """Decay matrices (linear and embedding weights); never decay norms or other vectors. ``model``:
+    a module or the model parts (each parameter once, in the parts' order)."""
     decay, no_decay = [], []
-    for p in model.parameters():
+    parts = model if isinstance(model, list) else [model]
+    for p in dict.fromkeys(p for part in parts for p in part.parameters()):
         if not p.requires_grad:
             continue
         (decay if p.ndim >= 2 else no_decay).append(p)
@@ -34,13 +36,13 @@ def _impl_kwargs(cfg: OptimizerConfig, device_type: str) -> dict[str, bool]:
 
 
 def build_optimizer(
-    model: nn.Module,
+    model: nn.Module | list[nn.Module],
     cfg: OptimizerConfig,
     *,
     device_type: str,
     shard_mesh: DeviceMesh | None = None,
 ) -> torch.optim.Optimizer:
-    """AdamW over ``model``; with ``shard_mesh`` it becomes the ZeRO-1 ShardedOptimizer on that mesh."""
+    """AdamW over ``model`` (a module or the model parts); with ``shard_mesh`` it becomes the ZeRO-1 ShardedOptimizer on that mesh."""
     kwargs: dict[str, Any] = {"lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps}
     kwargs.update(_impl_kwargs(cfg, device_type))
     groups = param_groups(model, cfg.weight_decay)

@@ -196,9 +196,10 @@ class Trainer:
             cp_mesh = self.dims.cp_mesh
             self.step_context.batch_sharder = cp_batch_sharder(cp_mesh, p.cp_load_balance)
             self.step_context.extra.extend(cp_contexts(cp_mesh, impl=p.cp_impl, load_balance=p.cp_load_balance))
-        # Under PP the "model" is this rank's Pipeline (its stages' parts + the schedule); it
-        # offers parameters()/train()/eval(). ``model_parts``: the unwrapped modules (one
-        # without PP, this rank's stages with PP) that the load balancer and checkpointer take.
+        # ``model`` runs the step: the module (DDP-wrapped when replicated) or, under PP, this
+        # rank's Pipeline (its stages + the schedule). ``model_parts``: the unwrapped modules (one
+        # without PP, this rank's stages with PP) that everything else takes: train/eval mode,
+        # the optimizer, gradient clipping, the load balancer and the checkpointer.
         self.pipeline: Optional[Pipeline] = None
         if self.dims.pp > 1:
             self.pipeline = parallelize_pipeline(
@@ -208,8 +209,10 @@ class Trainer:
             self.model = self.pipeline
         else:
             self.model = parallelize(model, self.spec, self.dims, p, options)
-        self.model.train()
         self.model_parts = model_parts(self.model)
+        self._train_mode(True)
+        # Every parameter of this rank's parts, each once: what the optimizer, clipping and the ledger see.
+        self.parameters = list(dict.fromkeys(p for part in self.model_parts for p in part.parameters()))
         # MoE families: per-step expert statistics, aux-loss weight and expert-bias update.
         self.load_balancer = LoadBalancer.build(
             self.model_parts, self.spec, self.dims, cfg.model, tokens_per_step=t.global_batch_size * t.seq_len,
@@ -224,7 +227,7 @@ class Trainer:
             else None
         )
         self.optimizer = build_optimizer(
-            self.model, self.cfg.optimizer, device_type=self.device.type, shard_mesh=shard_mesh
+            self.model_parts, self.cfg.optimizer, device_type=self.device.type, shard_mesh=shard_mesh
         )
         self.lr_scheduler = build_lr_scheduler(self.optimizer, self.cfg.lr_scheduler, self.cfg.training.steps)
         self.state = TrainState()
@@ -273,6 +276,10 @@ class Trainer:
         )
 
     # -- helpers --------------------------------------------------------------------
+    def _train_mode(self, mode: bool) -> None:
+        for part in self.model_parts:
+            part.train(mode)
+
     def _global_sum(self, local: torch.Tensor) -> torch.Tensor:
         """Sum a local count or loss over the data/context-parallel ranks (no host sync)."""
         if self.dims.dp_cp == 1:
@@ -348,7 +355,7 @@ class Trainer:
         else:
             loss_sum = self._accumulate_gradients(batch, scale)
         pp_mesh = self.dims.get_mesh("pp") if self.dims.pp > 1 else None
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.grad_clip, pp_mesh=pp_mesh)
+        grad_norm = clip_grad_norm_(self.parameters, self.cfg.training.grad_clip, pp_mesh=pp_mesh)
         # Every rank sees the same global grad norm, so all stop together, before the step.
         message = non_finite_message(grad_norm, loss_sum, self.state.step + 1)  # names the rank(s)
         if message is not None:
@@ -356,7 +363,7 @@ class Trainer:
         if self.load_balancer is not None:  # tokens per expert over dp x cp -> expert-bias update
             self.load_balancer.end_step()
         if self.comm_ledger is not None and self.comm_ledger.active:  # the gradients exist only now
-            self.comm_ledger.measure_gradients(self.model.parameters())
+            self.comm_ledger.measure_gradients(self.parameters)
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -367,7 +374,7 @@ class Trainer:
         """Mean token loss over ``training.eval_steps`` validation batches (same on every rank)."""
         if self.val_loader is None:
             raise RuntimeError("evaluate() needs training.eval_freq > 0")
-        self.model.eval()
+        self._train_mode(False)
         self.val_loader.reset()
         loss_sum = torch.zeros((), device=self.device)
         count = torch.zeros((), device=self.device)
@@ -379,7 +386,7 @@ class Trainer:
                 with self.step_context():
                     loss_sum += self._forward_loss_sum(batch)
             count += count_targets(batch.labels)
-        self.model.train()
+        self._train_mode(True)
         totals = self._global_sum(torch.stack([loss_sum, count]))
         return (totals[0] / totals[1].clamp(min=1)).item(), int(totals[1].item())
 
@@ -422,7 +429,7 @@ class Trainer:
                     if self.load_balancer is not None:
                         extra.update(self.load_balancer.log_stats(self.device))
                     if self.comm_ledger is not None:  # every rank's collectives per step (a collective)
-                        extra["comm"] = self.comm_ledger.collect(self.model.parameters(), self.optimizer)
+                        extra["comm"] = self.comm_ledger.collect(self.parameters, self.optimizer)
                     lr = self.lr_scheduler.get_last_lr()[0]
                     record = self.metrics.log_step(step, global_loss.item(), grad_norm.item(), lr, extra=extra)
                     self.state.history.append(record)
