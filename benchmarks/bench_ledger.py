@@ -44,7 +44,7 @@ def _rank(rank: int, world: int, overrides: list[str], steps: int, rounds: int) 
     ledger = CommLedger(axis_names_of_groups(dims.mesh, names))
 
     def timed(with_ledger: bool) -> float:
-        trainer.observe.comm_ledger = ledger if with_ledger else None
+        trainer.comm_ledger = ledger if with_ledger else None
         trainer.cfg.training.steps = trainer.state.step + steps
         start = time.perf_counter()
         trainer.train()

@@ -114,7 +114,7 @@ def test_ledger_off_installs_nothing(runs: dict) -> None:
                       "checkpoint.enable=false")  # fmt: skip
     trainer = Trainer(cfg)
     try:
-        assert trainer.observe.comm_ledger is None
+        assert trainer.comm_ledger is None
         history = trainer.train()
     finally:
         trainer.close()
