@@ -139,13 +139,23 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     """Parse and check the arguments; bad ones exit with status 2 and a message naming them."""
     p = argparse.ArgumentParser(prog="gpu_check.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--quick", action="store_true", help="fewer steps and smaller sizes (about 4 minutes on one GPU)")
-    p.add_argument("--out", default=os.path.join("outputs", "gpu_check"), help="folder for summary.json, logs, runs")
+    p.add_argument(
+        "--quick", action="store_true", help="fewer steps and smaller sizes (about 4 minutes on one GPU)"
+    )
+    p.add_argument(
+        "--out", default=os.path.join("outputs", "gpu_check"), help="folder for summary.json, logs, runs"
+    )
     p.add_argument("--gpus", type=int, default=None, help="use the first N GPUs (default: all visible)")
     p.add_argument("--only", default=None, help=f"comma-separated parts to run, of: {', '.join(PART_NAMES)}")
-    p.add_argument("--micro-batch", type=int, default=4,
-                   help="1B micro batch at seq 2048 (default 4; halved until the planner says it fits)")
-    p.add_argument("--dry-run", action="store_true", help="list the parts and commands; run nothing (works on CPU)")
+    p.add_argument(
+        "--micro-batch",
+        type=int,
+        default=4,
+        help="1B micro batch at seq 2048 (default 4; halved until the planner says it fits)",
+    )
+    p.add_argument(
+        "--dry-run", action="store_true", help="list the parts and commands; run nothing (works on CPU)"
+    )
     p.add_argument("--part", default=None, help=argparse.SUPPRESS)  # internal: run one part (child process)
     args = p.parse_args(argv)
     if args.gpus is not None and args.gpus < 1:
@@ -154,7 +164,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         p.error(f"--micro-batch={args.micro_batch} must be >= 1")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         p.error(f"--out={args.out} is a file; pass a folder (it is created if missing)")
-    names = [n.strip() for n in args.only.split(",") if n.strip()] if args.only is not None else list(PART_NAMES)
+    names = (
+        [n.strip() for n in args.only.split(",") if n.strip()] if args.only is not None else list(PART_NAMES)
+    )
     unknown = [n for n in names if n not in PART_NAMES]
     if unknown or not names:
         p.error(f"--only={args.only!r}: unknown part(s) {unknown}; choose from {', '.join(PART_NAMES)}")
@@ -257,7 +269,9 @@ def read_metrics(folder: str) -> list[dict[str, Any]]:
     return sorted((r for r in records if "loss" in r), key=lambda r: r["step"])
 
 
-def summarize_training(records: list[dict[str, Any]], *, warmup: int, exclude: tuple[int, ...] = ()) -> dict[str, Any]:
+def summarize_training(
+    records: list[dict[str, Any]], *, warmup: int, exclude: tuple[int, ...] = ()
+) -> dict[str, Any]:
     """Throughput (medians over the steps after ``warmup``, without ``exclude``), peak memory
     (``memory_gib`` is ``max_memory_allocated`` since the previous record) and the losses."""
     if not records:
@@ -278,10 +292,23 @@ def summarize_training(records: list[dict[str, Any]], *, warmup: int, exclude: t
     }  # fmt: skip
 
 
+def finite_json(obj: Any) -> Any:
+    """``obj`` with non-finite floats as strings ("nan", "inf"): the summary stays strict JSON."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_json(v) for v in obj]
+    return obj
+
+
 def compare_losses(test: list[float], ref: list[float], tol: float) -> dict[str, Any]:
     """Per-step relative loss difference of ``test`` against ``ref``: pass when every step is within ``tol``."""
     if not test or not ref:
         return {"pass": False, "reason": "no losses to compare"}
+    if not all(isinstance(x, (int, float)) and math.isfinite(x) for x in (*test, *ref)):
+        return {"pass": False, "reason": "a value is not a finite number"}
     if len(test) != len(ref):
         return {"pass": False, "reason": f"{len(test)} steps vs {len(ref)} in the reference"}
     rel = [abs(a - b) / abs(b) if b else abs(a - b) for a, b in zip(test, ref)]
@@ -315,6 +342,9 @@ def part_environment(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _bounded(numbers: dict[str, Any], key: str, tol: float, what: str) -> dict[str, Any]:
+    if numbers[key] is None:
+        errors = {k: v["error"] for k, v in numbers.items() if isinstance(v, dict) and "error" in v}
+        raise PartFailure(f"{what}: raised {errors}", numbers)
     if not numbers[key] <= tol:
         raise PartFailure(f"{what}: {key}={numbers[key]:.3g} > {tol:g}", numbers)
     return {"numbers": numbers}
@@ -393,7 +423,9 @@ def planned_memory_gib(overrides: list[str]) -> float:
     return max(s["total_bytes"] for s in plan["stages"]) / 2**30
 
 
-def fitting_micro_batch(part: str, folder: str, args: argparse.Namespace, memory_gib: float) -> tuple[int, float]:
+def fitting_micro_batch(
+    part: str, folder: str, args: argparse.Namespace, memory_gib: float
+) -> tuple[int, float]:
     """The largest micro batch <= ``--micro-batch`` (halving) whose planned bytes fit 85% of the GPU."""
     micro = args.micro_batch
     while True:
@@ -438,7 +470,9 @@ def part_train(args: argparse.Namespace, part: Part) -> dict[str, Any]:
                **summarize_training(read_metrics(folder), warmup=warmup, exclude=(profiled,))}  # fmt: skip
     numbers["planned_memory_gib"] = planned
     numbers["memory_over_plan"] = numbers["peak_memory_gib"] / planned
-    numbers["loss_falling"] = numbers["last_loss"] <= (1 - TOLERANCES["loss_drop_min"]) * numbers["first_loss"]
+    numbers["loss_falling"] = (
+        numbers["last_loss"] <= (1 - TOLERANCES["loss_drop_min"]) * numbers["first_loss"]
+    )
     problems = []
     if numbers["steps"] != steps:
         problems.append(f"{numbers['steps']} of {steps} steps logged")
@@ -462,7 +496,9 @@ def part_parity(args: argparse.Namespace, part: Part) -> dict[str, Any]:
     artifacts = {"run_folder": folder, "command": shlex.join(cmd)}
     rc = run_trainer(cmd, args.deadline - time.monotonic())
     if rc != 0:
-        raise PartFailure(f"trainer exited with status {rc} (see the part's log)", {"processes": nproc}, artifacts)
+        raise PartFailure(
+            f"trainer exited with status {rc} (see the part's log)", {"processes": nproc}, artifacts
+        )
     records = read_metrics(folder)
     numbers = {"processes": nproc, "dtype": "bf16", "losses": [r["loss"] for r in records],
                "grad_norms": [r["grad_norm"] for r in records]}  # fmt: skip
@@ -505,7 +541,7 @@ def run_part_here(args: argparse.Namespace) -> int:
     result["wall_s"] = round(time.perf_counter() - start, 2)
     path = os.path.join(args.out, "parts", f"{part.name}.json")
     with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=2, default=str)
+        json.dump(finite_json(result), f, indent=2, default=str)
     os.replace(path + ".tmp", path)
     print(json.dumps(result, default=str)[:4000], flush=True)
     return 0
@@ -564,7 +600,9 @@ def run_part_child(part: Part, args: argparse.Namespace) -> dict[str, Any]:
     elif timed_out:
         result["reason"] = f"timed out after {timeout} s; log tail:\n{_log_tail(log)}"
     else:
-        result["reason"] = f"the part's process exited with status {rc} without a result; log tail:\n{_log_tail(log)}"
+        result["reason"] = (
+            f"the part's process exited with status {rc} without a result; log tail:\n{_log_tail(log)}"
+        )
     result.update(wall_s=wall, log=os.path.abspath(log))
     return result
 
@@ -600,11 +638,15 @@ def _judge_parity(result: dict[str, Any], ref: Optional[dict[str, Any]], ref_nam
         return
     numbers, ref_numbers = result["numbers"], ref["numbers"]
     cmp = compare_losses(numbers["losses"], ref_numbers["losses"], TOLERANCES["parity_loss_rel"])
-    norms = compare_losses(numbers["grad_norms"], ref_numbers["grad_norms"], TOLERANCES["parity_grad_norm_rel"])
+    norms = compare_losses(
+        numbers["grad_norms"], ref_numbers["grad_norms"], TOLERANCES["parity_grad_norm_rel"]
+    )
     numbers["reference"] = ref_name
     numbers["loss_vs_reference"] = {k: v for k, v in cmp.items() if k not in ("pass", "reason")}
     numbers["grad_norm_vs_reference"] = {k: v for k, v in norms.items() if k not in ("pass", "reason")}
-    reasons = [f"{what} {c['reason']}" for what, c in (("loss:", cmp), ("grad norm:", norms)) if not c["pass"]]
+    reasons = [
+        f"{what} {c['reason']}" for what, c in (("loss:", cmp), ("grad norm:", norms)) if not c["pass"]
+    ]
     if reasons:
         result.update(status="fail", reason="; ".join(reasons))
 
@@ -637,7 +679,13 @@ def _profile_part(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def _result(status: str, reason: Optional[str], numbers: Optional[dict] = None,
             artifacts: Optional[dict] = None) -> dict[str, Any]:  # fmt: skip
-    return {"status": status, "reason": reason, "numbers": numbers or {}, "artifacts": artifacts or {}, "wall_s": 0.0}
+    return {
+        "status": status,
+        "reason": reason,
+        "numbers": numbers or {},
+        "artifacts": artifacts or {},
+        "wall_s": 0.0,
+    }
 
 
 def build_summary(results: dict[str, dict[str, Any]], *, quick: bool, out: str, gpus: int,
@@ -645,7 +693,7 @@ def build_summary(results: dict[str, dict[str, Any]], *, quick: bool, out: str, 
     """The summary from the parts' results (``{name: {status, reason, numbers, artifacts, wall_s}}``):
     derived checks added (MFU vs the measured matmul, parity vs reference, compiled vs eager,
     profiler files), parts in the canonical order, counts and the overall ``ok``."""
-    results = json.loads(json.dumps(results, default=str))  # a deep copy; numbers get added
+    results = json.loads(json.dumps(finite_json(results), default=str))  # a deep copy; numbers get added
     env = results.get("environment", {})
     matmul = env.get("numbers", {}).get("matmul_bf16_tflops") if env.get("status") == "pass" else None
     for name in ("train_1b_eager", "train_1b_compiled"):
@@ -778,7 +826,10 @@ def main(argv: Optional[list[str]] = None) -> int:
               + (f" - {r['reason'].splitlines()[0]}" if r.get("reason") else ""), file=sys.stderr, flush=True)  # fmt: skip
     summary = build_summary(results, quick=args.quick, out=args.out, gpus=args.gpus, started_utc=started,
                             wall_s=time.perf_counter() - t0)  # fmt: skip
-    validate_summary(summary)
+    try:
+        validate_summary(summary)
+    except ValueError as e:  # still write what was measured
+        print(f"[gpu_check] warning: {e}", file=sys.stderr)
     text = json.dumps(summary, indent=2)
     with open(os.path.join(args.out, "summary.json"), "w", encoding="utf-8") as f:
         f.write(text + "\n")

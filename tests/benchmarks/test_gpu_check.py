@@ -129,7 +129,7 @@ def _results(eager_losses: list[float], compiled_losses: list[float], tp_losses:
            "memory_snapshot": "/o/m.pickle", "memory_snapshot_bytes": 5, "top_ops": "/o/t.txt", "top_ops_bytes": 3}  # fmt: skip
     return {
         "environment": {**ok, "numbers": env},
-        "numerics_adamw": {**ok, "numbers": {"max_rel_err": 1e-7}},
+        "numerics_adamw": {**ok, "numbers": {"max_rel_err": 1e-7, "fused_vs_foreach": float("nan")}},
         "train_1b_eager": {**ok, "numbers": {**train, "losses": eager_losses}, "artifacts": art},
         "train_1b_compiled": {**ok, "numbers": {**train, "losses": compiled_losses}},
         "parity_reference": {**ok, "numbers": {"losses": ref, "grad_norms": norms}},
@@ -145,7 +145,8 @@ def test_summary_from_part_results_follows_the_schema(tmp_path) -> None:
     summary = gc.build_summary(results, quick=True, out=str(tmp_path), gpus=2, started_utc="2026-01-01T00:00:00Z",
                                wall_s=100.0)  # fmt: skip
     gc.validate_summary(summary)
-    json.loads(json.dumps(summary))  # plain JSON
+    json.dumps(summary, allow_nan=False)  # strict JSON: the NaN below became "nan"
+    assert {p["name"]: p for p in summary["parts"]}["numerics_adamw"]["numbers"]["fused_vs_foreach"] == "nan"
     parts = {p["name"]: p for p in summary["parts"]}
     print(json.dumps({k: (v["status"], v["reason"]) for k, v in parts.items()}, indent=1))
     assert [p["name"] for p in summary["parts"]][:3] == ["environment", "numerics_adamw", "train_1b_eager"]
@@ -157,7 +158,10 @@ def test_summary_from_part_results_follows_the_schema(tmp_path) -> None:
     assert parts["parity_fsdp"]["numbers"]["loss_vs_reference"]["max_rel"] == pytest.approx(1e-3)
     assert parts["parity_tp2"]["status"] == "fail" and "at step 3" in parts["parity_tp2"]["reason"]
     assert parts["parity_cp2_ring"]["status"] == "fail"  # its own failure stays
-    assert parts["parity_ep2"]["status"] == "fail" and "parity_moe_reference was not run" in parts["parity_ep2"]["reason"]
+    assert (
+        parts["parity_ep2"]["status"] == "fail"
+        and "parity_moe_reference was not run" in parts["parity_ep2"]["reason"]
+    )
     assert summary["counts"] == {"pass": 8, "fail": 3, "skip": 0} and summary["ok"] is False
     assert summary["environment"]["gpu_name"].startswith("NVIDIA") and summary["tolerances"] == gc.TOLERANCES
 
