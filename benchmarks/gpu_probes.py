@@ -64,7 +64,8 @@ def environment() -> dict[str, Any]:
     nccl = None
     if torch.cuda.is_available() and hasattr(torch.cuda, "nccl"):
         try:
-            nccl = ".".join(str(x) for x in torch.cuda.nccl.version())
+            version = torch.cuda.nccl.version()  # a tuple (major, minor, patch); an int in old builds
+            nccl = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
         except Exception:  # a CUDA build without NCCL
             nccl = None
     packages = {}

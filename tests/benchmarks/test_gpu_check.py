@@ -254,3 +254,38 @@ def test_numerics_checks_on_cpu(monkeypatch) -> None:
     assert env["torch"] == torch.__version__ and env["missing_for_training"] == []
     print(json.dumps({"flex": flex["max_rel_err"], "grouped": experts["max_rel_err"], "adamw": adamw,
                       "generation_tok_s": gen["decode_tokens_per_s"]}))  # fmt: skip
+
+
+_WITHOUT_HYDRA = """
+import json, sys
+sys.modules["hydra"] = sys.modules["omegaconf"] = None  # as on a machine without them
+from benchmarks import gpu_check as gc, gpu_probes as gp
+import torch
+args = gc.parse_args(["--out", sys.argv[1]])
+args.gpus, args.deadline = 2, 0
+failures = {}
+for part in gc.PARTS:
+    if part.kind != "probe":
+        try:
+            (gc.part_train if part.kind == "train" else gc.part_parity)(args, part)
+        except gc.PartFailure as e:
+            failures[part.name] = str(e)
+adamw = gp.check_adamw(torch.device("cpu"), steps=2)["max_rel_err"]
+print(json.dumps({"missing": gp.environment()["missing_for_training"], "failures": failures, "adamw": adamw}))
+"""
+
+
+def test_runs_without_hydra(tmp_path) -> None:
+    """Where hydra-core and omegaconf are missing the script still imports, the probes run, and
+    every training part fails at once with the reason (before any trainer command starts)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    proc = subprocess.run([sys.executable, "-c", _WITHOUT_HYDRA, str(tmp_path)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out["missing"] == ["hydra", "omegaconf"] and out["adamw"] < 1e-5
+    expected = [p.name for p in gc.PARTS if p.kind != "probe"]
+    assert sorted(out["failures"]) == sorted(expected)
+    for reason in out["failures"].values():
+        assert reason.startswith("hydra, omegaconf not installed") and "--help" in reason, reason
+    assert not os.listdir(tmp_path)  # no run folder was started
