@@ -334,7 +334,10 @@ def part_environment(args: argparse.Namespace) -> dict[str, Any]:
 
     env = environment()
     sizes, iters = ((8192,), 10) if args.quick else ((4096, 8192, 16384), 20)
-    mm = matmul_tflops(_device(), sizes=sizes, iters=iters)
+    try:
+        mm = matmul_tflops(_device(), sizes=sizes, iters=iters)
+    except Exception as e:  # keep the versions and GPU list in the summary
+        raise PartFailure(f"bf16 matmul failed: {type(e).__name__}: {e}"[:1000], env) from e
     env.update(matmul_bf16_tflops=mm["tflops"], matmul_bf16_tflops_by_size=mm["tflops_by_size"])
     if not mm["tflops"] > 0:
         raise PartFailure(f"bf16 matmul measured {mm['tflops']} TFLOP/s")
