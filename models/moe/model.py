@@ -420,7 +420,9 @@ class MoE(nn.Module):
         else:
             out_rows = self.experts(rows, counts)  # (N, H)
         w = weights.reshape(-1)[order].unsqueeze(-1).to(out_rows.dtype)  # (N, 1)
-        return tokens.new_zeros(T, tokens.shape[1]).index_add(0, token, out_rows * w)  # (T, H)
+        # Under autocast the experts return bf16 copies of fp32 tokens: the k copies of a token are
+        # summed in the tokens' dtype (the residual stream's), as a dense MLP's output joins it.
+        return tokens.new_zeros(T, tokens.shape[1]).index_add(0, token, (out_rows * w).to(tokens.dtype))  # (T, H)
 
     def _drop_over_capacity(
         self, flat: Tensor, order: Tensor, counts: Tensor, T: int
