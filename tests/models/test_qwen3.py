@@ -175,3 +175,35 @@ def test_bad_qwen3_input_is_refused() -> None:
         hf.args_from_hf_config({**sliding, "use_sliding_window": False, "attention_bias": True})
     with pytest.raises(ConfigError, match="model_type='llama'.*reads 'qwen3'"):
         hf.args_from_hf_config({**sliding, "model_type": "llama"})
+
+
+@pytest.mark.slow
+def test_qwen3_debug_trains_from_launch_sh(tmp_path) -> None:
+    """``./launch.sh +experiment=qwen3_debug`` (2 CPU ranks, the built-in corpus): the loss falls,
+    an evaluation runs, and the run ends with a checkpoint whose model is a Qwen3 (q/k norms).
+    (This replaces test_presets' 3-step smoke run of the same experiment.)"""
+    import json
+    import os
+    import subprocess
+
+    from tests.configs import REPO
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", NPROC="2")
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(key, None)
+    dump = tmp_path / "run"
+    proc = subprocess.run(
+        ["./launch.sh", "+experiment=qwen3_debug", "training.steps=12", "training.seq_len=128", "metrics.log_freq=1",
+         "training.eval_freq=12", "training.eval_steps=1", "checkpoint.interval=12", "data.max_documents=300",
+         "metrics.tensorboard=false", f"job.dump_folder={dump}"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+    print(f"qwen3_debug via ./launch.sh: losses {[round(x, 3) for x in losses]}, eval {evals}")
+    assert len(losses) == 12 and losses[-1] < losses[0] - 2.0 and len(evals) == 1
+    marker = json.loads((dump / "checkpoints" / "step-12" / "checkpoint.json").read_text())
+    model = marker["model"]
+    assert (model["family"], model["qk_norm"], model["attn_head_dim"], model["tie_embeddings"]) == ("qwen3", True, 64, True)
