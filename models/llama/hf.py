@@ -155,9 +155,13 @@ class LlamaHF:
             )
         for key in ("attention_bias", "mlp_bias"):
             if cfg.get(key):
-                raise ConfigError(f"config.json has {key}=true; meshwright's {self.family} model has no biases.")
+                raise ConfigError(
+                    f"config.json has {key}=true; meshwright's {self.family} model has no biases."
+                )
         if cfg.get("hidden_act", "silu") != "silu":
-            raise ConfigError(f"config.json has hidden_act={cfg['hidden_act']!r}; meshwright's FFN is SwiGLU (silu).")
+            raise ConfigError(
+                f"config.json has hidden_act={cfg['hidden_act']!r}; meshwright's FFN is SwiGLU (silu)."
+            )
         dim, n_heads = cfg["hidden_size"], cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or dim // n_heads
         theta, scaling = rope_scaling_from_hf(cfg)

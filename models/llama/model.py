@@ -115,14 +115,17 @@ class LlamaArgs(ModelArgs):
         if self.attn_head_dim is None and self.dim % self.n_heads != 0:
             raise ConfigError(
                 f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}; "
-                f"choose dim as a multiple of n_heads (e.g. dim={self.n_heads * max(1, round(self.dim / self.n_heads))}) "
-                "or set model.attn_head_dim explicitly."
+                f"choose dim as a multiple of n_heads (e.g. dim={self.n_heads * max(1, round(self.dim / self.n_heads))})"
+                " or set model.attn_head_dim explicitly."
             )
         if self.head_dim % 2 != 0:
-            source = (f"model.attn_head_dim={self.attn_head_dim}" if self.attn_head_dim is not None
-                      else f"head_dim = model.dim / model.n_heads = {self.dim}/{self.n_heads} = {self.head_dim}")  # fmt: skip
+            source = (
+                f"model.attn_head_dim={self.attn_head_dim}" if self.attn_head_dim is not None
+                else f"head_dim = model.dim / model.n_heads = {self.dim}/{self.n_heads} = {self.head_dim}"
+            )  # fmt: skip
             raise ConfigError(
-                f"{source} is odd; rotary embeddings need an even head size: change attn_head_dim, dim or n_heads."
+                f"{source} is odd; rotary embeddings need an even head size: change attn_head_dim, dim or "
+                "n_heads."
             )
         if self.n_heads % self.kv_heads != 0:
             raise ConfigError(

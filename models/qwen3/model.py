@@ -41,7 +41,8 @@ class Qwen3Args(LlamaArgs):
         """Llama's checks, and q/k norm on (``ConfigError`` naming the fix otherwise)."""
         if self.qk_norm is not True:
             raise ConfigError(
-                f"model.qk_norm={self.qk_norm!r}: every Qwen3 model normalises its q/k heads (Qwen3ForCausalLM "
-                "has no switch); set model.qk_norm=true, or use model.family=llama for attention without it."
+                f"model.qk_norm={self.qk_norm!r}: every Qwen3 model normalises its q/k heads "
+                "(Qwen3ForCausalLM has no switch); set model.qk_norm=true, or use model.family=llama for "
+                "attention without it."
             )
         super().validate()
