@@ -5,6 +5,7 @@ The module tree and parameter names match torchtitan's Llama 3 model, so tensor-
 
     tok_embeddings.weight
     layers.{i}.attention.{wq,wk,wv,wo}.weight
+    layers.{i}.attention.{q_norm,k_norm}.weight      (with qk_norm: Qwen3's per-head norms)
     layers.{i}.feed_forward.{w1,w2,w3}.weight
     layers.{i}.{attention_norm,ffn_norm}.weight
     norm.weight
