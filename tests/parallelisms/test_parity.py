@@ -106,7 +106,8 @@ PROBES = {  # name -> (overrides, setup)
 # lr 1e-3: at the tiny run's 3e-3 this tied model spikes at step 6 (grad norm 14 vs ~2), where Adam
 # amplifies reduction-order differences (step 1: ~1e-6 in the grad norm, as for Llama) to 2e-5 in
 # single weights; at 1e-3 the run is smooth and every layout stays well inside the tolerances.
-QWEN3 = ["model=qwen3_debug", "model.attn_head_dim=32", "optimizer.lr=1e-3"]
+# 4 steps (not 8) keep the added test time small; every step's loss and grad norm is compared.
+QWEN3 = ["model=qwen3_debug", "model.attn_head_dim=32", "optimizer.lr=1e-3", "training.steps=4"]
 QWEN3_UNTIED = [*QWEN3, "model.tie_embeddings=false"]
 QWEN3_REFERENCES = {"qwen3_ref": QWEN3, "qwen3_ref_noclip": [*QWEN3, NO_CLIP],
                     "qwen3_untied_ref_noclip": [*QWEN3_UNTIED, NO_CLIP]}  # fmt: skip
@@ -190,7 +191,7 @@ def test_qwen3_layout_matches_single_process(layout: str, runs: GroupedRuns) -> 
     kind of layout: losses and pre-clip grad norms within 1e-5 relative of one process."""
     ref = runs.get(QWEN3_LAYOUTS[layout][1])
     losses = [r["loss"] for r in ref["history"] if "loss" in r]
-    assert len(losses) == 8 and losses[-1] < losses[0], losses
+    assert len(losses) == 4 and losses[-1] < losses[0], losses
     assert_parallel_run(ref, runs.get(layout), label=layout)
 
 
