@@ -17,7 +17,9 @@ The model, in units of bytes (decimal GB = 1e9 in the formulas, GiB in the verdi
 - activations per layer and token (bf16): ``34 H`` bytes without checkpointing with SDPA (no
   S^2 scores stored): 10 H outside the TP regions (norm inputs, block inputs, dropout-style
   masks) and 24 H inside (Q/K/V, attention output, MLP intermediates); GQA shrinks K and V by
-  ``n_kv_heads / n_heads``; TP divides the inside part by tp, sequence parallel the outside
+  ``n_kv_heads / n_heads``; an explicit head size (Qwen3) scales Q, K, V and the attention output
+  by their true widths, and q/k norms add their fp32 input and their output per q/k element
+  (inside TP); TP divides the inside part by tp, sequence parallel the outside
   part too; CP divides the tokens by cp. Full checkpointing keeps the block input (2 H per
   token) plus one layer's full activations while it is recomputed;
 - buffers: FSDP's two unsharded blocks in ``param_dtype`` (prefetch) and one block's unsharded

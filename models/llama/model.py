@@ -5,6 +5,7 @@ The module tree and parameter names match torchtitan's Llama 3 model, so tensor-
 
     tok_embeddings.weight
     layers.{i}.attention.{wq,wk,wv,wo}.weight
+    layers.{i}.attention.{q_norm,k_norm}.weight      (with qk_norm: Qwen3's per-head norms)
     layers.{i}.feed_forward.{w1,w2,w3}.weight
     layers.{i}.{attention_norm,ffn_norm}.weight
     norm.weight
@@ -91,12 +92,14 @@ class LlamaArgs(ModelArgs):
     tie_embeddings: bool = False
     init_std: float = 0.02
     attention_mask: str = "causal"  # causal | block_causal (no attention across packed documents)
+    attn_head_dim: Optional[int] = None  # explicit head size (Qwen3: 128); None = dim / n_heads
+    qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3, Qwen3-MoE)
 
     def validate(self) -> None:
         """Raise ``ConfigError`` naming the bad value and the fix; return None when consistent."""
         for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):
             _positive_int(getattr(self, name), f"model.{name}")
-        for name in ("n_kv_heads", "ffn_hidden_dim"):
+        for name in ("n_kv_heads", "ffn_hidden_dim", "attn_head_dim"):
             value = getattr(self, name)
             if value is not None:
                 _positive_int(value, f"model.{name}", "or null (default)")
@@ -110,15 +113,20 @@ class LlamaArgs(ModelArgs):
                 raise ConfigError(f"model.{name}={value!r} must be a positive number.")
         self.rope_scaling.validate()
         validate_attention_mask(self.attention_mask)
-        if self.dim % self.n_heads != 0:
+        if self.attn_head_dim is None and self.dim % self.n_heads != 0:
             raise ConfigError(
                 f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}; "
-                f"choose dim as a multiple of n_heads (e.g. dim={self.n_heads * max(1, round(self.dim / self.n_heads))})."
+                f"choose dim as a multiple of n_heads (e.g. dim={self.n_heads * max(1, round(self.dim / self.n_heads))})"
+                " or set model.attn_head_dim explicitly."
             )
         if self.head_dim % 2 != 0:
+            source = (
+                f"model.attn_head_dim={self.attn_head_dim}" if self.attn_head_dim is not None
+                else f"head_dim = model.dim / model.n_heads = {self.dim}/{self.n_heads} = {self.head_dim}"
+            )  # fmt: skip
             raise ConfigError(
-                f"head_dim = model.dim / model.n_heads = {self.dim}/{self.n_heads} = {self.head_dim} is odd; "
-                "rotary embeddings need an even head_dim: change dim or n_heads."
+                f"{source} is odd; rotary embeddings need an even head size: change attn_head_dim, dim or "
+                "n_heads."
             )
         if self.n_heads % self.kv_heads != 0:
             raise ConfigError(
@@ -128,8 +136,8 @@ class LlamaArgs(ModelArgs):
 
     @property
     def head_dim(self) -> int:
-        """Size of one attention head: dim // n_heads."""
-        return self.dim // self.n_heads
+        """Size of one attention head: ``attn_head_dim`` if set, else dim // n_heads."""
+        return self.attn_head_dim if self.attn_head_dim is not None else self.dim // self.n_heads
 
     @property
     def kv_heads(self) -> int:
@@ -172,7 +180,10 @@ def rope_rows(rope_cache: Tensor, seq_len: int, positions: Optional[Tensor]) -> 
 
 
 class Attention(nn.Module):
-    """Causal multi-head attention with rotary embeddings and grouped-query attention.
+    """Causal multi-head attention with rotary embeddings, grouped-query attention and, with
+    ``qk_norm``, an RMSNorm over each query and key head before RoPE (Qwen3's ``q_norm`` /
+    ``k_norm``: one gain of size head_dim shared by all heads, so tensor parallelism needs no
+    change: each rank normalises its own heads with the replicated gain).
 
     Head counts are not stored: they are read from tensor shapes in ``forward``, so that
     tensor parallelism (which shards ``wq/wk/wv`` by output features and ``wo`` by input
@@ -189,18 +200,25 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.q_norm: Optional[RMSNorm] = RMSNorm(self.head_dim, eps=args.norm_eps) if args.qk_norm else None
+        self.k_norm: Optional[RMSNorm] = RMSNorm(self.head_dim, eps=args.norm_eps) if args.qk_norm else None
         self.core = core if core is not None else AttentionCore(getattr(args, "attention_mask", "causal"))
 
     def init_weights(self, init: ParamInit, prefix: str, std: float, out_std: float) -> None:
-        """wq/wk/wv: truncated normal (std, cut at 2 std); wo: depth-scaled ``out_std``."""
+        """wq/wk/wv: truncated normal (std, cut at 2 std); wo: depth-scaled ``out_std``; q/k norms: ones."""
         for proj in ("wq", "wk", "wv"):
             init.trunc_normal(f"{prefix}.{proj}.weight", getattr(self, proj).weight, std, 2.0)
         init.trunc_normal(f"{prefix}.wo.weight", self.wo.weight, out_std, 2.0)
+        if self.q_norm is not None and self.k_norm is not None:
+            self.q_norm.init_weights(init, f"{prefix}.q_norm")
+            self.k_norm.init_weights(init, f"{prefix}.k_norm")
 
     def norm_qk(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-        """Per-head transform of q and k before RoPE: the identity here; Qwen3-style models
-        override it with RMSNorm over each head (``models.moe.QKNormAttention``)."""
-        return q, k
+        """Per-head RMSNorm of q (B, S, nh, D) and k (B, S, nkv, D) before RoPE with ``qk_norm``
+        (over the last dim, D), else the identity."""
+        if self.q_norm is None or self.k_norm is None:
+            return q, k
+        return self.q_norm(q), self.k_norm(k)
 
     def forward(self, x: Tensor, *, rope_cache: Tensor, positions: Optional[Tensor] = None) -> Tensor:
         """``x`` (B, S, H); ``rope_cache`` (max_seq_len, D); ``positions`` (S,) or (B, S) or None (0..S-1)."""
@@ -401,7 +419,9 @@ class Transformer(nn.Module):
 
 
 def _attention_params(args: LlamaArgs) -> int:
-    return 2 * args.dim * args.n_heads * args.head_dim + 2 * args.dim * args.kv_heads * args.head_dim
+    """wq/wk/wv/wo, plus the two per-head gains (head_dim each) with ``qk_norm``."""
+    projections = 2 * args.dim * args.n_heads * args.head_dim + 2 * args.dim * args.kv_heads * args.head_dim
+    return projections + (2 * args.head_dim if args.qk_norm else 0)
 
 
 def param_counts(args: LlamaArgs) -> ParamCounts:
@@ -463,6 +483,8 @@ TP_PLAN: dict[str, str] = {
     "layers.*.attention.wk": "colwise",
     "layers.*.attention.wv": "colwise",
     "layers.*.attention.wo": "rowwise",
+    "layers.*.attention.q_norm": "head_norm",  # with qk_norm: this rank's heads, gain replicated
+    "layers.*.attention.k_norm": "head_norm",
     "layers.*.ffn_norm": "norm",
     "layers.*.feed_forward": "gather_input",
     "layers.*.feed_forward.w1": "colwise",

@@ -78,7 +78,6 @@ __all__ = [
     "MoEArgs",
     "MoEBlock",
     "MoETransformer",
-    "QKNormAttention",
     "TopKRouter",
     "expert_modules",
     "moe_layers",
@@ -100,8 +99,6 @@ class MoEArgs(LlamaArgs):
     """A Llama decoder plus the mixture-of-experts hyper-parameters."""
 
     family: str = "moe"
-    attn_head_dim: Optional[int] = None  # explicit head size (Qwen3: 128); None = dim / n_heads
-    qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3)
     num_experts: int = 8  # routed experts E per MoE layer
     top_k: int = 2  # experts per token
     moe_hidden_dim: int = 256  # SwiGLU hidden size F of one routed expert
@@ -124,8 +121,6 @@ class MoEArgs(LlamaArgs):
         super().validate()
         for name in ("num_experts", "top_k", "moe_hidden_dim", "moe_layer_freq"):
             _positive_int(getattr(self, name), f"model.{name}")
-        if self.attn_head_dim is not None:
-            _positive_int(self.attn_head_dim, "model.attn_head_dim", "or null (dim / n_heads)")
         for name in ("first_k_dense", "num_shared_experts"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -153,11 +148,6 @@ class MoEArgs(LlamaArgs):
                 f"moe_layer_freq={self.moe_layer_freq}); lower first_k_dense or use the llama family."
             )
 
-    @property
-    def head_dim(self) -> int:
-        """Size of one attention head: ``attn_head_dim`` if set, else dim // n_heads."""
-        return self.attn_head_dim if self.attn_head_dim is not None else self.dim // self.n_heads
-
     def is_moe_layer(self, layer_id: int) -> bool:
         """Whether block ``layer_id`` has an MoE feed-forward (else Llama's dense one)."""
         return layer_id >= self.first_k_dense and layer_id % self.moe_layer_freq == 0
@@ -170,23 +160,6 @@ class MoEArgs(LlamaArgs):
 # --------------------------------------------------------------------------------------------
 # Modules
 # --------------------------------------------------------------------------------------------
-
-
-class QKNormAttention(Attention):
-    """Llama attention with an RMSNorm over each query and key head before RoPE (Qwen3)."""
-
-    def __init__(self, args: MoEArgs) -> None:
-        super().__init__(args)
-        self.q_norm = RMSNorm(args.head_dim, eps=args.norm_eps)
-        self.k_norm = RMSNorm(args.head_dim, eps=args.norm_eps)
-
-    def init_weights(self, init: ParamInit, prefix: str, std: float, out_std: float) -> None:
-        super().init_weights(init, prefix, std, out_std)
-        self.q_norm.init_weights(init, f"{prefix}.q_norm")
-        self.k_norm.init_weights(init, f"{prefix}.k_norm")
-
-    def norm_qk(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-        return self.q_norm(q), self.k_norm(k)  # (B, S, nh, D), (B, S, nkv, D)
 
 
 class TopKRouter(nn.Module):
@@ -461,7 +434,7 @@ class MoEBlock(nn.Module):
     def __init__(self, layer_id: int, args: MoEArgs) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.attention = QKNormAttention(args) if args.qk_norm else Attention(args)
+        self.attention = Attention(args)  # with q/k head norms when args.qk_norm (Qwen3-MoE)
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.moe: Optional[MoE] = MoE(args) if args.is_moe_layer(layer_id) else None
@@ -518,7 +491,7 @@ def expert_modules(model: nn.Module) -> list[GroupedExperts]:
 def param_counts(args: MoEArgs) -> ParamCounts:
     """Parameters of ``MoETransformer(args)``; ``active`` counts the top-k routed experts only."""
     dim, E, Fe = args.dim, args.num_experts, args.moe_hidden_dim
-    attention = _attention_params(args) + 2 * dim + (2 * args.head_dim if args.qk_norm else 0)
+    attention = _attention_params(args) + 2 * dim  # + the two block norms
     dense_ffn = 3 * dim * args.hidden_dim
     expert = 3 * dim * Fe
     shared = 3 * dim * args.num_shared_experts * Fe
@@ -554,11 +527,9 @@ def tp_divisible(args: MoEArgs) -> dict[str, int]:
 # Attention and dense FFN layers are tensor-parallel as in Llama. The MoE layer runs replicated
 # inside the tp group ("moe_io": its input tokens are gathered, its output keeps this rank's share
 # of the residual stream): the experts are expert-parallel over the data axes, the router and the
-# shared experts are replicated DTensors, and q/k head norms see this rank's heads ("head_norm").
+# shared experts are replicated DTensors (q/k head norms: Llama's plan, "head_norm").
 TP_PLAN: dict[str, str] = {
     **LLAMA_TP_PLAN,
-    "layers.*.attention.q_norm": "head_norm",
-    "layers.*.attention.k_norm": "head_norm",
     "layers.*.moe": "moe_io",
     "layers.*.moe.router.gate": "replicate",
     "layers.*.moe.shared_experts": "replicate",

@@ -43,6 +43,8 @@ LAYOUTS: dict[str, tuple[int, tuple[str, ...]]] = {
     "cp_ddp": (4, ("parallelism.cp=2", "parallelism.dp_shard=1", "parallelism.dp_replicate=2")),
     "cp": (2, ("parallelism.cp=2", "parallelism.dp_shard=1")),
     "ep": (2, (*MOE, "parallelism.ep=2", "parallelism.dp_shard=2")),
+    # Qwen3: q/k norm gains (TP-replicated, gradients all-reduced over tp), head_dim 32 != 64 / 4, tied head
+    "qwen3_tp_sp": (2, ("model=qwen3_debug", "model.attn_head_dim=32", "parallelism.tp=2", "parallelism.dp_shard=1")),
 }
 
 

@@ -146,6 +146,10 @@ def _tp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
         norms += [n for st in c.ranks[pp_rank] if st.last for n in c.table.last.norms]
         rows.add("TP all_reduce (SP norm weight grads)", "all_reduce", "tp", ("tp",), len(norms) * c.accum,
                  4 * sum(norms) / max(len(norms), 1), "backward", "backward_s")  # fmt: skip
+    head_norms = [n for st in c.ranks[pp_rank] for b in st.blocks for n in c.table.blocks[b].head_norms]
+    if head_norms:  # q/k norms (Qwen3): each rank's heads give a partial sum of the replicated gain's gradient
+        rows.add("TP all_reduce (q/k norm weight grads)", "all_reduce", "tp", ("tp",), len(head_norms) * c.accum,
+                 4 * sum(head_norms) / len(head_norms), "backward", "backward_s")  # fmt: skip
 
 
 def _cp_ep_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:

@@ -3,34 +3,50 @@ buffers each pipeline rank holds."""
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
 from trainer.planner.cluster import ADAM_BYTES, DTYPE_BYTES, pp_in_flight
 from trainer.planner.context import PlanContext, StageMemory
 
 
 def activation_bytes_per_token_layer(
-    dim: int, n_heads: int, n_kv_heads: int, *, tp: int = 1, sequence_parallel: bool = False, act_bytes: int = 2
+    dim: int, n_heads: int, n_kv_heads: int, *, tp: int = 1, sequence_parallel: bool = False, act_bytes: int = 2,
+    head_dim: Optional[int] = None, qk_norm: bool = False,
 ) -> float:
     """Activation bytes one layer saves for backward per token (no checkpointing, SDPA).
 
     The article's ``34 H`` (bf16): 10 H outside the TP regions, 24 H inside; with GQA the K and
     V parts (2 H each) scale by ``n_kv_heads / n_heads``; TP divides the inside part, SP the
     outside part as well. ``act_bytes=4`` (fp32 training) doubles everything.
+
+    An explicit ``head_dim`` (Qwen3: n_heads x head_dim != dim) scales the attention's share of
+    the inside part (Q and the attention output 2 H each, K and V) by the projections' true
+    widths. ``qk_norm`` adds what the per-head RMSNorms save: their input in fp32 (the norm's
+    statistics are fp32) and their output (for the gain's gradient), over q and k, inside TP.
     """
-    inside = 24 - 4 * (1 - n_kv_heads / n_heads)
+    hd = head_dim if head_dim is not None else dim // n_heads
+    q, kv = n_heads * hd / dim, n_kv_heads * hd / dim  # widths of Q and of K (or V), in units of H
+    inside = 16 + 4 * q + 4 * kv  # MLP 16 H; Q and attention output 2 H each; K and V 2 H x kv each
+    if qk_norm:
+        inside += (q + kv) * (max(act_bytes, 4) + act_bytes) * 2 / act_bytes
     outside = 10.0
     coeff = (outside + inside) / tp if (tp > 1 and sequence_parallel) else outside + inside / tp
     return coeff * dim * act_bytes / 2
 
 
+def layer_activation_bytes(args: Any, *, tp: int, sequence_parallel: bool, act_bytes: int) -> float:
+    """``activation_bytes_per_token_layer`` for a model's args (head size and q/k norm included)."""
+    return activation_bytes_per_token_layer(
+        args.dim, args.n_heads, args.kv_heads, tp=tp, sequence_parallel=sequence_parallel, act_bytes=act_bytes,
+        head_dim=args.head_dim, qk_norm=bool(getattr(args, "qk_norm", False)),
+    )  # fmt: skip
 
 
 def activation_memory(c: PlanContext, layers: int, has_head: bool, pp_rank: int) -> float:
     """Activation bytes of ``layers`` blocks on one rank at its peak (in-flight microbatches)."""
     args, t = c.cfg.model, c.cfg.training
     tp, sp = c.tp_sp
-    per_tok = activation_bytes_per_token_layer(
-        args.dim, args.n_heads, args.kv_heads, tp=tp, sequence_parallel=sp, act_bytes=c.act_bytes
-    )
+    per_tok = layer_activation_bytes(args, tp=tp, sequence_parallel=sp, act_bytes=c.act_bytes)
     block_input = 2 * args.dim * c.act_bytes / 2 / (tp if sp else 1)
     in_flight = pp_in_flight(c.schedule, c.dims.pp, c.accum, c.stages_per_rank, pp_rank)
     tokens = c.micro_tokens

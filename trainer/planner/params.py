@@ -39,6 +39,7 @@ class ModuleParams:
     replicated: int = 0  # whole on every tp rank (norms, routers, ...)
     experts: int = 0  # divided by ep
     norms: list[int] = field(default_factory=list)  # numel of each SP ``norm`` weight (grads all-reduced)
+    head_norms: list[int] = field(default_factory=list)  # numel of each ``head_norm`` (q/k norm) weight
 
     def local(self, tp: int = 1, ep: int = 1) -> float:
         """Parameters one rank holds of this group under tp and ep."""
@@ -50,7 +51,7 @@ class ModuleParams:
     def add(self, other: ModuleParams) -> ModuleParams:
         return ModuleParams(
             self.tp_sharded + other.tp_sharded, self.replicated + other.replicated,
-            self.experts + other.experts, self.norms + other.norms,
+            self.experts + other.experts, self.norms + other.norms, self.head_norms + other.head_norms,
         )  # fmt: skip
 
 
@@ -112,6 +113,8 @@ def param_table(spec: ModelSpec, args: Any) -> ParamTable:
             group.replicated += p.numel()
             if kind == "norm":
                 group.norms.append(p.numel())
+            elif kind == "head_norm":
+                group.head_norms.append(p.numel())
 
     def kinds_under(prefixes: tuple[str, ...]) -> list[str]:
         return [k for n, k in sorted(kinds.items()) if n.startswith(prefixes) or n in prefixes]
