@@ -227,8 +227,9 @@ class Trainer:
             else None
         )
         self.optimizer = build_optimizer(
-            self.model_parts, self.cfg.optimizer, device_type=self.device.type, shard_mesh=shard_mesh
-        )
+            self.model_parts, self.cfg.optimizer, device_type=self.device.type, shard_mesh=shard_mesh,
+            adamw_modules=self.spec.first_modules + self.spec.last_modules,
+        )  # fmt: skip
         self.lr_scheduler = build_lr_scheduler(self.optimizer, self.cfg.lr_scheduler, self.cfg.training.steps)
         self.state = TrainState()
         # test-only (trainer/resilience/guards.py): MESHWRIGHT_TEST_NAN_AT=<rank>@<step> injects a NaN

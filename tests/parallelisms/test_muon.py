@@ -1,0 +1,162 @@
+"""Muon in every layout trains the same model as torch.optim.Muon on one process (fp32, CPU, gloo).
+
+The reference is the single-process Trainer whose optimizer is replaced (test-only setup hook)
+by ``torch.optim.Muon`` itself for the 2-D hidden weights (one 2-D copy per expert for 3-D
+expert stacks) and ``torch.optim.AdamW`` for the rest, on the same batches and LR schedule.
+Newton-Schulz runs in float32 in both (``optimizer.muon.ns_dtype=float32``; the reference's
+``torch.optim._muon._zeropower_via_newtonschulz`` is swapped for the same iteration in fp32,
+which ``test_newton_schulz_is_torchs`` shows equal to torch's bitwise in bf16): in bf16 a 1e-7
+reduction-order difference could flip a rounding and the layouts would differ by ~1e-3.
+
+Each parallel layout runs ``optimizer=muon`` through the real Trainer for 8 steps; losses and
+pre-clip gradient norms must match to 1e-5 relative, final weights to 1e-5. All cases of a world
+size run in one spawned group (dense and MoE together).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.configs import NO_CLIP, tiny_config
+from tests.parity import Case, GroupedRuns, assert_parallel_run, gather_cases
+
+pytestmark = pytest.mark.slow
+
+MUON = ["optimizer=muon", "optimizer.muon.ns_dtype=float32"]
+MOE = [
+    "model=moe_debug", "model.moe_hidden_dim=64", "model.first_k_dense=1", "model.num_shared_experts=1",
+    "model.qk_norm=true",
+]  # fmt: skip
+DDP = ["parallelism.dp_replicate=2", "parallelism.dp_shard=1"]
+LAYOUTS = {  # name -> (world, model, overrides)
+    "custom_ddp_x2": (2, "dense", DDP),
+    "torch_ddp_x2_noclip": (2, "dense", [*DDP, "parallelism.ddp.impl=torch", NO_CLIP]),
+    "zero1_x2": (2, "dense", [*DDP, "parallelism.ddp.sharded_optimizer=true"]),
+    "fsdp_x2_noclip": (2, "dense", ["parallelism.dp_shard=2", NO_CLIP]),
+    "tp_sp_x2": (2, "dense", ["parallelism.dp_shard=1", "parallelism.tp=2"]),
+    "pp2_1f1b": (2, "dense", ["parallelism.pp=2", "parallelism.dp_shard=1"]),
+    "moe_ep_x2": (2, "moe", ["parallelism.ep=2", "parallelism.dp_shard=2"]),
+    "moe_ddp_x2_noclip": (2, "moe", [*DDP, NO_CLIP]),
+    "hsdp_2x2": (4, "dense", ["parallelism.dp_replicate=2", "parallelism.dp_shard=2"]),
+    "fsdp_tp_2x2_noclip": (4, "dense", ["parallelism.dp_shard=2", "parallelism.tp=2", NO_CLIP]),
+    "pp2_fsdp2": (4, "dense", ["parallelism.pp=2", "parallelism.dp_shard=2"]),
+    "moe_ep2_fsdp4": (4, "moe", ["parallelism.ep=2", "parallelism.dp_shard=4"]),
+    "moe_ep2_tp2": (4, "moe", ["parallelism.ep=2", "parallelism.dp_shard=2", "parallelism.tp=2"]),
+}
+
+
+def _overrides(model: str, extra: list[str]) -> list[str]:
+    return [*(MOE if model == "moe" else []), *MUON, *extra]
+
+
+# -- the reference optimizer: torch.optim.Muon + torch.optim.AdamW (installed in the worker) -----
+
+
+def _fp32_newton_schulz(grad, ns_coefficients, ns_steps, eps):  # noqa: ANN001, ANN202
+    from parallelisms.muon import zeropower_via_newtonschulz
+
+    return zeropower_via_newtonschulz(grad, ns_coefficients, ns_steps, eps, torch.float32)
+
+
+class TorchMuonAdamW(torch.optim.Optimizer):
+    """torch.optim.Muon over the Muon groups' matrices (3-D stacks: a 2-D copy per expert, synced
+    around each step) and torch.optim.AdamW over the other groups, as one optimizer for the
+    Trainer (its LR schedule drives both through ``param_groups``)."""
+
+    def __init__(self, groups: list[dict]) -> None:  # noqa: D107 -- groups as muon_param_groups builds them
+        self.stacks: list[tuple[torch.Tensor, list[torch.nn.Parameter]]] = []
+        matrices: list[torch.Tensor] = []
+        (muon,) = [g for g in groups if g["use_muon"]]
+        for p in muon["params"]:
+            if p.ndim == 3:
+                experts = [torch.nn.Parameter(p.detach()[e].clone()) for e in range(p.shape[0])]
+                self.stacks.append((p, experts))
+                matrices.extend(experts)
+            else:
+                matrices.append(p)
+        self.muon = torch.optim.Muon(
+            matrices, **{k: muon[k] for k in ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "eps",
+                                              "adjust_lr_fn")}, ns_coefficients=muon["ns_coefficients"],
+        )  # fmt: skip
+        self.adamw = torch.optim.AdamW(
+            [{k: g[k] for k in ("params", "lr", "betas", "eps", "weight_decay")} for g in groups if not g["use_muon"]],
+            foreach=True,
+        )
+        self.all_params = [p for g in groups for p in g["params"]]
+        self.param_groups = self.muon.param_groups + self.adamw.param_groups
+        self.defaults, self.state = {}, {}
+        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001, ANN201
+        for p, experts in self.stacks:
+            for e, expert in enumerate(experts):
+                expert.grad = p.grad[e].clone()
+        self.muon.step()
+        self.adamw.step()
+        for p, experts in self.stacks:
+            for e, expert in enumerate(experts):
+                p[e].copy_(expert)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.all_params:
+            p.grad = None
+        self.muon.zero_grad()
+
+
+def use_torch_muon(trainer) -> None:  # noqa: ANN001
+    """Setup hook: the reference run steps with torch's own optimizers (NS in fp32)."""
+    import torch.optim._muon as torch_muon
+
+    from trainer.optim import build_lr_scheduler, muon_param_groups
+
+    torch_muon._zeropower_via_newtonschulz = _fp32_newton_schulz
+    cfg = trainer.cfg
+    groups = muon_param_groups(trainer.model_parts, cfg.optimizer, trainer.spec.first_modules + trainer.spec.last_modules)
+    trainer.optimizer = TorchMuonAdamW(groups)
+    trainer.lr_scheduler = build_lr_scheduler(trainer.optimizer, cfg.lr_scheduler, cfg.training.steps)
+
+
+# -- fixtures -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    tmp = tmp_path_factory.mktemp("muon_ref")
+    cases = {}
+    for model in ("dense", "moe"):
+        for clip in ("clip", "noclip"):
+            extra = [NO_CLIP] if clip == "noclip" else []
+            cases[f"{model}_{clip}"] = Case(1, tiny_config(str(tmp / f"{model}_{clip}"), *_overrides(model, extra)),
+                                            setup=use_torch_muon)  # fmt: skip
+    cases["dense_ours"] = Case(1, tiny_config(str(tmp / "dense_ours"), *_overrides("dense", [])))
+    return gather_cases(cases, world=1)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> GroupedRuns:
+    tmp = tmp_path_factory.mktemp("muon")
+    return GroupedRuns(
+        {name: Case(world, tiny_config(str(tmp / name), *_overrides(model, ov))) for name, (world, model, ov) in LAYOUTS.items()}
+    )
+
+
+def _reference(name: str, references: dict) -> dict:
+    _, model, ov = LAYOUTS[name]
+    return references[f"{model}_{'noclip' if NO_CLIP in ov else 'clip'}"]
+
+
+# -- tests ----------------------------------------------------------------------------------------
+
+
+def test_one_process_matches_torch_muon(references: dict) -> None:
+    """Our Muon on one process against torch.optim.Muon + AdamW (the Trainer's own loop)."""
+    assert_parallel_run(references["dense_clip"], references["dense_ours"], label="muon_1proc")
+    losses = [r["loss"] for r in references["dense_clip"]["history"] if "loss" in r]
+    assert losses[-1] < losses[0], losses
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_matches_torch_muon(layout: str, runs: GroupedRuns, references: dict) -> None:
+    assert_parallel_run(_reference(layout, references), runs.get(layout), label=f"muon_{layout}")
