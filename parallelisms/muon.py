@@ -81,7 +81,7 @@ def adjusted_lr(lr: float, adjust_lr_fn: str, shape: Sequence[int]) -> float:
     = lr * 0.2 * sqrt(max(A, B)) (Moonlight: the update's RMS matches AdamW's)."""
     rows, cols = shape[-2:]
     if adjust_lr_fn == "match_rms_adamw":
-        return lr * 0.2 * math.sqrt(max(rows, cols))
+        return lr * (0.2 * math.sqrt(max(rows, cols)))  # torch's order of operations (bitwise)
     return lr * math.sqrt(max(1, rows / cols))
 
 
@@ -338,6 +338,7 @@ class Muon(torch.optim.Optimizer):
         self._adamw_kwargs = adamw_kwargs or {}
         self._adamw: Optional[torch.optim.AdamW] = None
         self._plan: Optional[_Plan] = None
+        self.ns_calls = 0  # Newton-Schulz orthogonalisations run on this rank (all steps)
         super().__init__(list(params), defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -457,6 +458,7 @@ class Muon(torch.optim.Optimizer):
                 n = unit.counts[sig]
                 _put(full, positions[(unit.key, sig)], received[offsets[primary] : offsets[primary] + n])
                 offsets[primary] += n
+            self.ns_calls += 1
             ortho = zeropower_via_newtonschulz(
                 full.view(unit.rows, unit.cols), g["ns_coefficients"], g["ns_steps"], g["eps"], self.ns_dtype
             ).reshape(-1)

@@ -118,6 +118,26 @@ def use_torch_muon(trainer) -> None:  # noqa: ANN001
     trainer.lr_scheduler = build_lr_scheduler(trainer.optimizer, cfg.lr_scheduler, cfg.training.steps)
 
 
+def count_work(trainer) -> dict:  # noqa: ANN001
+    """Setup hook: count this rank's Newton-Schulz calls and momentum elements (filled every step)."""
+    observed = {"steps": 0}
+
+    def after_step(*_) -> None:  # noqa: ANN002
+        observed["steps"] += 1
+        state = trainer.optimizer.state
+        bufs = [s["momentum_buffer"] for s in state.values() if "momentum_buffer" in s]
+        observed["momentum_numel"] = sum((b.to_local() if hasattr(b, "to_local") else b).numel() for b in bufs)
+        inner = getattr(trainer.optimizer, "inner_optimizer", trainer.optimizer)
+        observed["ns_calls"] = inner.ns_calls
+        if hasattr(inner, "plan") and inner.process_group is not None:
+            plan = inner.plan()
+            observed["units"] = len(plan.units)
+            observed["balance"] = inner.owner_balance()
+
+    trainer.optimizer.register_step_post_hook(after_step)
+    return observed
+
+
 # -- fixtures -----------------------------------------------------------------------------------
 
 
@@ -138,7 +158,7 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> GroupedRuns:
     tmp = tmp_path_factory.mktemp("muon")
     return GroupedRuns(
-        {name: Case(world, tiny_config(str(tmp / name), *_overrides(model, ov))) for name, (world, model, ov) in LAYOUTS.items()}
+        {name: Case(world, tiny_config(str(tmp / name), *_overrides(model, ov)), setup=count_work) for name, (world, model, ov) in LAYOUTS.items()}
     )
 
 
@@ -160,3 +180,23 @@ def test_one_process_matches_torch_muon(references: dict) -> None:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_torch_muon(layout: str, runs: GroupedRuns, references: dict) -> None:
     assert_parallel_run(_reference(layout, references), runs.get(layout), label=f"muon_{layout}")
+
+
+def _muon_numel(run: dict) -> int:
+    """Elements of the Muon matrices of a run (its final parameters, full)."""
+    return sum(t.numel() for name, t in run["params"].items() if t.ndim >= 2 and not name.startswith(("tok_embeddings", "output")))
+
+
+@pytest.mark.parametrize("layout", ["custom_ddp_x2", "fsdp_x2_noclip", "hsdp_2x2", "fsdp_tp_2x2_noclip", "moe_ep_x2", "pp2_fsdp2"])
+def test_each_matrix_is_orthogonalised_once_and_momentum_is_not_replicated(layout: str, runs: GroupedRuns) -> None:
+    """Summed over ranks: one Newton-Schulz call per unit (matrix or expert) per step, and exactly
+    one copy of the momentum (no replica keeps it twice)."""
+    got = runs.get(layout)
+    observed = got["observed"]
+    steps = observed[0]["steps"]
+    units = observed[0]["units"]
+    calls = [o["ns_calls"] for o in observed]
+    assert sum(calls) == units * steps, (calls, units, steps)
+    assert sum(o["momentum_numel"] for o in observed) == _muon_numel(got)
+    print(f"muon_{layout}: {units} matrices, NS calls per rank {calls} over {steps} steps, "
+          f"owner balance (max/mean NS FLOPs) {observed[0]['balance']:.3f}")

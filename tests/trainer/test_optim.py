@@ -48,3 +48,103 @@ def test_scheduler_drives_optimizer_and_no_decay_on_norms() -> None:
     sched.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(1e-3)
     assert isinstance(opt, torch.optim.AdamW)
+
+
+# -- Muon -------------------------------------------------------------------------------------
+
+
+def _tiny_llama() -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(LlamaArgs(dim=32, n_layers=2, n_heads=2, vocab_size=64, ffn_hidden_dim=64))
+
+
+def test_newton_schulz_and_lr_adjustment_are_torchs() -> None:
+    """bf16 (torch's dtype): bitwise torch.optim._muon's iteration, wide, tall and square."""
+    from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+    from parallelisms.muon import DEFAULT_NS_COEFFICIENTS, adjusted_lr, zeropower_via_newtonschulz
+
+    gen = torch.Generator().manual_seed(0)
+    for shape in [(32, 64), (64, 32), (17, 17), (3, 40)]:
+        g = torch.randn(shape, generator=gen)
+        ours = zeropower_via_newtonschulz(g, DEFAULT_NS_COEFFICIENTS, 5, 1e-7)
+        assert torch.equal(ours, _zeropower_via_newtonschulz(g, DEFAULT_NS_COEFFICIENTS, 5, 1e-7)), shape
+        fp32 = zeropower_via_newtonschulz(g, DEFAULT_NS_COEFFICIENTS, 5, 1e-7, torch.float32)
+        assert fp32.dtype == torch.float32 and (fp32 - ours.float()).abs().max() < 0.05  # bf16 rounding only
+        for fn in ("original", "match_rms_adamw"):
+            assert adjusted_lr(0.02, fn, shape) == _adjust_lr(0.02, fn, torch.Size(shape))
+
+
+def test_muon_groups_split_hidden_matrices_from_the_rest() -> None:
+    from trainer.optim import muon_param_groups
+
+    model = _tiny_llama()
+    groups = muon_param_groups(model, OptimizerConfig(name="muon"), ("tok_embeddings", "norm", "output"))
+    muon, decay, no_decay = groups
+    assert muon["use_muon"] and not decay["use_muon"] and not no_decay["use_muon"]
+    assert set(decay["names"]) == {"tok_embeddings.weight", "output.weight"} and decay["weight_decay"] == 0.1
+    assert all(p.ndim == 1 for p in no_decay["params"]) and no_decay["weight_decay"] == 0.0
+    assert len(muon["names"]) == 2 * 7 and all(".attention." in n or ".feed_forward." in n for n in muon["names"])
+
+
+@pytest.mark.parametrize("adjust_lr_fn", ["original", "match_rms_adamw"])
+def test_muon_one_process_is_torch_muon_plus_adamw_bitwise(adjust_lr_fn: str) -> None:
+    """optimizer=muon on one process = torch.optim.Muon (hidden matrices) + torch.optim.AdamW (the
+    rest) with the same hyperparameters, bitwise over 3 steps (NS in torch's bf16)."""
+    import copy
+
+    from trainer.config import MuonConfig
+
+    ours_model = _tiny_llama()
+    ref_model = copy.deepcopy(ours_model)
+    cfg = OptimizerConfig(
+        name="muon", lr=1e-2, muon=MuonConfig(lr=2e-2, weight_decay=0.05, adjust_lr_fn=adjust_lr_fn)
+    )
+    ours = build_optimizer(ours_model, cfg, device_type="cpu")
+    hidden = [p for n, p in ref_model.named_parameters() if p.ndim == 2 and not n.startswith(("tok_", "output"))]
+    head = [p for n, p in ref_model.named_parameters() if p.ndim == 2 and n.startswith(("tok_", "output"))]
+    vectors = [p for p in ref_model.parameters() if p.ndim == 1]
+    ref = [
+        torch.optim.Muon(hidden, lr=2e-2, weight_decay=0.05, adjust_lr_fn=adjust_lr_fn),
+        torch.optim.AdamW(
+            [{"params": head, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}],
+            lr=1e-2, betas=cfg.betas, eps=cfg.eps, foreach=True,
+        ),
+    ]  # fmt: skip
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        for model, opts in ((ours_model, [ours]), (ref_model, ref)):
+            model(tokens).logsumexp(-1).mean().backward()
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+        for (name, a), b in zip(ours_model.named_parameters(), ref_model.parameters()):
+            assert torch.equal(a, b), name
+    assert len(ours.state) == sum(1 for _ in ours_model.parameters())
+
+
+def test_owners_balance_newton_schulz_flops_within_candidates() -> None:
+    from parallelisms.muon import assign_owners
+
+    costs = [8, 7, 6, 5, 4, 3, 2, 1]
+    owners = assign_owners(costs, [[0, 1, 2]] * 6 + [[1], [1]], 3)
+    assert owners[6] == 1 and owners[7] == 1  # a unit goes only to a rank that holds it (a PP stage)
+    loads = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(3)]
+    assert loads == [11, 11 + 3, 11], loads  # the six shared units split evenly (11 each), then 2 + 1 on rank 1
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("optimizer.muon.adjust_lr_fn=rms", "optimizer.muon.adjust_lr_fn"),
+        ("optimizer.muon.ns_steps=0", "optimizer.muon.ns_steps=0"),
+        ("optimizer.muon.momentum=1.0", "optimizer.muon.momentum=1.0"),
+        ("optimizer.muon.ns_dtype=float16", "optimizer.muon.ns_dtype"),
+    ],
+)
+def test_muon_config_errors_name_the_key(override: str, match: str) -> None:
+    from models.errors import ConfigError
+    from tests.configs import make_config
+
+    with pytest.raises(ConfigError, match=match):
+        make_config("optimizer=muon", override)
