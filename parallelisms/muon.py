@@ -339,15 +339,20 @@ class Muon(torch.optim.Optimizer):
         self._adamw: Optional[torch.optim.AdamW] = None
         self._plan: Optional[_Plan] = None
         self.ns_calls = 0  # Newton-Schulz orthogonalisations run on this rank (all steps)
+        self._names: dict[int, str] = {}  # id(param) -> name; kept out of param_groups (and checkpoints)
         super().__init__(list(params), defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """As torch's; non-Muon groups also go to the inner AdamW (same hyperparameters)."""
+        """As torch's; a Muon group's ``names`` key the units (kept here, not in the group: they
+        describe the layout, not a hyperparameter); non-Muon groups also go to the inner AdamW."""
+        param_group = dict(param_group)
+        names = param_group.pop("names", None)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         if group["use_muon"]:
-            if len(group.get("names", ())) != len(group["params"]):
+            if names is None or len(names) != len(group["params"]):
                 raise ValueError("a Muon group needs 'names': one name per parameter, the same on every rank")
+            self._names.update({id(p): n for p, n in zip(group["params"], names)})
             self._plan = None
             return
         inner = {"params": group["params"], **{k: group[k] for k in _ADAMW_KEYS if k in group}}
@@ -361,10 +366,7 @@ class Muon(torch.optim.Optimizer):
     def plan(self) -> _Plan:
         """Units, owners and exchange sizes (collective the first time: one all_gather_object)."""
         if self._plan is None:
-            named = []
-            for g in self.param_groups:
-                if g["use_muon"]:
-                    named.extend(zip(g["names"], g["params"]))
+            named = [(self._names[id(p)], p) for g in self.param_groups if g["use_muon"] for p in g["params"]]
             self._plan = _Plan(named, self.process_group)
         return self._plan
 
@@ -398,6 +400,10 @@ class Muon(torch.optim.Optimizer):
                 for k in _ADAMW_KEYS:
                     target[k] = g[k]
         self._adamw.step()
+
+    @property
+    def _param_ids(self) -> dict[str, int]:
+        return {name: pid for pid, name in self._names.items()}
 
     def _group_of(self) -> dict[int, dict[str, Any]]:
         return {id(p): g for g in self.param_groups if g["use_muon"] for p in g["params"]}
@@ -451,8 +457,9 @@ class Muon(torch.optim.Optimizer):
             offsets[r + 1] = offsets[r] + n
         positions = self._unit_positions(plan)
         out: list[list[Tensor]] = [[] for _ in range(plan.world)]
+        ids = self._param_ids
         for unit in plan.owned():
-            g = self._muon_group(unit, groups)
+            g = groups[ids[unit.key[0]]]
             full = received.new_zeros(unit.rows * unit.cols)
             for sig, primary in sorted(unit.primaries.items(), key=lambda kv: kv[1]):
                 n = unit.counts[sig]
@@ -465,9 +472,6 @@ class Muon(torch.optim.Optimizer):
             for rank, sig in sorted(unit.holders.items()):
                 out[rank].append(_take(ortho, positions[(unit.key, sig)]).to(received.dtype))
         return out
-
-    def _muon_group(self, unit: _Unit, groups: dict[int, dict[str, Any]]) -> dict[str, Any]:
-        return next(g for g in self.param_groups if g["use_muon"] and unit.key[0] in g["names"])
 
     def _unit_positions(self, plan: _Plan) -> dict[tuple[tuple[str, int], str], Positions]:
         """Owner side: where each piece sits in its unit. Contiguous pieces are known from their

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -115,7 +116,9 @@ def _build_muon(
     if shard_mesh is not None:
         from parallelisms.sharded_optimizer import ShardedOptimizer
 
-        return ShardedOptimizer(groups, Muon, shard_mesh.get_group(), cost=muon_cost, **kwargs)
+        # ns_dtype / adamw_kwargs configure the inner optimizer, they are no group hyperparameters
+        inner = functools.partial(Muon, **kwargs)
+        return ShardedOptimizer(groups, inner, shard_mesh.get_group(), cost=muon_cost)  # type: ignore[arg-type]
     group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
     return Muon(groups, group, **kwargs)
 
