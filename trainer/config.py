@@ -104,6 +104,7 @@ class OptimizerConfig:
     weight_decay: float = 0.1
     implementation: str = "auto"  # auto | fused | foreach | for-loop
     muon: MuonConfig = field(default_factory=MuonConfig)  # used when name=muon
+    qk_clip_tau: float = 0.0  # QK-clip: cap on each attention head's max pre-softmax logit; 0 = off
 
 
 @dataclass
@@ -269,6 +270,8 @@ def _validate_optimizer(o: OptimizerConfig, s: LRSchedulerConfig) -> None:
     check_choice(o.name, ("adamw", "muon"), "optimizer.name")
     if o.name == "muon":
         _validate_muon(o.muon)
+    if not (math.isfinite(o.qk_clip_tau) and o.qk_clip_tau >= 0):
+        raise ConfigError(f"optimizer.qk_clip_tau={o.qk_clip_tau} must be >= 0 (0 = off; Kimi K2 used 100).")
     check_choice(o.implementation, ("auto", "fused", "foreach", "for-loop"), "optimizer.implementation")
     for key in ("lr", "eps"):
         value = getattr(o, key)
@@ -305,6 +308,23 @@ def _validate_muon(m: MuonConfig) -> None:
         )
     if not (math.isfinite(m.eps) and m.eps > 0):
         raise ConfigError(f"optimizer.muon.eps={m.eps} must be a finite number > 0 (e.g. 1e-7).")
+
+
+def _validate_qk_clip(cfg: TrainConfig) -> None:
+    tau = cfg.optimizer.qk_clip_tau
+    if tau <= 0:
+        return
+    if cfg.parallelism.cp > 1:
+        raise ConfigError(
+            f"optimizer.qk_clip_tau={tau} with parallelism.cp={cfg.parallelism.cp}: the per-head max logit is "
+            "measured from local keys only, and a context shard does not hold all of them. Set "
+            "optimizer.qk_clip_tau=0 or parallelism.cp=1."
+        )
+    if getattr(cfg.model, "qk_norm", False):
+        raise ConfigError(
+            f"optimizer.qk_clip_tau={tau} with model.qk_norm=true: the per-head RMSNorm of q and k undoes any "
+            "scaling of their projections, so QK-clip cannot lower the logits. Set optimizer.qk_clip_tau=0."
+        )
 
 
 def _validate_checkpoint(c: CheckpointConfig) -> None:
@@ -346,6 +366,7 @@ def validate(cfg: TrainConfig) -> None:
             "collectives and their bytes are the same), or set metrics.comm_ledger=false."
         )
     _validate_optimizer(cfg.optimizer, cfg.lr_scheduler)
+    _validate_qk_clip(cfg)
     _validate_checkpoint(cfg.checkpoint)
     if cfg.checkpoint.last_save_in_hf and cfg.parallelism.pp > 1:
         raise ConfigError(

@@ -133,6 +133,28 @@ def muon_cost(p: torch.Tensor, group: dict[str, Any]) -> int:
     return p.numel() * p.element_size()
 
 
+def build_qk_clip(parts: list[nn.Module], spec: Any, cfg: Any, dims: Any) -> Any:
+    """QK-clip over this rank's attention modules (``parallelisms/qk_clip.py``), or None when
+    ``optimizer.qk_clip_tau`` is 0."""
+    tau = cfg.optimizer.qk_clip_tau
+    if tau <= 0:
+        return None
+    from parallelisms.qk_clip import QKClip
+
+    prefix = f"{spec.blocks}."
+    attentions = []
+    for part in parts:
+        for name, module in part.named_modules():
+            name = _clean_name(name)
+            if hasattr(module, "record_max_logit") and name.startswith(prefix):
+                attentions.append((int(name[len(prefix) :].split(".", 1)[0]), module))
+    tp_rank = dims.get_mesh("tp").get_local_rank() if dims.tp > 1 else 0
+    return QKClip(
+        attentions, num_layers=cfg.model.n_layers, n_heads=cfg.model.n_heads, n_kv_heads=cfg.model.kv_heads,
+        tau=tau, tp_rank=tp_rank, tp_size=dims.tp,
+    )  # fmt: skip
+
+
 def lr_factor(
     step: int, *, warmup_steps: int, total_steps: int, decay_type: str, min_lr_ratio: float
 ) -> float:

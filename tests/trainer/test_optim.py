@@ -148,3 +148,102 @@ def test_muon_config_errors_name_the_key(override: str, match: str) -> None:
 
     with pytest.raises(ConfigError, match=match):
         make_config("optimizer=muon", override)
+
+
+# -- QK-clip --------------------------------------------------------------------------------------
+
+
+def _qk_model(mask: str) -> Transformer:
+    torch.manual_seed(0)
+    model = Transformer(LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_hidden_dim=64,
+                                  attention_mask=mask))  # fmt: skip
+    model.init_weights(seed=0)
+    with torch.no_grad():  # larger q/k weights: logits well above 1
+        for layer in model.layers.values():
+            layer.attention.wq.weight.mul_(30)
+            layer.attention.wk.weight.mul_(10)
+    return model
+
+
+@torch.no_grad()
+def _naive_max_logits(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """(layers, heads) max of q.k/sqrt(D) over allowed pairs, head by head and pair by pair."""
+    from models.common import apply_rotary_emb
+
+    inputs: dict[int, torch.Tensor] = {}
+    hooks = [layer.attention.register_forward_pre_hook(lambda m, a, i=i: inputs.__setitem__(i, a[0]))
+             for i, layer in enumerate(model.layers.values())]  # fmt: skip
+    model(tokens, positions=positions)
+    for h in hooks:
+        h.remove()
+    out = torch.full((len(inputs), 4), float("-inf"))
+    B, S = tokens.shape
+    for i, layer in enumerate(model.layers.values()):
+        attn = layer.attention
+        D = attn.head_dim
+        q = (inputs[i] @ attn.wq.weight.T).view(B, S, 4, D)
+        k = (inputs[i] @ attn.wk.weight.T).view(B, S, 2, D)
+        q, k = apply_rotary_emb(q, k, model.rope_cache[positions])
+        for b in range(B):
+            for h in range(4):
+                for qi in range(S):
+                    for kj in range(qi + 1):  # causal; same document: no restart of positions in (kj, qi]
+                        if attn.core.attention_mask == "block_causal" and (positions[b, kj + 1 : qi + 1] == 0).any():
+                            continue
+                        logit = float(q[b, qi, h] @ k[b, kj, h // 2]) / D**0.5
+                        out[i, h] = max(out[i, h], logit)
+    return out
+
+
+@pytest.mark.parametrize("mask", ["causal", "block_causal"])
+def test_recorded_max_logit_equals_naive_attention(mask: str) -> None:
+    from parallelisms.qk_clip import QKClip
+
+    model = _qk_model(mask)
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(2))
+    positions = torch.tensor([list(range(12)), [0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3]])  # 1 and 3 documents
+    clip = QKClip(list(enumerate(layer.attention for layer in model.layers.values())), num_layers=2, n_heads=4,
+                  n_kv_heads=2, tau=1e9)  # fmt: skip
+    clip.begin_step()
+    model(tokens, positions=positions)
+    measured = clip.measured_max()
+    naive = _naive_max_logits(model, tokens, positions)
+    print(f"qk-clip {mask}: max |measured - naive| {(measured - naive).abs().max().item():.2e} (max logit {naive.max():.2f})")
+    assert torch.allclose(measured, naive, rtol=1e-5, atol=1e-5)
+
+
+def test_qk_clip_scales_the_head_above_tau_to_tau() -> None:
+    """One head above tau: its q (and shared k) rows are scaled, the next forward's max of that head
+    is tau, every other head's max is unchanged (GQA: the kv head's other query head compensates)."""
+    from parallelisms.qk_clip import QKClip
+
+    model = _qk_model("causal")
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(12).expand(2, 12)
+    clip = QKClip(list(enumerate(layer.attention for layer in model.layers.values())), num_layers=2, n_heads=4,
+                  n_kv_heads=2, tau=0.0)  # fmt: skip
+    clip.begin_step()
+    model(tokens, positions=positions)
+    before = clip.measured_max()
+    top2 = before.flatten().topk(2).values
+    clip.tau = float(top2.mean())  # between the largest and the second largest: exactly one head clipped
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    clip.begin_step()
+    model(tokens, positions=positions)
+    stats = clip.after_step()
+    assert stats["clipped_heads"] == 1
+    layer, head = divmod(int(before.flatten().argmax()), 4)
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, weights[n])}
+    assert changed == {f"layers.{layer}.attention.wq.weight", f"layers.{layer}.attention.wk.weight"}, changed
+    D = 8
+    wq_rows_changed = {r // D for r in range(32) if not torch.equal(model.layers[str(layer)].attention.wq.weight[r],
+                                                                     weights[f"layers.{layer}.attention.wq.weight"][r])}  # fmt: skip
+    assert wq_rows_changed == {head, head ^ 1}  # the head and its kv group's other query head
+    clip.begin_step()
+    model(tokens, positions=positions)
+    after = clip.measured_max()
+    expected = before.clone()
+    expected[layer, head] = clip.tau
+    print(f"qk-clip probe: head ({layer}, {head}) {before[layer, head]:.4f} -> {after[layer, head]:.6f}, "
+          f"tau {clip.tau:.6f}; other heads max change {(after - expected).abs().max():.2e}")
+    assert torch.allclose(after, expected, rtol=1e-5, atol=1e-5)
