@@ -31,7 +31,10 @@ LAYOUTS = {  # name -> (world, overrides)
     "single": (1, ["parallelism.dp_shard=1"]),
     "fsdp_x4": (4, ["parallelism.dp_shard=4"]),
     "ddp_x4": (4, ["parallelism.dp_replicate=4", "parallelism.dp_shard=1"]),
-    "zero1_x4": (4, ["parallelism.dp_replicate=4", "parallelism.dp_shard=1", "parallelism.ddp.sharded_optimizer=true"]),
+    "zero1_x4": (
+        4,
+        ["parallelism.dp_replicate=4", "parallelism.dp_shard=1", "parallelism.ddp.sharded_optimizer=true"],
+    ),
 }
 
 
@@ -49,7 +52,9 @@ def _owner_balance(optimizer) -> float | None:  # noqa: ANN001
     for group in optimizer.param_groups:
         for p in group["params"]:
             if group["use_muon"]:
-                loads[optimizer.owner_of(index)] += (p.shape[0] if p.ndim == 3 else 1) * ns_flops(*p.shape[-2:])
+                loads[optimizer.owner_of(index)] += (p.shape[0] if p.ndim == 3 else 1) * ns_flops(
+                    *p.shape[-2:]
+                )
             index += 1
     return max(loads) / (sum(loads) / len(loads))
 
@@ -66,12 +71,11 @@ def _rank(rank: int, world: int, runs: dict[str, list[str]], steps: int) -> dict
         trainer = Trainer(compose_config(*overrides))
         logging.getLogger("meshwright").setLevel(logging.WARNING)
         opt_times: list[float] = []
-        step = trainer.optimizer.step
 
-        def timed_step(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        def timed_step(*args, _step=trainer.optimizer.step, _times=opt_times, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
             start = time.perf_counter()
-            result = step(*args, **kwargs)
-            opt_times.append(time.perf_counter() - start)
+            result = _step(*args, **kwargs)
+            _times.append(time.perf_counter() - start)
             return result
 
         trainer.optimizer.step = timed_step
@@ -80,7 +84,11 @@ def _rank(rank: int, world: int, runs: dict[str, list[str]], steps: int) -> dict
             start = time.perf_counter()
             trainer.train_step()
             step_times.append(time.perf_counter() - start)
-        out[name] = {"step": step_times[1:], "opt": opt_times[1:], "balance": _owner_balance(trainer.optimizer)}
+        out[name] = {
+            "step": step_times[1:],
+            "opt": opt_times[1:],
+            "balance": _owner_balance(trainer.optimizer),
+        }
         trainer.close()
     return out
 
@@ -107,20 +115,36 @@ def main() -> None:
             if w != world:
                 continue
             for opt in ("adamw", "muon"):
-                extra = ["optimizer=muon", f"optimizer.muon.ns_dtype={args.ns_dtype}"] if opt == "muon" else []
-                runs[f"{name}/{opt}"] = [*common, *overrides, *extra, f"job.dump_folder={folder}/{name}_{opt}"]
+                extra = (
+                    ["optimizer=muon", f"optimizer.muon.ns_dtype={args.ns_dtype}"] if opt == "muon" else []
+                )
+                runs[f"{name}/{opt}"] = [
+                    *common,
+                    *overrides,
+                    *extra,
+                    f"job.dump_folder={folder}/{name}_{opt}",
+                ]
         per_rank = run_distributed(_rank, world, runs, args.steps, timeout=3600)
         for key in runs:
             name, opt = key.split("/")
             step = statistics.median(max(r[key]["step"][i] for r in per_rank) for i in range(args.steps))
             optim = statistics.median(max(r[key]["opt"][i] for r in per_rank) for i in range(args.steps))
             entry = results.setdefault(name, {"world": world})
-            entry[opt] = {"step_s": round(step, 4), "optimizer_s": round(optim, 4), "share": round(optim / step, 3)}
+            entry[opt] = {
+                "step_s": round(step, 4),
+                "optimizer_s": round(optim, 4),
+                "share": round(optim / step, 3),
+            }
             if opt == "muon":
                 entry["owner_balance"] = round(per_rank[0][key]["balance"], 3)
     for entry in results.values():
         entry["muon_over_adamw"] = round(entry["muon"]["step_s"] / entry["adamw"]["step_s"], 3)
-    print(json.dumps({"model": args.model, "ns_dtype": args.ns_dtype, "steps": args.steps, "layouts": results}, indent=2))
+    print(
+        json.dumps(
+            {"model": args.model, "ns_dtype": args.ns_dtype, "steps": args.steps, "layouts": results},
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

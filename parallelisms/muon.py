@@ -58,7 +58,11 @@ Positions = Union[slice, Tensor]  # a contiguous range, or int64 indices
 
 
 def zeropower_via_newtonschulz(
-    grad: Tensor, ns_coefficients: Sequence[float], ns_steps: int, eps: float, dtype: torch.dtype = torch.bfloat16
+    grad: Tensor,
+    ns_coefficients: Sequence[float],
+    ns_steps: int,
+    eps: float,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> Tensor:
     """torch.optim.Muon's Newton-Schulz iteration (``torch.optim._muon._zeropower_via_newtonschulz``,
     the same operations in the same order) in ``dtype``: bfloat16 is torch's (bitwise equal to it);
@@ -128,7 +132,9 @@ def _split_by_unit(pos: Positions, unit_size: int, num_units: int) -> list[tuple
         for u in range(pos.start // unit_size, -(-pos.stop // unit_size) if pos.stop else 0):
             lo, hi = max(pos.start, u * unit_size), min(pos.stop, (u + 1) * unit_size)
             if lo < hi:
-                out.append((u, slice(lo - pos.start, hi - pos.start), slice(lo - u * unit_size, hi - u * unit_size)))
+                out.append(
+                    (u, slice(lo - pos.start, hi - pos.start), slice(lo - u * unit_size, hi - u * unit_size))
+                )
         return out
     unit_of = pos // unit_size
     for u in torch.unique(unit_of).tolist():
@@ -212,7 +218,9 @@ class _Plan:
         self.units = [units[k] for k in sorted(units)]  # the canonical order, the same on every rank
         self.index = {u.key: i for i, u in enumerate(self.units)}
         owners = assign_owners(
-            [ns_flops(u.rows, u.cols) for u in self.units], [sorted(u.holders) for u in self.units], self.world
+            [ns_flops(u.rows, u.cols) for u in self.units],
+            [sorted(u.holders) for u in self.units],
+            self.world,
         )
         for unit, owner in zip(self.units, owners):
             unit.owner = owner
@@ -228,10 +236,16 @@ class _Plan:
                     if sig in u.counts:
                         u.primaries[sig] = primary
         for lp in self.local:
-            lp.primary = bool(lp.units) and self.unit(lp.name, lp.units[0][0]).primaries[lp.signature] == self.rank
+            lp.primary = (
+                bool(lp.units) and self.unit(lp.name, lp.units[0][0]).primaries[lp.signature] == self.rank
+            )
         # This rank's pieces in the canonical unit order: the order of every packed buffer.
         self.pieces = sorted(
-            ((self.index[(lp.name, u)], lp, local_pos, unit_pos) for lp in self.local for u, local_pos, unit_pos in lp.units),
+            (
+                (self.index[(lp.name, u)], lp, local_pos, unit_pos)
+                for lp in self.local
+                for u, local_pos, unit_pos in lp.units
+            ),
             key=lambda piece: piece[0],
         )
         self.flops_per_rank = [0] * self.world
@@ -278,7 +292,9 @@ class _Plan:
         return counts
 
 
-def _exchange(send: Tensor, send_counts: list[int], recv_counts: list[int], group: Optional[dist.ProcessGroup]) -> Tensor:
+def _exchange(
+    send: Tensor, send_counts: list[int], recv_counts: list[int], group: Optional[dist.ProcessGroup]
+) -> Tensor:
     """One all_to_all_single (the identity on one rank)."""
     if group is None or len(send_counts) == 1:
         return send
@@ -333,7 +349,9 @@ class Muon(torch.optim.Optimizer):
         **defaults: Any,
     ) -> None:
         defaults.setdefault("use_muon", False)
-        self.process_group = process_group if process_group is not None and dist.get_world_size(process_group) > 1 else None
+        self.process_group = (
+            process_group if process_group is not None and dist.get_world_size(process_group) > 1 else None
+        )
         self.ns_dtype = ns_dtype
         self._adamw_kwargs = adamw_kwargs or {}
         self._adamw: Optional[torch.optim.AdamW] = None
@@ -412,7 +430,11 @@ class Muon(torch.optim.Optimizer):
         plan = self.plan()
         groups = self._group_of()
         # 1. primaries: momentum and the Nesterov update of their pieces, packed by owner.
-        updates = {id(lp.param): self._nesterov_update(lp.param, groups[id(lp.param)]).reshape(-1) for lp in plan.local if lp.primary}
+        updates = {
+            id(lp.param): self._nesterov_update(lp.param, groups[id(lp.param)]).reshape(-1)
+            for lp in plan.local
+            if lp.primary
+        }
         outgoing: list[list[Tensor]] = [[] for _ in range(plan.world)]
         for i, lp, local_pos, _ in plan.pieces:
             if lp.primary:
@@ -450,7 +472,9 @@ class Muon(torch.optim.Optimizer):
     def _device(self) -> torch.device:
         return next((_local(p).device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
 
-    def _orthogonalise(self, received: Tensor, plan: _Plan, groups: dict[int, dict[str, Any]]) -> list[list[Tensor]]:
+    def _orthogonalise(
+        self, received: Tensor, plan: _Plan, groups: dict[int, dict[str, Any]]
+    ) -> list[list[Tensor]]:
         # ``received`` is ordered by sending rank, then by unit (canonical order) within it.
         offsets = [0] * plan.world
         for r, n in enumerate(plan.recv_counts()[:-1]):
@@ -502,7 +526,10 @@ class Muon(torch.optim.Optimizer):
         offsets = [0] * plan.world
         for r, n in enumerate(plan.update_counts()[:-1]):
             offsets[r + 1] = offsets[r] + n
-        flat_updates = {id(lp.param): torch.empty(_local(lp.param).numel(), dtype=back.dtype, device=back.device) for lp in plan.local}
+        flat_updates = {
+            id(lp.param): torch.empty(_local(lp.param).numel(), dtype=back.dtype, device=back.device)
+            for lp in plan.local
+        }
         for i, lp, local_pos, unit_pos in plan.pieces:
             owner, n = plan.units[i].owner, _count(unit_pos)
             _put(flat_updates[id(lp.param)], local_pos, back[offsets[owner] : offsets[owner] + n])
@@ -512,4 +539,6 @@ class Muon(torch.optim.Optimizer):
             local = _local(lp.param)
             flat_update = flat_updates[id(lp.param)]
             local.mul_(1 - g["lr"] * g["weight_decay"])
-            local.add_(flat_update.view_as(local), alpha=-adjusted_lr(g["lr"], g["adjust_lr_fn"], lp.param.shape))
+            local.add_(
+                flat_update.view_as(local), alpha=-adjusted_lr(g["lr"], g["adjust_lr_fn"], lp.param.shape)
+            )

@@ -98,4 +98,3 @@ class QKClip:
 
 def _local_device(device: torch.device) -> torch.device:
     return device if device.type != "meta" else torch.device("cpu")
-

@@ -15,6 +15,8 @@ size run in one spawned group (dense and MoE together).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 import torch
 
@@ -37,17 +39,21 @@ LAYOUTS = {  # name -> (world, model, overrides)
     "tp_sp_x2": (2, "dense", ["parallelism.dp_shard=1", "parallelism.tp=2"]),
     "pp2_1f1b": (2, "dense", ["parallelism.pp=2", "parallelism.dp_shard=1"]),
     "moe_ep_x2": (2, "moe", ["parallelism.ep=2", "parallelism.dp_shard=2"]),
-    "moe_ddp_x2_noclip": (2, "moe", [*DDP, NO_CLIP]),
     "hsdp_2x2": (4, "dense", ["parallelism.dp_replicate=2", "parallelism.dp_shard=2"]),
     "fsdp_tp_2x2_noclip": (4, "dense", ["parallelism.dp_shard=2", "parallelism.tp=2", NO_CLIP]),
     "pp2_fsdp2": (4, "dense", ["parallelism.pp=2", "parallelism.dp_shard=2"]),
     "moe_ep2_fsdp4": (4, "moe", ["parallelism.ep=2", "parallelism.dp_shard=4"]),
     "moe_ep2_tp2": (4, "moe", ["parallelism.ep=2", "parallelism.dp_shard=2", "parallelism.tp=2"]),
+    # QK-clip: per-head maxima measured on local heads (TP) / full heads, reduced over the world,
+    # q/k rows scaled through the weights' placements (TP rows, FSDP row shards)
+    "qkclip_tp_sp_x2": (2, "qkclip", ["parallelism.dp_shard=1", "parallelism.tp=2"]),
+    "qkclip_fsdp_x2": (2, "qkclip", ["parallelism.dp_shard=2"]),
 }
+QK_CLIP = ["optimizer.qk_clip_tau=0.08"]  # the tiny run's max logits are 0.08-0.12
 
 
 def _overrides(model: str, extra: list[str]) -> list[str]:
-    return [*(MOE if model == "moe" else []), *MUON, *extra]
+    return [*(MOE if model == "moe" else []), *(QK_CLIP if model == "qkclip" else []), *MUON, *extra]
 
 
 # -- the reference optimizer: torch.optim.Muon + torch.optim.AdamW (installed in the worker) -----
@@ -105,7 +111,7 @@ class TorchMuonAdamW(torch.optim.Optimizer):
         self.muon.zero_grad()
 
 
-def use_torch_muon(trainer) -> None:  # noqa: ANN001
+def use_torch_muon(trainer) -> Optional[dict]:  # noqa: ANN001
     """Setup hook: the reference run steps with torch's own optimizers (NS in fp32)."""
     import torch.optim._muon as torch_muon
 
@@ -116,6 +122,7 @@ def use_torch_muon(trainer) -> None:  # noqa: ANN001
     groups = muon_param_groups(trainer.model_parts, cfg.optimizer, trainer.spec.first_modules + trainer.spec.last_modules)
     trainer.optimizer = TorchMuonAdamW(groups)
     trainer.lr_scheduler = build_lr_scheduler(trainer.optimizer, cfg.lr_scheduler, cfg.training.steps)
+    return record_qk_clip(trainer, {})
 
 
 def count_work(trainer) -> dict:  # noqa: ANN001
@@ -135,6 +142,21 @@ def count_work(trainer) -> dict:  # noqa: ANN001
             observed["balance"] = inner.owner_balance()
 
     trainer.optimizer.register_step_post_hook(after_step)
+    return record_qk_clip(trainer, observed)
+
+
+def record_qk_clip(trainer, observed: dict) -> dict:  # noqa: ANN001
+    """Record QK-clip's per-step statistics (max logit, heads clipped) into ``observed``."""
+    if trainer.qk_clip is not None:
+        observed["qk_clip"] = []
+        clip_step = trainer.qk_clip.after_step
+
+        def clip_and_record() -> dict:
+            stats = clip_step()
+            observed["qk_clip"].append(stats)
+            return stats
+
+        trainer.qk_clip.after_step = clip_and_record
     return observed
 
 
@@ -145,11 +167,12 @@ def count_work(trainer) -> dict:  # noqa: ANN001
 def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("muon_ref")
     cases = {}
-    for model in ("dense", "moe"):
-        for clip in ("clip", "noclip"):
-            extra = [NO_CLIP] if clip == "noclip" else []
-            cases[f"{model}_{clip}"] = Case(1, tiny_config(str(tmp / f"{model}_{clip}"), *_overrides(model, extra)),
-                                            setup=use_torch_muon)  # fmt: skip
+    needed = {(model, NO_CLIP in ov) for _, model, ov in LAYOUTS.values()} | {("dense", False)}
+    for model, noclip in sorted(needed):
+        clip = "noclip" if noclip else "clip"
+        extra = [NO_CLIP] if noclip else []
+        cases[f"{model}_{clip}"] = Case(1, tiny_config(str(tmp / f"{model}_{clip}"), *_overrides(model, extra)),
+                                        setup=use_torch_muon)  # fmt: skip
     cases["dense_ours"] = Case(1, tiny_config(str(tmp / "dense_ours"), *_overrides("dense", [])))
     return gather_cases(cases, world=1)
 
@@ -179,7 +202,15 @@ def test_one_process_matches_torch_muon(references: dict) -> None:
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_torch_muon(layout: str, runs: GroupedRuns, references: dict) -> None:
-    assert_parallel_run(_reference(layout, references), runs.get(layout), label=f"muon_{layout}")
+    ref, got = _reference(layout, references), runs.get(layout)
+    assert_parallel_run(ref, got, label=f"muon_{layout}")
+    if LAYOUTS[layout][1] == "qkclip":  # the clip acted, on the same heads as in one process
+        want = [s["clipped_heads"] for s in ref["observed"][0]["qk_clip"]]
+        for rank_observed in got["observed"]:
+            assert [s["clipped_heads"] for s in rank_observed["qk_clip"]] == want
+        assert sum(want) > 0, want
+        print(f"muon_{layout}: heads clipped per step {want}, max logit per step "
+              f"{[round(s['max_logit'], 3) for s in ref['observed'][0]['qk_clip']]}")
 
 
 def _muon_numel(run: dict) -> int:
@@ -212,7 +243,6 @@ CKPT_SOURCES = {  # name -> overrides (2 ranks); each checkpoints at step 4 and 
 }
 CKPT_TARGETS = {  # name -> (source, overrides): loads the source's step-4 checkpoint, trains to 8
     "fsdp->fsdp": ("fsdp", CKPT_SOURCES["fsdp"]),
-    "ddp->ddp": ("ddp", CKPT_SOURCES["ddp"]),
     "ddp->zero1": ("ddp", CKPT_SOURCES["zero1"]),
     "zero1->fsdp": ("zero1", CKPT_SOURCES["fsdp"]),
     "fsdp->tp": ("fsdp", CKPT_SOURCES["tp"]),
