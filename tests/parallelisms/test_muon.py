@@ -5,12 +5,16 @@ by ``torch.optim.Muon`` itself for the 2-D hidden weights (one 2-D copy per expe
 expert stacks) and ``torch.optim.AdamW`` for the rest, on the same batches and LR schedule.
 Newton-Schulz runs in float32 in both (``optimizer.muon.ns_dtype=float32``; the reference's
 ``torch.optim._muon._zeropower_via_newtonschulz`` is swapped for the same iteration in fp32,
-which ``test_newton_schulz_is_torchs`` shows equal to torch's bitwise in bf16): in bf16 a 1e-7
-reduction-order difference could flip a rounding and the layouts would differ by ~1e-3.
+which ``tests/trainer/test_optim.py::test_newton_schulz_and_lr_adjustment_are_torchs`` shows
+equal to torch's bitwise in bf16): in bf16 a 1e-7 reduction-order difference could flip a
+rounding and the layouts would differ by ~1e-3.
 
 Each parallel layout runs ``optimizer=muon`` through the real Trainer for 8 steps; losses and
-pre-clip gradient norms must match to 1e-5 relative, final weights to 1e-5. All cases of a world
-size run in one spawned group (dense and MoE together).
+pre-clip gradient norms must match to 1e-5 relative, final weights to 1e-5. The runs also count
+Newton-Schulz calls and momentum elements per rank (each matrix once per step, momentum never
+replicated), QK-clip cases must clip the same heads as one process, and a checkpoint test resumes
+bitwise and reshards DDP -> ZeRO-1 -> FSDP -> TP -> DDP. All cases of a world size run in one
+spawned group (dense and MoE together).
 """
 
 from __future__ import annotations
