@@ -89,6 +89,13 @@ def adjusted_lr(lr: float, adjust_lr_fn: str, shape: Sequence[int]) -> float:
     return lr * math.sqrt(max(1, rows / cols))
 
 
+def ns_step_flops(rows: int, cols: int) -> int:
+    """FLOPs of one Newton-Schulz iteration on an (rows, cols) matrix (m = min, n = max dim):
+    X X^T (2 m^2 n), gram @ gram (2 m^3), update @ X (2 m^2 n)."""
+    m, n = min(rows, cols), max(rows, cols)
+    return 4 * m * m * n + 2 * m**3
+
+
 def ns_flops(rows: int, cols: int) -> int:
     """Cost proxy of one Newton-Schulz orthogonalisation of an (rows, cols) matrix."""
     return rows * cols * min(rows, cols)

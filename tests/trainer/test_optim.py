@@ -247,3 +247,22 @@ def test_qk_clip_scales_the_head_above_tau_to_tau() -> None:
     print(f"qk-clip probe: head ({layer}, {head}) {before[layer, head]:.4f} -> {after[layer, head]:.6f}, "
           f"tau {clip.tau:.6f}; other heads max change {(after - expected).abs().max():.2e}")
     assert torch.allclose(after, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_planner_counts_muon_newton_schulz_and_exchange() -> None:
+    """The plan of optimizer=muon: NS FLOPs per rank = every hidden matrix's 5 iterations
+    (4 m^2 n + 2 m^3 each, m <= n) over the ranks, counted here from the model's own parameters;
+    the two all_to_all rows carry 4 B per held Muon element (FSDP x 2: half of them)."""
+    from tests.configs import tiny_config
+    from trainer.planner.cluster import compose_cluster
+    from trainer.planner.plan import build_plan
+
+    cfg = tiny_config("unused", "optimizer=muon", "parallelism.dp_shard=2")
+    plan = build_plan(cfg, compose_cluster(["cluster=cpu"]))
+    model = Transformer(cfg.model)
+    hidden = [p for n, p in model.named_parameters() if p.ndim == 2 and n.startswith("layers.")]
+    flops = sum(5 * (4 * min(p.shape) ** 2 * max(p.shape) + 2 * min(p.shape) ** 3) for p in hidden)
+    assert plan.compute["ns_flops_per_rank"] == flops / 2
+    muon_rows = [x for x in plan.collectives if x.name.startswith("Muon")]
+    assert [x.logical_bytes for x in muon_rows] == [4 * sum(p.numel() for p in hidden) / 2] * 2
+    assert plan.verdict["step_s"] > plan.compute["compute_with_bubble_s"] + plan.compute["optimizer_s"] * 0.999

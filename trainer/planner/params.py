@@ -43,6 +43,7 @@ class ModuleParams:
     muon_sharded: int = 0
     muon_replicated: int = 0
     muon_experts: int = 0
+    muon_shapes: list[tuple[int, int, int]] = field(default_factory=list)  # (stack, rows, cols) per weight
 
     def muon_local(self, tp: int = 1, ep: int = 1) -> float:
         """Muon-stepped parameters one rank holds of this group under tp and ep."""
@@ -60,6 +61,7 @@ class ModuleParams:
             self.tp_sharded + other.tp_sharded, self.replicated + other.replicated,
             self.experts + other.experts, self.norms + other.norms, self.muon_sharded + other.muon_sharded,
             self.muon_replicated + other.muon_replicated, self.muon_experts + other.muon_experts,
+            self.muon_shapes + other.muon_shapes,
         )  # fmt: skip
 
 
@@ -114,6 +116,8 @@ def param_table(spec: ModelSpec, args: Any) -> ParamTable:
         group = groups[block] if block is not None else (first if id(p) in first_ids else last)
         kind = kinds.get(module_name)
         muon = block is not None and p.ndim >= 2  # optimizer=muon's split (trainer/optim.py)
+        if muon:
+            group.muon_shapes.append((p.shape[0] if p.ndim == 3 else 1, p.shape[-2], p.shape[-1]))
         if id(p) in expert_ids:
             group.experts += p.numel()
             group.muon_experts += p.numel() if muon else 0
