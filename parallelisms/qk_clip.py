@@ -41,6 +41,7 @@ class QKClip:
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self._rows: dict[int, Tensor] = {}  # id(weight) -> global row of each local element
         self.last_max: Optional[Tensor] = None  # (layers, heads): the step's measured maxima
+        self.last_stats: dict[str, float] = {}  # the last step's qk_max_logit and qk_clipped_heads
 
     def begin_step(self) -> None:
         for _, attn in self.attentions:
@@ -70,7 +71,8 @@ class QKClip:
         for layer, attn in self.attentions:
             if bool((gamma[layer] < 1).any()):
                 self.scale_heads(attn, gamma[layer])
-        return {"max_logit": float(table.max()), "clipped_heads": int((gamma < 1).sum())}
+        self.last_stats = {"qk_max_logit": float(table.max()), "qk_clipped_heads": int((gamma < 1).sum())}
+        return {"max_logit": self.last_stats["qk_max_logit"], "clipped_heads": self.last_stats["qk_clipped_heads"]}
 
     def scale_heads(self, attn: nn.Module, gamma: Tensor) -> None:
         """Scale ``attn``'s q and k rows so query head h's logits scale by ``gamma[h]`` (heads,)."""

@@ -434,6 +434,8 @@ class Trainer:
                     extra = self.train_loader.pop_metrics()  # data_wait_s (+ mixture shares)
                     if self.load_balancer is not None:
                         extra.update(self.load_balancer.log_stats(self.device))
+                    if self.qk_clip is not None:  # qk_max_logit, qk_clipped_heads of this step
+                        extra.update(self.qk_clip.last_stats)
                     if self.comm_ledger is not None:  # every rank's collectives per step (a collective)
                         extra["comm"] = self.comm_ledger.collect(self.parameters, self.optimizer)
                     lr = self.lr_scheduler.get_last_lr()[0]

@@ -213,6 +213,8 @@ def test_layout_matches_torch_muon(layout: str, runs: GroupedRuns, references: d
         for rank_observed in got["observed"]:
             assert [s["clipped_heads"] for s in rank_observed["qk_clip"]] == want
         assert sum(want) > 0, want
+        logged = [r["qk_clipped_heads"] for r in got["history"] if "loss" in r]  # metrics.jsonl
+        assert logged == want, logged
         print(f"muon_{layout}: heads clipped per step {want}, max logit per step "
               f"{[round(s['max_logit'], 3) for s in ref['observed'][0]['qk_clip']]}")
 
