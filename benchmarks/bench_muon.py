@@ -15,6 +15,7 @@ and per layout ``muon_over_adamw`` (step time) and ``owner_balance``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -60,6 +61,11 @@ def _owner_balance(optimizer) -> float | None:  # noqa: ANN001
 
 
 def _rank(rank: int, world: int, runs: dict[str, list[str]], steps: int) -> dict:
+    with contextlib.redirect_stdout(sys.stderr):  # the Trainer's log lines: stdout is the JSON's
+        return _timed_runs(runs, steps)
+
+
+def _timed_runs(runs: dict[str, list[str]], steps: int) -> dict:
     import torch
 
     from trainer.config import compose_config
