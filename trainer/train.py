@@ -34,7 +34,7 @@ from trainer.data.tokenizer import build_tokenizer, check_vocab_size
 from trainer.observe.comm_ledger import CommLedger, axis_names_of_groups
 from trainer.observe.metrics import MetricsLogger, setup_logging
 from trainer.observe.profiling import StepProfiler
-from trainer.optim import build_lr_scheduler, build_optimizer
+from trainer.optim import build_lr_scheduler, build_optimizer, build_qk_clip
 from trainer.resilience.guards import install_test_nan_hook, non_finite_message
 from trainer.resilience.preemption import PreemptionHandler
 from trainer.resilience.watchdog import CommMonitor, configure_flight_recorder
@@ -227,9 +227,11 @@ class Trainer:
             else None
         )
         self.optimizer = build_optimizer(
-            self.model_parts, self.cfg.optimizer, device_type=self.device.type, shard_mesh=shard_mesh
-        )
+            self.model_parts, self.cfg.optimizer, device_type=self.device.type, shard_mesh=shard_mesh,
+            adamw_modules=self.spec.first_modules + self.spec.last_modules,
+        )  # fmt: skip
         self.lr_scheduler = build_lr_scheduler(self.optimizer, self.cfg.lr_scheduler, self.cfg.training.steps)
+        self.qk_clip = build_qk_clip(self.model_parts, self.spec, self.cfg, self.dims)  # None unless qk_clip_tau > 0
         self.state = TrainState()
         # test-only (trainer/resilience/guards.py): MESHWRIGHT_TEST_NAN_AT=<rank>@<step> injects a NaN
         install_test_nan_hook(self.model, self.rank, lambda: self.state.step + 1)
@@ -346,6 +348,8 @@ class Trainer:
         scale = self.dims.dp_cp / num_tokens
         if self.load_balancer is not None:
             self.load_balancer.begin_step()
+        if self.qk_clip is not None:  # the attention records its per-head max logits this step
+            self.qk_clip.begin_step()
         if self.pipeline is not None:
             # The schedule splits the local batch into its microbatches (they replace the
             # accumulation loop), runs the loss on the last stage and reports it everywhere.
@@ -365,6 +369,8 @@ class Trainer:
         if self.comm_ledger is not None and self.comm_ledger.active:  # the gradients exist only now
             self.comm_ledger.measure_gradients(self.parameters)
         self.optimizer.step()
+        if self.qk_clip is not None:  # scale q/k rows of heads whose max logit exceeded tau
+            self.qk_clip.after_step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum / num_tokens, grad_norm
@@ -428,6 +434,8 @@ class Trainer:
                     extra = self.train_loader.pop_metrics()  # data_wait_s (+ mixture shares)
                     if self.load_balancer is not None:
                         extra.update(self.load_balancer.log_stats(self.device))
+                    if self.qk_clip is not None:  # qk_max_logit, qk_clipped_heads of this step
+                        extra.update(self.qk_clip.last_stats)
                     if self.comm_ledger is not None:  # every rank's collectives per step (a collective)
                         extra["comm"] = self.comm_ledger.collect(self.parameters, self.optimizer)
                     lr = self.lr_scheduler.get_last_lr()[0]

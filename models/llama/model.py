@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.attention import AttentionCore, validate_attention_mask
+from models.attention import AttentionCore, document_ids, validate_attention_mask
 from models.common import (
     CopyFn,
     ParamInit,
@@ -51,6 +51,7 @@ from models.common import (
     RopeScaling,
     apply_rotary_emb,
     precompute_rope_cache,
+    repeat_kv,
 )
 from models.errors import ConfigError
 from models.spec import ModelArgs, ParamCounts
@@ -203,6 +204,10 @@ class Attention(nn.Module):
         self.q_norm: Optional[RMSNorm] = RMSNorm(self.head_dim, eps=args.norm_eps) if args.qk_norm else None
         self.k_norm: Optional[RMSNorm] = RMSNorm(self.head_dim, eps=args.norm_eps) if args.qk_norm else None
         self.core = core if core is not None else AttentionCore(getattr(args, "attention_mask", "causal"))
+        # QK-clip (optimizer.qk_clip_tau): when asked, the forward keeps the largest pre-softmax
+        # logit of each (local) query head, a running max until the caller resets it.
+        self.record_max_logit = False
+        self.max_logit: Optional[Tensor] = None  # (nh,) fp32
 
     def init_weights(self, init: ParamInit, prefix: str, std: float, out_std: float) -> None:
         """wq/wk/wv: truncated normal (std, cut at 2 std); wo: depth-scaled ``out_std``; q/k norms: ones."""
@@ -231,8 +236,25 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, S, -1, self.head_dim)  # (B, S, nkv, D)
         q, k = self.norm_qk(q, k)
         q, k = apply_rotary_emb(q, k, rope)
+        if self.record_max_logit:
+            self._record_max_logit(q, k, positions)
         out = self.core(q, k, v, positions=positions)  # (B, S, nh, D)
         return self.wo(out.reshape(B, S, -1))  # (B, S, nh*D) -> (B, S, H)
+
+    @torch.no_grad()
+    def _record_max_logit(self, q: Tensor, k: Tensor, positions: Optional[Tensor]) -> None:
+        """Per query head, the largest pre-softmax logit ``q.k / sqrt(D)`` over the pairs the mask
+        allows (causal; block-causal within documents): one extra Q K^T (B, nh, S, S) in fp32."""
+        B, S, nh, D = q.shape
+        keys = repeat_kv(k.transpose(1, 2), nh // k.size(2)).float()  # (B, nh, S, D)
+        scores = q.transpose(1, 2).float() @ keys.transpose(-1, -2) / math.sqrt(D)  # (B, nh, S, S)
+        index = torch.arange(S, device=q.device)
+        allowed = (index[None, :] <= index[:, None])[None]  # (1, S, S)
+        if getattr(self.core, "attention_mask", "causal") == "block_causal" and positions is not None:
+            doc = document_ids(index, positions.to(q.device)).expand(B, S)  # (B, S)
+            allowed = allowed & (doc[:, :, None] == doc[:, None, :])  # (B, S, S)
+        top = scores.masked_fill(~allowed[:, None], float("-inf")).amax(dim=(0, 2, 3))  # (nh,)
+        self.max_logit = top if self.max_logit is None else torch.maximum(self.max_logit, top)
 
 
 class FeedForward(nn.Module):

@@ -187,8 +187,28 @@ def _pp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
                  "forward+backward (async p2p)", "compute_s")  # fmt: skip
 
 
+def _muon_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
+    """optimizer=muon (``parallelisms/muon.py``), after the first step: one all_to_all over the world
+    group of the primaries' fp32 update pieces to their owners (each piece once: 1/replicas of what a
+    rank holds, on average), one of the owners' orthogonalised pieces back to every holder (what a
+    rank holds). Per rank the bytes follow the owners (balanced by Newton-Schulz FLOPs): the plan
+    is the mean. ZeRO-1 runs Muon inside each owner: no exchange (its broadcast re-replicates)."""
+    from trainer.planner.memory import muon_held
+
+    if c.dims.ddp_enabled and c.cfg.parallelism.ddp.sharded_optimizer:
+        return
+    held, replicas = muon_held(c, pp_rank)
+    world = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+    rows.add("Muon all_to_all (update pieces -> owners)", "all_to_all", "world", world, 1, 4 * held / replicas,
+             "none: in the optimizer step", "")  # fmt: skip
+    rows.add("Muon all_to_all (orthogonalised -> holders)", "all_to_all", "world", world, 1, 4 * held,
+             "none: in the optimizer step", "")  # fmt: skip
+
+
 def rank_collectives(c: PlanContext, pp_rank: int, comp: dict[str, float]) -> list[Collective]:
     rows = _Rows(c, comp)
+    if c.cfg.optimizer.name == "muon":
+        _muon_rows(rows, c, pp_rank)
     if c.dims.ddp_enabled:
         _ddp_rows(rows, c, pp_rank)
     if c.dims.fsdp_enabled:

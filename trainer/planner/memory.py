@@ -64,6 +64,32 @@ def activation_memory(c: PlanContext, layers: int, has_head: bool, pp_rank: int)
     return stored
 
 
+def muon_held(c: PlanContext, pp_rank: int) -> tuple[float, float]:
+    """(Muon elements this rank holds a piece of, replicas of each piece) under optimizer=muon:
+    FSDP shards them over dp_shard x cp (experts: over what is left of it after ep), TP and EP split
+    them; the pieces are identical across dp_replicate (and cp without FSDP)."""
+    dims = c.dims
+    group = c.group(pp_rank)
+    held = group.muon_local(dims.tp, dims.ep)
+    if dims.fsdp_enabled:
+        experts = group.muon_experts / dims.ep
+        held = (held - experts) / (dims.dp_shard * dims.cp) + experts / (dims.dp_shard * dims.cp // dims.ep)
+    replicas = dims.dp_replicate * (1 if dims.fsdp_enabled else dims.cp)
+    return held, replicas
+
+
+def _muon_optimizer_bytes(c: PlanContext, pp_rank: int, local: float, held: float) -> float:
+    """Muon's momentum (fp32, 4 B) only on the primary of each piece (``parallelisms/muon.py``), on
+    average 1/replicas of the held pieces; AdamW's two moments (8 B) for the rest, sharded like the
+    parameters (ZeRO-1: everything on its owner, 1/dp_replicate on average)."""
+    dims = c.dims
+    muon, replicas = muon_held(c, pp_rank)
+    if dims.ddp_enabled and c.cfg.parallelism.ddp.sharded_optimizer:
+        muon_all = c.group(pp_rank).muon_local(dims.tp, dims.ep)
+        return (4 * muon_all + ADAM_BYTES * (local - muon_all)) / dims.dp_replicate
+    return 4 * muon / replicas + ADAM_BYTES * (held - muon)
+
+
 def stage_memory_of(c: PlanContext, pp_rank: int) -> StageMemory:
     """Model states, activations and buffers of ``pp_rank``: parameters after TP (1/tp of the
     sharded kinds) and EP (1/ep of the experts); FSDP divides all by dp_shard x cp (experts: their
@@ -81,6 +107,8 @@ def stage_memory_of(c: PlanContext, pp_rank: int) -> StageMemory:
     buffers: dict[str, float] = {}
     if dims.ddp_enabled and p.ddp.sharded_optimizer:
         opt_b = ADAM_BYTES * local / dims.dp_replicate
+    if c.cfg.optimizer.name == "muon":
+        opt_b = _muon_optimizer_bytes(c, pp_rank, local, held)
     if dims.ddp_enabled and p.ddp.grad_dtype and DTYPE_BYTES[p.ddp.grad_dtype] != 4:
         buffers["ddp_wire_cast"] = min(local, p.ddp.bucket_mb * 1e6 / 4) * DTYPE_BYTES[p.ddp.grad_dtype]
     blocks = [b for st in stages for b in st.blocks]
