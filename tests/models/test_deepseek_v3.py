@@ -1,0 +1,109 @@
+"""The DeepSeek-V3 family against ``transformers``' own ``DeepseekV3ForCausalLM``, both ways.
+
+Random tiny models written by ``save_pretrained`` (per-expert tensors, ``e_score_correction_bias``,
+``rope_interleave``, YaRN in ``rope_parameters``): with and without ``q_lora_rank``, group-limited
+routing (4 groups, 2 kept), a first dense layer, shared experts, a random (non-zero) routing bias,
+YaRN with mscale == mscale_all_dim (DeepSeek-V3) and with mscale != mscale_all_dim (cos/sin scaled
+too), interleaved and rotate-half RoPE rows. They import with transformers' logits (whole-tensor
+reader and the sliced per-rank reader), and our exports load in transformers with our logits.
+Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import get_spec
+from models.errors import ConfigError
+from trainer.checkpoint.hf import load_hf_into, read_hf, save_hf
+
+transformers = pytest.importorskip("transformers", reason="transformers (the dev extra) is not installed")
+
+ATOL = 1e-5  # fp32 logits of |logits| ~ 1..3; measured <= 1e-6 (a few ulps)
+
+_SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+              num_experts_per_tok=3, n_group=4, topk_group=2, first_k_dense_replace=1, kv_lora_rank=16,
+              qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, max_position_embeddings=64,
+              routed_scaling_factor=2.5, initializer_range=0.15, attn_implementation="eager")  # fmt: skip
+_DEFAULT = {"rope_type": "default", "rope_theta": 10000.0}
+_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 8,
+         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip
+CASES = {
+    "no_q_lora": dict(q_lora_rank=None, rope_parameters=_DEFAULT),
+    "q_lora_yarn": dict(q_lora_rank=12, rope_parameters=_YARN),
+    "q_lora_rotate_half": dict(q_lora_rank=12, rope_parameters=_DEFAULT, rope_interleave=False),
+    "yarn_mscales_differ": dict(q_lora_rank=None, rope_parameters={**_YARN, "mscale": 0.707, "mscale_all_dim": 0.5},
+                                n_group=1, topk_group=1, norm_topk_prob=False),
+}  # fmt: skip
+
+
+def _hf_model(case: str) -> transformers.PreTrainedModel:
+    torch.manual_seed(len(case))
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**{**_SHAPE, **CASES[case]})).eval()
+    with torch.no_grad():  # norms and the routing bias away from their trivial initial values
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+        for module in model.modules():
+            if hasattr(module, "e_score_correction_bias"):
+                module.e_score_correction_bias.normal_(0, 0.05)
+    return model
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, str]:
+    out = {}
+    for case in CASES:
+        path = str(tmp_path_factory.mktemp(f"dsv3_{case}"))
+        _hf_model(case).save_pretrained(path)
+        out[case] = path
+    return out
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, _SHAPE["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(1))
+
+
+def test_import_matches_transformers_logits(folders) -> None:
+    errors = {}
+    for case, folder in folders.items():
+        hf_model = transformers.DeepseekV3ForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+        spec, args, state = read_hf(folder)
+        assert spec.family == "deepseek_v3" and args.q_lora_rank == CASES[case]["q_lora_rank"]
+        model = spec.build(args).eval()
+        model.load_state_dict(state)
+        sliced = spec.build(args).eval()  # the per-rank sliced reader (rows permuted in the file)
+        load_hf_into(sliced, folder, spec, args)
+        tokens = _tokens()
+        with torch.no_grad():
+            ref = hf_model(tokens).logits
+            errors[case] = max((model(tokens) - ref).abs().max().item(), (sliced(tokens) - ref).abs().max().item())
+        assert ref.abs().max() > 0.5, "logits too small to test anything"
+    print(f"\nHF -> meshwright max |logit error| per case: {errors}")
+    assert max(errors.values()) <= ATOL
+
+
+def test_export_loads_in_transformers(tmp_path) -> None:
+    spec = get_spec("deepseek_v3")
+    errors = {}
+    for case in ("no_q_lora", "q_lora_yarn"):
+        hf_cfg = _hf_model(case).config.to_dict()
+        args = spec.make_args({**spec.hf.args_from_hf_config(hf_cfg), "init_std": 0.15})
+        model = spec.build(args).eval()
+        model.init_weights(seed=3)
+        with torch.no_grad():
+            for _, moe in spec.moe_layers(model):
+                moe.expert_bias.normal_(0, 0.05, generator=torch.Generator().manual_seed(5))
+        out = str(tmp_path / case)
+        save_hf(model.state_dict(), spec, args, out)
+        hf_model = transformers.DeepseekV3ForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+        tokens = _tokens()
+        with torch.no_grad():
+            errors[case] = (hf_model(tokens).logits - model(tokens)).abs().max().item()
+    print(f"\nmeshwright -> HF max |logit error| per case: {errors}")
+    assert max(errors.values()) <= ATOL
+    mtp_args = spec.make_args({**spec.hf.args_from_hf_config(hf_cfg), "mtp_depth": 1})
+    with pytest.raises(ConfigError, match="mtp_depth=1"):
+        spec.hf.to_hf_config(mtp_args, bos_id=None, eos_id=None, dtype="float32")
