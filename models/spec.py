@@ -18,7 +18,8 @@ class, so a new family plugs in without touching any strategy:
 - optional features, declared here rather than probed on the args: ``moe_layers`` /
   ``expert_modules`` (a mixture-of-experts family's routed layers and stacked experts, for expert
   parallel, FSDP and the planner; ``has_experts`` / ``num_experts(args)``), ``ties_embeddings(args)``
-  and ``attention_mask(args)`` (both with the dense, untied, causal answer as the default).
+  and ``attention_mask(args)`` (both with the dense, untied, causal answer as the default), and
+  ``mtp_depth(args)`` (multi-token-prediction modules, 0 by default; DeepSeek-V3).
 """
 
 from __future__ import annotations
@@ -87,6 +88,10 @@ def _causal(_args: Any) -> str:
     return "causal"
 
 
+def _no_mtp(_args: Any) -> int:
+    return 0
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A model family, as the rest of the stack sees it (see the module docstring)."""
@@ -106,6 +111,7 @@ class ModelSpec:
     expert_modules: Optional[Callable[[nn.Module], list[nn.Module]]] = None
     ties_embeddings: Callable[[Any], bool] = _untied
     attention_mask: Callable[[Any], str] = _causal
+    mtp_depth: Callable[[Any], int] = _no_mtp  # multi-token-prediction modules (0: none)
 
     @property
     def has_experts(self) -> bool:

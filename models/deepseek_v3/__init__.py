@@ -14,6 +14,7 @@ from models.deepseek_v3.model import (
     DeepSeekV3Transformer,
     MLAttention,
     flops_per_token,
+    mtp_depth,
     param_counts,
     tp_divisible,
 )
@@ -36,4 +37,5 @@ DEEPSEEK_V3_SPEC = ModelSpec(
     expert_modules=expert_modules,
     ties_embeddings=ties_embeddings,
     attention_mask=attention_mask,
+    mtp_depth=mtp_depth,
 )

@@ -49,6 +49,7 @@ per forward (``mtp_records``) for the trainer to log as ``mtp_loss``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -73,6 +74,7 @@ __all__ = [
     "MLAttention",
     "MTPModule",
     "flops_per_token",
+    "mtp_depth",
     "param_counts",
     "tp_divisible",
 ]
@@ -224,14 +226,18 @@ class DeepSeekV3Block(MoEBlock):
 
 
 class MTPModule(nn.Module):
-    """One multi-token-prediction depth: ``block(proj([hnorm(h); enorm(emb)]))`` (DeepSeek-V3 eq. 21-22)."""
+    """One multi-token-prediction depth: ``block(proj([hnorm(h); enorm(emb)]))`` (DeepSeek-V3 eq. 21-22).
+
+    Its block is MLA + a DENSE SwiGLU (``ffn_hidden_dim``), not an MoE layer as in DeepSeek-V3's
+    released MTP layer: the module then holds only dense parameters, which every data-parallel layout
+    (FSDP, DDP, ZeRO-1, EP's dense part) handles as the rest of the root module."""
 
     def __init__(self, layer_id: int, args: DeepSeekV3Args) -> None:
         super().__init__()
         self.enorm = RMSNorm(args.dim, eps=args.norm_eps)
         self.hnorm = RMSNorm(args.dim, eps=args.norm_eps)
         self.proj = nn.Linear(2 * args.dim, args.dim, bias=False)
-        self.block = DeepSeekV3Block(layer_id, args)
+        self.block = DeepSeekV3Block(layer_id, dataclasses.replace(args, first_k_dense=layer_id + 1))
 
     def init_weights(self, init: ParamInit, prefix: str, init_std: float) -> None:
         self.enorm.init_weights(init, f"{prefix}.enorm")
@@ -292,16 +298,15 @@ class DeepSeekV3Transformer(MoETransformer):
         h = emb
         for layer in self.layers.values():
             h = layer(h, rope_cache=self.rope_cache, positions=positions)  # (B, S, H)
-        logits = self.output(self.norm(h))  # (B, S, V)
-        if not torch.is_grad_enabled():
-            return logits
-        mtp_loss = self.mtp_loss(tokens, emb, h, positions)  # (D,)
-        if not _recomputing():
-            self.mtp_records.append(mtp_loss.detach())
-        weight = self.args.mtp_loss_weight / self.args.mtp_depth
-        if self.mtp_grad_scale is not None:
-            weight = weight * self.mtp_grad_scale * tokens.numel()  # as the MoE aux loss: per-token weight
-        return AddAuxGrad.apply(logits, mtp_loss.sum() * weight)
+        if torch.is_grad_enabled():
+            mtp_loss = self.mtp_loss(tokens, emb, h, positions)  # (D,)
+            if not _recomputing():
+                self.mtp_records.append(mtp_loss.detach())
+            weight = self.args.mtp_loss_weight / self.args.mtp_depth
+            if self.mtp_grad_scale is not None:
+                weight = weight * self.mtp_grad_scale * tokens.numel()  # as the MoE aux loss: per-token weight
+            h = AddAuxGrad.apply(h, mtp_loss.sum() * weight)  # h unchanged; backward adds d(MTP loss)
+        return self.output(self.norm(h))  # (B, S, V)
 
     def mtp_loss(self, tokens: Tensor, emb: Tensor, h: Tensor, positions: Optional[Tensor]) -> Tensor:
         """(D,) mean cross-entropy of each MTP depth k: positions i < S-k-1 predict token i+k+1."""
@@ -358,10 +363,9 @@ def param_counts(args: DeepSeekV3Args) -> ParamCounts:
     for i in range(args.n_layers):
         t, a = _layer_params(args, args.is_moe_layer(i))
         total, active = total + t, active + a
-    t, a = _layer_params(args, args.is_moe_layer(args.n_layers))
-    mtp = 2 * args.dim + 2 * args.dim * args.dim
-    total += args.mtp_depth * (mtp + t)
-    active += args.mtp_depth * (mtp + a)
+    mtp = 2 * args.dim + 2 * args.dim * args.dim + _layer_params(args, moe=False)[0]  # dense block
+    total += args.mtp_depth * mtp
+    active += args.mtp_depth * mtp
     return ParamCounts(total=total, active=active, embedding=embedding)
 
 
@@ -376,9 +380,14 @@ def flops_per_token(args: DeepSeekV3Args, seq_len: int) -> int:
     return 6 * n_matmul + attention
 
 
+def mtp_depth(args: DeepSeekV3Args) -> int:
+    """Multi-token-prediction modules (``ModelSpec.mtp_depth``)."""
+    return args.mtp_depth
+
+
 def tp_divisible(args: DeepSeekV3Args) -> dict[str, int]:
     sizes = {"model.n_heads": args.n_heads, "model.vocab_size": args.vocab_size}
-    if args.first_k_dense:
+    if args.first_k_dense or args.mtp_depth:
         sizes["model FFN hidden size"] = args.hidden_dim
     return sizes
 

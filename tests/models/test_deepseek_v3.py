@@ -107,3 +107,36 @@ def test_export_loads_in_transformers(tmp_path) -> None:
     mtp_args = spec.make_args({**spec.hf.args_from_hf_config(hf_cfg), "mtp_depth": 1})
     with pytest.raises(ConfigError, match="mtp_depth=1"):
         spec.hf.to_hf_config(mtp_args, bos_id=None, eos_id=None, dtype="float32")
+
+
+# -- presets: parameter counts vs the published ones -----------------------------------------------
+
+# (total, active) as published. "Active" is counted as the labs do: every parameter a token's forward
+# multiplies by (output head included), not the input-embedding lookup.
+PUBLISHED = {
+    "deepseek_v2_lite": (15.7e9, 2.4e9),
+    "deepseek_v3": (671e9, 37e9),
+    "kimi_k2": (1.04e12, 32e9),
+}
+# DeepSeek-V2-Lite's "2.4B" is 2.45B by every convention that gives the others within 1% (the paper
+# rounds down): 2.2% off, so its active bound is 2.5%; every other bound is 2%.
+ACTIVE_RTOL = {"deepseek_v2_lite": 0.025}
+
+
+def test_preset_parameter_counts_match_published() -> None:
+    from tests.configs import make_config
+
+    spec = get_spec("deepseek_v3")
+    for name, (total, active) in PUBLISHED.items():
+        args = make_config(f"model={name}").model
+        with torch.device("meta"):
+            model = spec.build(args)
+        n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+        counts = spec.param_counts(args)
+        assert n == counts.total  # the analytic count is the built model's
+        matmul_active = counts.active - counts.embedding
+        print(f"\n{name}: total {n / 1e9:.2f}B (published {total / 1e9:g}B, {n / total - 1:+.2%}), active "
+              f"{matmul_active / 1e9:.2f}B (published {active / 1e9:g}B, {matmul_active / active - 1:+.2%}; "
+              f"{counts.active / 1e9:.2f}B with the embedding lookup)")  # fmt: skip
+        assert abs(n / total - 1) < 0.02
+        assert abs(matmul_active / active - 1) < ACTIVE_RTOL.get(name, 0.02)
