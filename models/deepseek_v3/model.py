@@ -174,6 +174,9 @@ class MLAttention(nn.Module):
         self.kv_norm = RMSNorm(self.kv_rank, eps=LATENT_NORM_EPS)
         self.wkv_b = nn.Linear(self.kv_rank, args.n_heads * (self.nope_dim + self.v_dim), bias=False)
         self.wo = nn.Linear(args.n_heads * self.v_dim, args.dim, bias=False)
+        # The point where the one rotated RoPE key meets every head: a pass-through, named so that
+        # tensor parallel can sum its gradient over the ranks' heads (TP_PLAN "sum_grad").
+        self.rope_key = nn.Identity()
         self.q_scale = yarn_softmax_scale(args.rope_scaling)
         self.core = core if core is not None else LatentAttentionCore(args.attention_mask)
 
@@ -210,6 +213,7 @@ class MLAttention(nn.Module):
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
         c, k_rope = self.wkv_a(x).split([self.kv_rank, self.rope_dim], dim=-1)  # (B, S, C), (B, S, R)
         q_rope, k_rope = apply_rotary_emb(q_rope, k_rope.unsqueeze(2), rope)  # (B, S, nh, R), (B, S, 1, R)
+        k_rope = self.rope_key(k_rope)
         q = torch.cat([q_nope, q_rope], dim=-1)  # (B, S, nh, Dqk)
         if self.q_scale != 1.0:
             q = q * self.q_scale
@@ -394,8 +398,10 @@ def tp_divisible(args: DeepSeekV3Args) -> dict[str, int]:
 
 # MLA under tensor parallel: heads split (wq / wq_b / wkv_b column-wise, wo row-wise); the low-rank
 # down-projections wq_a / wkv_a and the latent norms are replicated and run on the gathered sequence
-# (the block input is gathered once, "gather_input"); their gradients are complete on every rank, so
-# replication costs no collective of its own. MoE and dense FFN layers as in the MoE family.
+# (the block input is gathered once, "gather_input"). The up-projections' input gradients come back as
+# partial sums over the ranks' heads and are all-reduced by the column-wise styles; the shared RoPE key
+# feeds every rank's heads directly, so its gradient is all-reduced at ``rope_key`` ("sum_grad": one
+# (B, S, R) all-reduce per layer in backward). MoE and dense FFN layers as in the MoE family.
 TP_PLAN: dict[str, str] = {
     **{k: v for k, v in MOE_TP_PLAN.items() if not k.startswith("layers.*.attention.")},
     "layers.*.attention.wq": "colwise",
@@ -405,5 +411,6 @@ TP_PLAN: dict[str, str] = {
     "layers.*.attention.wkv_a": "replicate",
     "layers.*.attention.kv_norm": "replicate",
     "layers.*.attention.wkv_b": "colwise",
+    "layers.*.attention.rope_key": "sum_grad",
     "layers.*.attention.wo": "rowwise",
 }
