@@ -225,3 +225,50 @@ def test_mtp_adds_its_weighted_loss_to_the_gradient_only() -> None:
     assert all(got[n].abs().sum() > 0 for n in got if n.startswith("mtp."))
     print(f"\nMTP gradient vs explicit LM + 0.5 * mean MTP objective: max relative difference {worst:.1e}")
     assert worst < 1e-5
+
+
+# -- the debug preset trains from ./launch.sh; MTP layouts it cannot run are refused -------------------
+
+
+@pytest.mark.slow
+def test_debug_preset_trains_from_launch_sh(tmp_path) -> None:
+    """./launch.sh +experiment=deepseek_v3_debug (2 CPU ranks: FSDP, experts over ep=2, one MTP module) on the
+    built-in corpus: the next-token loss falls, and mtp_loss (logged apart) falls too."""
+    import json
+    import os
+    import subprocess
+
+    from tests.configs import REPO
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", NPROC="2")
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(key, None)
+    dump = tmp_path / "run"
+    proc = subprocess.run(
+        ["./launch.sh", "+experiment=deepseek_v3_debug", "training.steps=12", "training.seq_len=128",
+         "training.global_batch_size=8", "lr_scheduler.warmup_steps=3", "metrics.log_freq=4",
+         "training.eval_freq=12", "training.eval_steps=1", "data.max_documents=300", "metrics.tensorboard=false",
+         f"job.dump_folder={dump}"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    train = [r for r in map(json.loads, (dump / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    losses, mtp = [r["loss"] for r in train], [r["mtp_loss"] for r in train]
+    print(f"\ndeepseek_v3_debug via ./launch.sh: loss {losses}, mtp_loss {mtp}")
+    assert [r["step"] for r in train] == [1, 4, 8, 12]
+    assert losses[-1] < losses[0] - 1.0 and mtp[-1] < mtp[0] - 1.0
+    assert all(r["aux_loss"] is not None and r["moe_imbalance_max"] >= 1 for r in train)
+
+
+@pytest.mark.parametrize("axis", ["pp", "cp", "tp"])
+def test_mtp_with_a_layout_it_cannot_run_is_refused(axis: str) -> None:
+    from parallelisms.validate import validated_dims
+    from tests.configs import make_config
+
+    cfg = make_config("+experiment=deepseek_v3_debug", "parallelism.ep=1", f"parallelism.{axis}=2",
+                      "parallelism.dp_shard=1")  # fmt: skip
+    t = cfg.training
+    with pytest.raises(ConfigError, match=f"model.mtp_depth=1 with parallelism.{axis}=2"):
+        validated_dims(cfg.parallelism, 2, spec=get_spec("deepseek_v3"), model_args=cfg.model, seq_len=t.seq_len,
+                       global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size, compile=False,
+                       device_type="cpu")  # fmt: skip
