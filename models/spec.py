@@ -19,7 +19,8 @@ class, so a new family plugs in without touching any strategy:
   ``expert_modules`` (a mixture-of-experts family's routed layers and stacked experts, for expert
   parallel, FSDP and the planner; ``has_experts`` / ``num_experts(args)``), ``ties_embeddings(args)``
   and ``attention_mask(args)`` (both with the dense, untied, causal answer as the default), and
-  ``mtp_depth(args)`` (multi-token-prediction modules, 0 by default; DeepSeek-V3).
+  ``mtp_depth(args)`` (multi-token-prediction modules, 0 by default; DeepSeek-V3), and
+  ``attention_comm(args)`` (what attention moves under CP / TP beyond the plan's kinds, for the planner).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any, Optional, Protocol
 import torch
 from torch import nn
 
-__all__ = ["HFAdapter", "ModelArgs", "ModelSpec", "ParamCounts"]
+__all__ = ["AttentionComm", "HFAdapter", "ModelArgs", "ModelSpec", "ParamCounts"]
 
 
 @dataclass
@@ -93,6 +94,27 @@ def _no_mtp(_args: Any) -> int:
 
 
 @dataclass(frozen=True)
+class AttentionComm:
+    """What an attention layer communicates beyond the TP plan's kinds (for the planner).
+
+    ``cp_gather_dim``: numbers per token all-gathered over cp (Llama: K and V of the kv heads, 2 x
+    n_kv_heads x head_dim; MLA: the latent, kv_lora_rank + qk_rope_head_dim). ``tp_entry_partial``:
+    whether the gradient of the attention input comes back as partial sums over tp (a column-wise
+    projection reads it directly: reduce-scatter under SP, all-reduce without), or complete (only
+    replicated modules read it: a local slice). ``tp_backward_all_reduce_dim``: numbers per token
+    all-reduced over tp in backward inside the attention (MLA: the latents fed to the column-wise
+    up-projections and the shared RoPE key)."""
+
+    cp_gather_dim: int
+    tp_entry_partial: bool = True
+    tp_backward_all_reduce_dim: int = 0
+
+
+def _gqa_comm(args: Any) -> AttentionComm:
+    return AttentionComm(cp_gather_dim=2 * args.kv_heads * args.head_dim)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """A model family, as the rest of the stack sees it (see the module docstring)."""
 
@@ -112,6 +134,7 @@ class ModelSpec:
     ties_embeddings: Callable[[Any], bool] = _untied
     attention_mask: Callable[[Any], str] = _causal
     mtp_depth: Callable[[Any], int] = _no_mtp  # multi-token-prediction modules (0: none)
+    attention_comm: Callable[[Any], AttentionComm] = _gqa_comm  # the planner's view of attention traffic
 
     @property
     def has_experts(self) -> bool:

@@ -11,6 +11,7 @@ from models.deepseek_v3.hf import DeepSeekV3HF
 from models.deepseek_v3.model import (
     TP_PLAN,
     DeepSeekV3Args,
+    attention_comm,
     DeepSeekV3Transformer,
     MLAttention,
     flops_per_token,
@@ -38,4 +39,6 @@ DEEPSEEK_V3_SPEC = ModelSpec(
     ties_embeddings=ties_embeddings,
     attention_mask=attention_mask,
     mtp_depth=mtp_depth,
+    attention_comm=attention_comm,
+    last_modules=("norm", "output", "mtp"),  # MTP modules share the final norm and the head
 )

@@ -52,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -64,11 +65,12 @@ from models.errors import ConfigError
 from models.llama.model import _positive_int, rope_rows
 from models.moe.model import AddAuxGrad, MoEArgs, MoEBlock, MoETransformer, _recomputing
 from models.moe.model import TP_PLAN as MOE_TP_PLAN
-from models.spec import ParamCounts
+from models.spec import AttentionComm, ParamCounts
 
 __all__ = [
     "TP_PLAN",
     "DeepSeekV3Args",
+    "attention_comm",
     "DeepSeekV3Block",
     "DeepSeekV3Transformer",
     "MLAttention",
@@ -254,14 +256,35 @@ class MTPModule(nn.Module):
         return self.block(x, rope_cache=rope_cache, positions=positions)  # (B, S', H)
 
 
+class MTPModules(nn.ModuleDict):
+    """The D MTP modules (keys "0".."D-1"); calling it runs them all, so a wrapper that hooks module calls
+    (FSDP: the MTP modules share a unit with the final norm and the head) sees one call."""
+
+    def forward(
+        self, tokens: Tensor, emb: Tensor, h: Tensor, *, rope_cache: Tensor, positions: Optional[Tensor],
+        head: Callable[[Tensor], Tensor],
+    ) -> Tensor:  # fmt: skip
+        """(D,) mean cross-entropy of each depth k: positions i < S-k-1 predict token i+k+1 from the
+        previous depth's hidden state at i and the embedding of token i+k; ``head`` = final norm + output."""
+        S = tokens.shape[1]
+        losses = []
+        for k, module in enumerate(self.values(), start=1):
+            n = S - k  # positions whose input token i+k exists
+            pos = positions[..., :n] if positions is not None else None
+            h = module(h[:, :n], emb[:, k:], rope_cache=rope_cache, positions=pos)  # (B, n, H)
+            logits = head(h[:, : n - 1])  # (B, n-1, V): the last position has no target
+            losses.append(F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, k + 1 :].flatten()))
+        return torch.stack(losses)
+
+
 class DeepSeekV3Transformer(MoETransformer):
     """The MoE decoder with MLA blocks and optional MTP modules (pipeline-stage friendly: the MTP
     modules need the embedding, the final norm and the head, so they run only where all are present)."""
 
     def __init__(self, args: DeepSeekV3Args) -> None:
         super().__init__(args)
-        self.mtp: Optional[nn.ModuleDict] = (
-            nn.ModuleDict({str(k): MTPModule(args.n_layers + k, args) for k in range(args.mtp_depth)})
+        self.mtp: Optional[MTPModules] = (
+            MTPModules({str(k): MTPModule(args.n_layers + k, args) for k in range(args.mtp_depth)})
             if args.mtp_depth
             else None
         )
@@ -303,7 +326,8 @@ class DeepSeekV3Transformer(MoETransformer):
         for layer in self.layers.values():
             h = layer(h, rope_cache=self.rope_cache, positions=positions)  # (B, S, H)
         if torch.is_grad_enabled():
-            mtp_loss = self.mtp_loss(tokens, emb, h, positions)  # (D,)
+            mtp_loss = self.mtp(tokens, emb, h, rope_cache=self.rope_cache, positions=positions,
+                                head=lambda x: self.output(self.norm(x)))  # (D,)  # fmt: skip
             if not _recomputing():
                 self.mtp_records.append(mtp_loss.detach())
             weight = self.args.mtp_loss_weight / self.args.mtp_depth
@@ -311,19 +335,6 @@ class DeepSeekV3Transformer(MoETransformer):
                 weight = weight * self.mtp_grad_scale * tokens.numel()  # as the MoE aux loss: per-token weight
             h = AddAuxGrad.apply(h, mtp_loss.sum() * weight)  # h unchanged; backward adds d(MTP loss)
         return self.output(self.norm(h))  # (B, S, V)
-
-    def mtp_loss(self, tokens: Tensor, emb: Tensor, h: Tensor, positions: Optional[Tensor]) -> Tensor:
-        """(D,) mean cross-entropy of each MTP depth k: positions i < S-k-1 predict token i+k+1."""
-        S = tokens.shape[1]
-        losses = []
-        for k, module in enumerate(self.mtp.values(), start=1):
-            n = S - k  # positions whose input token i+k exists
-            pos = positions[..., :n] if positions is not None else None
-            h = module(h[:, :n], emb[:, k:], rope_cache=self.rope_cache, positions=pos)  # (B, n, H)
-            logits = self.output(self.norm(h[:, : n - 1]))  # (B, n-1, V): the last has no target
-            target = tokens[:, k + 1 :]  # (B, n-1)
-            losses.append(F.cross_entropy(logits.flatten(0, 1).float(), target.flatten()))
-        return torch.stack(losses)
 
     def reset_mtp_stats(self) -> None:
         """Forget the recorded MTP losses (start of an optimizer step)."""
@@ -387,6 +398,18 @@ def flops_per_token(args: DeepSeekV3Args, seq_len: int) -> int:
 def mtp_depth(args: DeepSeekV3Args) -> int:
     """Multi-token-prediction modules (``ModelSpec.mtp_depth``)."""
     return args.mtp_depth
+
+
+def attention_comm(args: DeepSeekV3Args) -> AttentionComm:
+    """MLA's traffic: CP gathers the latent; under TP the input gradient is complete when only the
+    replicated down-projections read it (q_lora_rank set), and backward all-reduces the inputs of the
+    column-wise up-projections (query latent, KV latent) and the shared RoPE key."""
+    q_latent = args.q_lora_rank or 0
+    return AttentionComm(
+        cp_gather_dim=args.kv_lora_rank + args.qk_rope_head_dim,
+        tp_entry_partial=args.q_lora_rank is None,
+        tp_backward_all_reduce_dim=q_latent + args.kv_lora_rank + args.qk_rope_head_dim,
+    )
 
 
 def tp_divisible(args: DeepSeekV3Args) -> dict[str, int]:

@@ -116,13 +116,15 @@ def _tp_counts(c: PlanContext, pp_rank: int) -> dict[str, float]:
             elif kind in ("rowwise", "embedding"):
                 counts["reduce_scatter" if sp else "all_reduce"] += repeat
                 counts["all_gather"] += 1 if sp else 0
-            elif kind == "moe_io" and sp:
-                counts["all_gather"] += repeat + 1
-                counts["reduce_scatter"] += 1
+            elif kind == "moe_io" and sp:  # gather fwd, gather the output's gradient bwd; the
+                counts["all_gather"] += repeat + 1  # input's gradient is complete: a slice
 
+    attn = c.spec.attention_comm(c.cfg.model)
     for st in c.ranks[pp_rank]:
         for b in st.blocks:
             count(c.table.block_kinds[b], fwd_repeat)
+            if not attn.tp_entry_partial:  # the attention's gather_input gets its gradient back complete
+                counts["reduce_scatter" if sp else "all_reduce"] -= 1
         count(c.table.first_kinds if st.first else [], 1)
         count(c.table.last_kinds if st.last else [], 1)
     return counts
@@ -134,6 +136,11 @@ def _tp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
     overlap = ("matmuls (async TP)", "compute_s") if p.async_tp else ("none: critical path", "")
     for op, calls in _tp_counts(c, pp_rank).items():
         rows.add(f"TP {op} (block activations)", op, "tp", ("tp",), calls * c.accum, size, *overlap)
+    extra = c.spec.attention_comm(args).tp_backward_all_reduce_dim
+    blocks = sum(len(st.blocks) for st in c.ranks[pp_rank])
+    if extra and blocks:  # MLA: latents into the column-wise up-projections, the shared RoPE key
+        rows.add("TP all_reduce (attention latents, bwd)", "all_reduce", "tp", ("tp",), blocks * c.accum,
+                 c.micro_tokens * extra * c.act_bytes, "none: critical path", "")  # fmt: skip
     last = any(st.last for st in c.ranks[pp_rank])
     if last and not p.loss_parallel:  # replicated logits: the head's output is gathered over the vocab
         rows.add("TP all_gather (logits)", "all_gather", "tp", ("tp",), c.accum,
@@ -155,11 +162,12 @@ def _cp_ep_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
     blocks = [b for st in c.ranks[pp_rank] for b in st.blocks]
     fwd_repeat = 2 if c.recompute else 1
     if dims.cp > 1:
-        kv = c.micro_tokens * dims.cp * 2 * args.kv_heads * args.head_dim * c.act_bytes  # (b, S, 2 kv_dim)
+        # (b, S, 2 kv_dim) of K and V; MLA: (b, S, C + R) of latents
+        kv = c.micro_tokens * dims.cp * c.spec.attention_comm(args).cp_gather_dim * c.act_bytes
         ring = p.cp_impl == "ring"
         overlap = ("attention (ring)", "compute_s") if ring else ("none: critical path", "")
-        rows.add("CP all_gather (K, V)", "all_gather", "cp", ("cp",), fwd_repeat * len(blocks) * c.accum, kv, *overlap)
-        rows.add("CP reduce_scatter (dK, dV)", "reduce_scatter", "cp", ("cp",), len(blocks) * c.accum, kv, *overlap)
+        rows.add("CP all_gather (K, V or latents)", "all_gather", "cp", ("cp",), fwd_repeat * len(blocks) * c.accum, kv, *overlap)
+        rows.add("CP reduce_scatter (dK, dV or d latents)", "reduce_scatter", "cp", ("cp",), len(blocks) * c.accum, kv, *overlap)
     moe = [b for b in blocks if b in c.table.moe_layers]
     if dims.ep > 1 and moe:
         routed = c.micro_tokens * args.top_k * args.dim * c.act_bytes  # this rank's token copies (mean)
