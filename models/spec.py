@@ -108,6 +108,10 @@ class AttentionComm:
     cp_gather_dim: int
     tp_entry_partial: bool = True
     tp_backward_all_reduce_dim: int = 0
+    # Saved-activation numbers per token of the attention's projections, when they differ from
+    # Llama's (q, k, v and the output projection's input, H each): (split by tp: per-head tensors,
+    # not split: latents computed on the whole sequence by replicated modules); None = Llama's.
+    saved: Optional[tuple[int, int]] = None
 
 
 def _gqa_comm(args: Any) -> AttentionComm:

@@ -409,6 +409,12 @@ def attention_comm(args: DeepSeekV3Args) -> AttentionComm:
         cp_gather_dim=args.kv_lora_rank + args.qk_rope_head_dim,
         tp_entry_partial=args.q_lora_rank is None,
         tp_backward_all_reduce_dim=q_latent + args.kv_lora_rank + args.qk_rope_head_dim,
+        # per head: q and k (Dqk), v and the output projection's input (Dv); latents: the query latent
+        # before and after its norm, [c | k_rope] from wkv_a and c after kv_norm
+        saved=(
+            args.n_heads * 2 * (args.qk_head_dim + args.v_head_dim),
+            2 * q_latent + 2 * args.kv_lora_rank + args.qk_rope_head_dim,
+        ),
     )
 
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from trainer.planner.cluster import GIB, ClusterConfig, pp_bubble
 from trainer.planner.comm import rank_collectives
 from trainer.planner.context import Collective, Plan, PlanContext, build_context, strategy_of
-from trainer.planner.memory import activation_bytes_per_token_layer, stage_memory_of
+from trainer.planner.memory import layer_activation_bytes, stage_memory_of
 
 if TYPE_CHECKING:
     from trainer.config import TrainConfig
@@ -71,8 +71,7 @@ def build_plan(cfg: TrainConfig, cluster: ClusterConfig, experiment: str = "") -
     args = cfg.model
     tp, sp = c.tp_sp
     per_tok = {
-        "no_ac": activation_bytes_per_token_layer(args.dim, args.n_heads, args.kv_heads, tp=tp,
-                                                  sequence_parallel=sp, act_bytes=c.act_bytes),
+        "no_ac": layer_activation_bytes(c.spec, args, tp=tp, sequence_parallel=sp, act_bytes=c.act_bytes),
         "full_ac": 2 * args.dim * c.act_bytes / 2 / (tp if sp else 1),
     }  # fmt: skip
     d = c.dims
