@@ -85,6 +85,24 @@ def test_import_matches_transformers_logits(folders) -> None:
     assert max(errors.values()) <= ATOL
 
 
+def test_sliced_reads_of_permuted_rows_match_the_full_tensor(folders) -> None:
+    """A rank's slice (e.g. its tensor-parallel rows) of a RoPE-permuted tensor, read from the file, is the
+    same slice of the fully read and permuted tensor."""
+    from trainer.checkpoint.hf import _SliceReader, _weight_files
+
+    folder = folders["q_lora_yarn"]
+    spec, args, state = read_hf(folder)
+    reader = _SliceReader(_weight_files(folder))
+    try:
+        for name in ("layers.1.attention.wq_b.weight", "layers.2.attention.wkv_a.weight"):
+            rows = state[name].shape[0]
+            for lo, hi in ((0, rows // 2), (rows // 2, rows), (3, rows - 5)):
+                index = (slice(lo, hi), slice(0, state[name].shape[1]))
+                assert torch.equal(spec.hf.read_slice(name, index, reader, args), state[name][lo:hi]), (name, lo, hi)
+    finally:
+        reader.close()
+
+
 def test_export_loads_in_transformers(tmp_path) -> None:
     spec = get_spec("deepseek_v3")
     errors = {}
