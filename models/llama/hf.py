@@ -4,6 +4,7 @@ tensor-name tables, RoPE scaling in HF's spelling)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any, Optional
 
@@ -100,7 +101,7 @@ def rope_scaling_from_hf(cfg: dict[str, Any]) -> tuple[float, dict[str, Any]]:
                 rope.get("original_max_position_embeddings") or cfg["max_position_embeddings"]
             ),
         )
-    return theta, out
+    return theta, dataclasses.asdict(RopeScaling(**out))  # every field, unset ones at their defaults
 
 
 def decoder_hf_config(
