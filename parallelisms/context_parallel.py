@@ -40,7 +40,14 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from models.attention import AttentionCore, LatentAttentionCore, MaskCache, MaskSpec, attend, compiled_flex_attention
+from models.attention import (
+    AttentionCore,
+    LatentAttentionCore,
+    MaskCache,
+    MaskSpec,
+    attend,
+    compiled_flex_attention,
+)
 from models.errors import ConfigError
 
 __all__ = [

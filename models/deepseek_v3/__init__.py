@@ -11,9 +11,9 @@ from models.deepseek_v3.hf import DeepSeekV3HF
 from models.deepseek_v3.model import (
     TP_PLAN,
     DeepSeekV3Args,
-    attention_comm,
     DeepSeekV3Transformer,
     MLAttention,
+    attention_comm,
     flops_per_token,
     mtp_depth,
     param_counts,

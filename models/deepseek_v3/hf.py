@@ -97,14 +97,21 @@ class DeepSeekV3HF:
         if args.mtp_depth:
             problems.append(f"mtp_depth={args.mtp_depth} (transformers has no MTP modules)")
         if problems:
-            raise ConfigError(f"the model cannot be written as Hugging Face deepseek_v3: {'; '.join(problems)}.")
+            raise ConfigError(
+                f"the model cannot be written as Hugging Face deepseek_v3: {'; '.join(problems)}."
+            )
 
     def to_hf_config(
         self, args: DeepSeekV3Args, *, bos_id: Optional[int], eos_id: Optional[int], dtype: str
     ) -> dict:
         self.check_exportable(args)
         cfg = decoder_hf_config(
-            args, architecture=self.architecture, model_type=self.model_type, bos_id=bos_id, eos_id=eos_id, dtype=dtype
+            args,
+            architecture=self.architecture,
+            model_type=self.model_type,
+            bos_id=bos_id,
+            eos_id=eos_id,
+            dtype=dtype,
         )
         cfg.update(
             num_key_value_heads=args.n_heads, head_dim=args.qk_rope_head_dim, intermediate_size=args.hidden_dim,
@@ -127,7 +134,9 @@ class DeepSeekV3HF:
         if cfg.get("attention_bias"):
             raise ConfigError("config.json has attention_bias=true; meshwright's MLA has no biases.")
         if cfg.get("hidden_act", "silu") != "silu":
-            raise ConfigError(f"config.json has hidden_act={cfg['hidden_act']!r}; meshwright's FFNs are SwiGLU.")
+            raise ConfigError(
+                f"config.json has hidden_act={cfg['hidden_act']!r}; meshwright's FFNs are SwiGLU."
+            )
         top_k, norm = cfg["num_experts_per_tok"], bool(cfg.get("norm_topk_prob", True))
         if top_k == 1 and norm:
             raise ConfigError(

@@ -51,8 +51,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -63,8 +63,8 @@ from models.attention import LatentAttentionCore
 from models.common import ParamInit, RMSNorm, apply_rotary_emb, yarn_softmax_scale
 from models.errors import ConfigError
 from models.llama.model import _positive_int, rope_rows
-from models.moe.model import AddAuxGrad, MoEArgs, MoEBlock, MoETransformer, _recomputing
 from models.moe.model import TP_PLAN as MOE_TP_PLAN
+from models.moe.model import AddAuxGrad, MoEArgs, MoEBlock, MoETransformer, _recomputing
 from models.spec import AttentionComm, ParamCounts
 
 __all__ = [
@@ -111,7 +111,9 @@ class DeepSeekV3Args(MoEArgs):
     aux_loss_type: str = "sequence"
     mtp_depth: int = 0  # multi-token prediction modules D (0 = off)
     mtp_loss_weight: float = 0.3  # lambda: weight of the mean MTP loss in the objective
-    hf_rope_interleave: bool = True  # RoPE row layout of this model's Hugging Face files (DeepSeek's: interleaved)
+    hf_rope_interleave: bool = (
+        True  # RoPE row layout of this model's Hugging Face files (DeepSeek's: interleaved)
+    )
 
     def validate(self) -> None:
         """Raise ``ConfigError`` naming the bad value and the fix; return None when consistent."""
@@ -131,7 +133,9 @@ class DeepSeekV3Args(MoEArgs):
                 "qk_rope_head_dim, v_head_dim."
             )
         if isinstance(self.mtp_depth, bool) or not isinstance(self.mtp_depth, int) or self.mtp_depth < 0:
-            raise ConfigError(f"model.mtp_depth={self.mtp_depth!r} must be an integer >= 0 (0 turns MTP off).")
+            raise ConfigError(
+                f"model.mtp_depth={self.mtp_depth!r} must be an integer >= 0 (0 turns MTP off)."
+            )
         w = self.mtp_loss_weight
         if not (isinstance(w, (int, float)) and math.isfinite(w) and w >= 0):
             raise ConfigError(f"model.mtp_loss_weight={w!r} must be a finite number >= 0.")
@@ -163,7 +167,11 @@ class MLAttention(nn.Module):
 
     def __init__(self, args: DeepSeekV3Args, core: Optional[nn.Module] = None) -> None:
         super().__init__()
-        self.nope_dim, self.rope_dim, self.v_dim = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
+        self.nope_dim, self.rope_dim, self.v_dim = (
+            args.qk_nope_head_dim,
+            args.qk_rope_head_dim,
+            args.v_head_dim,
+        )
         self.kv_rank = args.kv_lora_rank
         qk = args.qk_head_dim
         if args.q_lora_rank is None:
@@ -290,7 +298,9 @@ class DeepSeekV3Transformer(MoETransformer):
         )
         self.share_attention_core()
         self.mtp_records: list[Tensor] = []  # per forward: (D,) MTP losses (detached), for the trainer's log
-        self.mtp_grad_scale: Optional[float] = None  # None: each forward's MTP loss weighted 1 (outside the trainer)
+        self.mtp_grad_scale: Optional[float] = (
+            None  # None: each forward's MTP loss weighted 1 (outside the trainer)
+        )
 
     def build_block(self, layer_id: int, args: Any) -> nn.Module:
         return DeepSeekV3Block(layer_id, args)
@@ -332,7 +342,9 @@ class DeepSeekV3Transformer(MoETransformer):
                 self.mtp_records.append(mtp_loss.detach())
             weight = self.args.mtp_loss_weight / self.args.mtp_depth
             if self.mtp_grad_scale is not None:
-                weight = weight * self.mtp_grad_scale * tokens.numel()  # as the MoE aux loss: per-token weight
+                weight = (
+                    weight * self.mtp_grad_scale * tokens.numel()
+                )  # as the MoE aux loss: per-token weight
             h = AddAuxGrad.apply(h, mtp_loss.sum() * weight)  # h unchanged; backward adds d(MTP loss)
         return self.output(self.norm(h))  # (B, S, V)
 

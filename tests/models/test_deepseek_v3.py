@@ -41,7 +41,9 @@ CASES = {
 
 def _hf_model(case: str) -> transformers.PreTrainedModel:
     torch.manual_seed(len(case))
-    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**{**_SHAPE, **CASES[case]})).eval()
+    model = transformers.DeepseekV3ForCausalLM(
+        transformers.DeepseekV3Config(**{**_SHAPE, **CASES[case]})
+    ).eval()
     with torch.no_grad():  # norms and the routing bias away from their trivial initial values
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
@@ -69,7 +71,9 @@ def _tokens() -> torch.Tensor:
 def test_import_matches_transformers_logits(folders) -> None:
     errors = {}
     for case, folder in folders.items():
-        hf_model = transformers.DeepseekV3ForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+        hf_model = transformers.DeepseekV3ForCausalLM.from_pretrained(
+            folder, attn_implementation="eager"
+        ).eval()
         spec, args, state = read_hf(folder)
         assert spec.family == "deepseek_v3" and args.q_lora_rank == CASES[case]["q_lora_rank"]
         model = spec.build(args).eval()
@@ -79,7 +83,9 @@ def test_import_matches_transformers_logits(folders) -> None:
         tokens = _tokens()
         with torch.no_grad():
             ref = hf_model(tokens).logits
-            errors[case] = max((model(tokens) - ref).abs().max().item(), (sliced(tokens) - ref).abs().max().item())
+            errors[case] = max(
+                (model(tokens) - ref).abs().max().item(), (sliced(tokens) - ref).abs().max().item()
+            )
         assert ref.abs().max() > 0.5, "logits too small to test anything"
     print(f"\nHF -> meshwright max |logit error| per case: {errors}")
     assert max(errors.values()) <= ATOL
@@ -98,7 +104,11 @@ def test_sliced_reads_of_permuted_rows_match_the_full_tensor(folders) -> None:
             rows = state[name].shape[0]
             for lo, hi in ((0, rows // 2), (rows // 2, rows), (3, rows - 5)):
                 index = (slice(lo, hi), slice(0, state[name].shape[1]))
-                assert torch.equal(spec.hf.read_slice(name, index, reader, args), state[name][lo:hi]), (name, lo, hi)
+                assert torch.equal(spec.hf.read_slice(name, index, reader, args), state[name][lo:hi]), (
+                    name,
+                    lo,
+                    hi,
+                )
     finally:
         reader.close()
 
@@ -235,7 +245,11 @@ def test_mtp_adds_its_weighted_loss_to_the_gradient_only() -> None:
         n = tokens.shape[1] - k
         x = module.proj(torch.cat([module.hnorm(prev[:, :n]), module.enorm(emb[:, k:])], dim=-1))
         prev = module.block(x, rope_cache=model.rope_cache)
-        mtp.append(F.cross_entropy(model.output(model.norm(prev[:, : n - 1])).flatten(0, 1), tokens[:, k + 1 :].flatten()))
+        mtp.append(
+            F.cross_entropy(
+                model.output(model.norm(prev[:, : n - 1])).flatten(0, 1), tokens[:, k + 1 :].flatten()
+            )
+        )
     torch.testing.assert_close(torch.stack(mtp).detach(), mtp_loss)
     (lm + 0.5 * torch.stack(mtp).mean()).backward()
     worst = max(((got[n] - p.grad).abs().max() / p.grad.abs().max().clamp(min=1e-12)).item()

@@ -29,7 +29,11 @@ DS = [
 ]  # fmt: skip
 # C: A without the auxiliary loss, for CP: the MoE aux loss (global or per sequence) is computed over the
 # tokens of one forward, which under CP are a rank's shard of each sequence, so it is another objective.
-CONFIGS = {"A": DS, "B": [*DS, "model.mtp_depth=1", "training.grad_clip=0"], "C": [*DS, "model.aux_loss_coeff=0"]}
+CONFIGS = {
+    "A": DS,
+    "B": [*DS, "model.mtp_depth=1", "training.grad_clip=0"],
+    "C": [*DS, "model.aux_loss_coeff=0"],
+}
 EP2 = ["parallelism.ep=2", "parallelism.dp_shard=2"]
 DDP2 = ["parallelism.dp_replicate=2", "parallelism.dp_shard=1"]
 LAYOUTS = {  # name -> (world, config, overrides)
