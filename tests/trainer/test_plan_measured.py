@@ -45,10 +45,10 @@ LAYOUTS: dict[str, tuple[int, tuple[str, ...]]] = {
     "cp_ddp": (4, ("parallelism.cp=2", "parallelism.dp_shard=1", "parallelism.dp_replicate=2")),
     "cp": (2, ("parallelism.cp=2", "parallelism.dp_shard=1")),
     "ep": (2, (*MOE, "parallelism.ep=2", "parallelism.dp_shard=2")),
-    # DeepSeek-V3 (MLA): heads split with replicated down-projections, latents gathered over cp, EP
+    # DeepSeek-V3 (MLA): heads split with replicated down-projections, latents gathered over cp, EP + MTP
     "mla_tp_sp": (2, (*MLA, "parallelism.tp=2", "parallelism.dp_shard=1")),
     "mla_cp_ddp": (4, (*MLA, "parallelism.cp=2", "parallelism.dp_shard=1", "parallelism.dp_replicate=2")),
-    "mla_ep": (2, (*MLA, "parallelism.ep=2", "parallelism.dp_shard=2")),
+    "mla_ep_mtp": (2, (*MLA, "model.mtp_depth=1", "parallelism.ep=2", "parallelism.dp_shard=2")),
 }
 
 

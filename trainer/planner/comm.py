@@ -58,8 +58,11 @@ def _fsdp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
     m = 1 if per_step else c.accum
     syncs = 1 if dims.pp > 1 else c.accum
     again = c.reshard_after_forward  # backward gathers every block but the last, and the root, again
+    # MTP modules share the head's unit and call the head again: backward passes through the unit
+    # twice, and FSDP reshards it after the first, so it is gathered again.
+    mtp = [head] if c.spec.mtp_depth(c.cfg.model) > 0 else []
     units = [
-        ("", "dp_shard_cp", ("dp_shard", "cp"), [*dense, head, root], [*dense[:-1], root] if again else []),
+        ("", "dp_shard_cp", ("dp_shard", "cp"), [*dense, head, root], ([*dense[:-1], root] if again else []) + mtp),
         (" (experts)", "dp_shard_mod_ep", ("dp_shard_mod_ep",), experts, experts[:-1] if again else []),
     ]
     for label, axis, axes, fwd, bwd in units:
@@ -67,7 +70,7 @@ def _fsdp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
         if not fwd:
             continue
         calls = len(fwd) + len(bwd)
-        rows.add(f"FSDP all_gather{label} (params, fwd" + (" + bwd)" if again else ")"), "all_gather", axis, axes,
+        rows.add(f"FSDP all_gather{label} (params, fwd" + (" + bwd)" if bwd else ")"), "all_gather", axis, axes,
                  m * calls, (sum(fwd) + sum(bwd)) / calls * c.param_gather_bytes, "forward+backward", "compute_s")  # fmt: skip
         rows.add(f"FSDP reduce_scatter{label} (grads)", "reduce_scatter", axis, axes, syncs * len(fwd),
                  sum(fwd) / len(fwd) * c.sync_bytes, "backward", "backward_s")  # fmt: skip
