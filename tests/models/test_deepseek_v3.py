@@ -304,3 +304,29 @@ def test_mtp_with_a_layout_it_cannot_run_is_refused(axis: str) -> None:
         validated_dims(cfg.parallelism, 2, spec=get_spec("deepseek_v3"), model_args=cfg.model, seq_len=t.seq_len,
                        global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size, compile=False,
                        device_type="cpu")  # fmt: skip
+
+
+# -- the planner on DeepSeek-V3 ----------------------------------------------------------------------
+
+
+def test_plan_of_the_deepseek_v3_layout_and_mla_activations(capsys) -> None:
+    """``python -m trainer.plan +experiment=deepseek_v3_ep_pp`` plans the 671B model at its training scale;
+    MLA's saved latents do not shrink with tensor parallel (replicated down-projections), its per-head
+    tensors do."""
+    from trainer.plan import main
+    from trainer.planner.memory import layer_activation_bytes
+
+    assert main(["+experiment=deepseek_v3_ep_pp", "cluster=h200_node"]) == 0
+    out = capsys.readouterr().out
+    print("\n" + out)
+    assert "PP16 x FSDP128 x EP64" in out and "verdict: fits" in out
+    spec = get_spec("deepseek_v3")
+
+    def by_tp(args) -> tuple[float, float]:
+        return tuple(layer_activation_bytes(spec, args, tp=tp, sequence_parallel=True, act_bytes=2) for tp in (1, 2))
+
+    small, large = by_tp(_tiny_args(kv_lora_rank=16)), by_tp(_tiny_args(kv_lora_rank=64))
+    # a larger KV latent costs the same bytes per token at tp=1 and tp=2: latents are not split ...
+    assert large[0] - small[0] == large[1] - small[1] == 2 * (2 * 48) > 0
+    # ... while the per-head tensors are
+    assert by_tp(_tiny_args(n_heads=8, dim=128))[1] < by_tp(_tiny_args(n_heads=8, dim=128))[0]
