@@ -33,6 +33,7 @@ from trainer.data import DataLoader, build_dataloader
 from trainer.data.tokenizer import build_tokenizer, check_vocab_size
 from trainer.observe.comm_ledger import CommLedger, axis_names_of_groups
 from trainer.observe.metrics import MetricsLogger, setup_logging
+from trainer.observe.mtp import MTPStats
 from trainer.observe.profiling import StepProfiler
 from trainer.optim import build_lr_scheduler, build_optimizer, build_qk_clip
 from trainer.resilience.guards import install_test_nan_hook, non_finite_message
@@ -218,6 +219,10 @@ class Trainer:
             self.model_parts, self.spec, self.dims, cfg.model, tokens_per_step=t.global_batch_size * t.seq_len,
             forwards_per_step=self.pipeline.n_microbatches if self.pipeline is not None else self.grad_accum_steps,
         )  # fmt: skip
+        # Multi-token prediction (DeepSeek-V3): its gradient weight per step and its logged mtp_loss.
+        self.mtp_stats = MTPStats.build(
+            self.model_parts, self.spec, cfg.model, self.dims, tokens_per_step=t.global_batch_size * t.seq_len
+        )
 
     def _build_optimizer(self) -> None:
         p = self.parallelism
@@ -350,6 +355,8 @@ class Trainer:
             self.load_balancer.begin_step()
         if self.qk_clip is not None:  # the attention records its per-head max logits this step
             self.qk_clip.begin_step()
+        if self.mtp_stats is not None:
+            self.mtp_stats.begin_step()
         if self.pipeline is not None:
             # The schedule splits the local batch into its microbatches (they replace the
             # accumulation loop), runs the loss on the last stage and reports it everywhere.
@@ -436,6 +443,8 @@ class Trainer:
                         extra.update(self.load_balancer.log_stats(self.device))
                     if self.qk_clip is not None:  # qk_max_logit, qk_clipped_heads of this step
                         extra.update(self.qk_clip.last_stats)
+                    if self.mtp_stats is not None:  # mtp_loss: mean over depths and dp x cp (a collective)
+                        extra.update(self.mtp_stats.log_stats(self.device))
                     if self.comm_ledger is not None:  # every rank's collectives per step (a collective)
                         extra["comm"] = self.comm_ledger.collect(self.parameters, self.optimizer)
                     lr = self.lr_scheduler.get_last_lr()[0]

@@ -4,6 +4,7 @@ tensor-name tables, RoPE scaling in HF's spelling)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any, Optional
 
@@ -59,6 +60,13 @@ def rope_scaling_to_hf(scaling: RopeScaling, theta: float) -> Optional[dict[str,
             high_freq_factor=scaling.high_freq_factor,
             original_max_position_embeddings=scaling.original_max_seq_len,
         )
+    if scaling.type == "yarn":
+        out.update(
+            original_max_position_embeddings=scaling.original_max_seq_len,
+            beta_fast=scaling.beta_fast,
+            beta_slow=scaling.beta_slow,
+            **{k: getattr(scaling, k) for k in ("mscale", "mscale_all_dim", "attention_factor") if getattr(scaling, k)},
+        )
     return out
 
 
@@ -71,11 +79,19 @@ def rope_scaling_from_hf(cfg: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     kind = rope.get("rope_type", rope.get("type", "default")) or "default"
     if kind == "default":
         return theta, {"type": "default"}
-    if kind not in ("linear", "llama3"):
+    if kind not in ("linear", "llama3", "yarn"):
         raise ConfigError(
-            f"config.json uses rope_type={kind!r}; meshwright supports default, linear and llama3 RoPE."
+            f"config.json uses rope_type={kind!r}; meshwright supports default, linear, llama3 and yarn RoPE."
         )
     out: dict[str, Any] = {"type": kind, "factor": float(rope["factor"])}
+    if kind == "yarn":
+        if rope.get("truncate", True) is False:
+            raise ConfigError("config.json sets rope truncate=false; meshwright's YaRN truncates (as DeepSeek-V3).")
+        out.update(
+            original_max_seq_len=int(rope.get("original_max_position_embeddings") or cfg["max_position_embeddings"]),
+            beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
+            **{k: float(rope.get(k) or 0.0) for k in ("mscale", "mscale_all_dim", "attention_factor")},
+        )  # fmt: skip
     if kind == "llama3":
         out.update(
             low_freq_factor=float(rope["low_freq_factor"]),
@@ -85,7 +101,7 @@ def rope_scaling_from_hf(cfg: dict[str, Any]) -> tuple[float, dict[str, Any]]:
                 rope.get("original_max_position_embeddings") or cfg["max_position_embeddings"]
             ),
         )
-    return theta, out
+    return theta, dataclasses.asdict(RopeScaling(**out))  # every field, unset ones at their defaults
 
 
 def decoder_hf_config(

@@ -107,7 +107,9 @@ class MoEArgs(LlamaArgs):
     num_shared_experts: int = 0  # always-on experts, fused into one SwiGLU of hidden num_shared * F
     score_func: str = "softmax"  # softmax | sigmoid (router scores, in fp32)
     route_norm: bool = True  # renormalise the top-k scores to sum 1
-    route_scale: float = 1.0  # multiply the routing weights
+    route_scale: float = 1.0  # multiply the routing weights (DeepSeek-V3's routed_scaling_factor)
+    n_group: int = 1  # experts form n_group equal groups; a token picks experts only inside ...
+    topk_group: int = 1  # ... its topk_group best groups (group score: sum of its top-2 biased scores)
     bias_update_coeff: float = 0.0  # aux-loss-free balancing step (DeepSeek-V3: 1e-3); 0 = off
     aux_loss_coeff: float = 0.0  # auxiliary load-balancing loss weight; 0 = off
     aux_loss_type: str = "global"  # global (over a forward's tokens) | sequence (per sequence, averaged)
@@ -125,6 +127,18 @@ class MoEArgs(LlamaArgs):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"model.{name}={value!r} must be an integer >= 0.")
+        for name in ("n_group", "topk_group"):
+            _positive_int(getattr(self, name), f"model.{name}")
+        if self.num_experts % self.n_group != 0 or self.topk_group > self.n_group:
+            raise ConfigError(
+                f"model.n_group={self.n_group} must divide model.num_experts={self.num_experts} and be >= "
+                f"model.topk_group={self.topk_group}; n_group=1 turns group-limited routing off."
+            )
+        if self.n_group > 1 and self.top_k > self.topk_group * (self.num_experts // self.n_group):
+            raise ConfigError(
+                f"model.top_k={self.top_k} exceeds the {self.topk_group * (self.num_experts // self.n_group)} experts "
+                f"of the topk_group={self.topk_group} groups a token may use; raise topk_group or lower top_k."
+            )
         if self.top_k > self.num_experts:
             raise ConfigError(
                 f"model.top_k={self.top_k} exceeds model.num_experts={self.num_experts}: a token cannot pick more "
@@ -172,9 +186,21 @@ class TopKRouter(nn.Module):
         self.score_func = args.score_func
         self.route_norm = args.route_norm
         self.route_scale = args.route_scale
+        self.n_group = args.n_group
+        self.topk_group = args.topk_group
 
     def init_weights(self, init: ParamInit, prefix: str, std: float) -> None:
         init.trunc_normal(f"{prefix}.gate.weight", self.gate.weight, std, 2.0)
+
+    def limit_groups(self, choice: Tensor) -> Tensor:
+        """Group-limited routing (DeepSeek-V3): keep the experts of each token's ``topk_group`` best
+        groups (group score = sum of its two best biased scores), -inf elsewhere. (T, E) -> (T, E)."""
+        T, E = choice.shape
+        groups = choice.view(T, self.n_group, E // self.n_group)  # (T, G, E/G)
+        group_scores = groups.topk(min(2, E // self.n_group), dim=-1).values.sum(-1)  # (T, G)
+        best = group_scores.topk(self.topk_group, dim=-1).indices  # (T, topk_group)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)  # (T, G)
+        return groups.masked_fill(~keep[:, :, None], float("-inf")).view(T, E)
 
     def forward(self, x: Tensor, bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
         """``x`` (T, H) -> (weights (T, k) fp32, expert ids (T, k), scores (T, E) fp32)."""
@@ -182,6 +208,8 @@ class TopKRouter(nn.Module):
         scores = logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()
         with torch.no_grad():
             choice = scores if bias is None else scores + bias  # the bias only steers the choice
+            if self.n_group > 1:
+                choice = self.limit_groups(choice)
             indices = torch.topk(choice, self.top_k, dim=-1).indices  # (T, k)
         weights = scores.gather(1, indices)  # (T, k)
         if self.route_norm and self.top_k > 1:
@@ -434,13 +462,17 @@ class MoEBlock(nn.Module):
     def __init__(self, layer_id: int, args: MoEArgs) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.attention = Attention(args)  # with q/k head norms when args.qk_norm (Qwen3-MoE)
+        self.attention = self.build_attention(args)
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.moe: Optional[MoE] = MoE(args) if args.is_moe_layer(layer_id) else None
         self.feed_forward: Optional[FeedForward] = (
             None if self.moe is not None else FeedForward(args.dim, args.hidden_dim)
         )
+
+    def build_attention(self, args: MoEArgs) -> nn.Module:
+        """The block's attention; families with another attention (MLA) override this."""
+        return Attention(args)  # with q/k head norms when args.qk_norm (Qwen3-MoE)
 
     def init_weights(self, init: ParamInit, prefix: str, init_std: float) -> None:
         """Llama's scheme; experts like FFN weights (output projections depth-scaled)."""

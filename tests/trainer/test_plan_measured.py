@@ -28,6 +28,8 @@ pytestmark = pytest.mark.slow
 TOLERANCE = 0.05
 LEDGER = ("metrics.comm_ledger=true", "training.steps=2", "checkpoint.enable=false")
 MOE = ("model=moe_debug", "model.moe_hidden_dim=64", "model.first_k_dense=1", "model.num_shared_experts=1")
+MLA = ("model=deepseek_v3_debug", "model.n_kv_heads=null", "model.q_lora_rank=32", "model.kv_lora_rank=16",
+       "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8", "model.v_head_dim=12", "model.moe_hidden_dim=64")  # fmt: skip
 LAYOUTS: dict[str, tuple[int, tuple[str, ...]]] = {
     "ddp": (2, ("parallelism.dp_replicate=2", "parallelism.dp_shard=1")),
     "zero1": (2, ("parallelism.dp_replicate=2", "parallelism.dp_shard=1", "parallelism.ddp.sharded_optimizer=true")),
@@ -51,8 +53,12 @@ LAYOUTS: dict[str, tuple[int, tuple[str, ...]]] = {
                        "parallelism.ddp.sharded_optimizer=true")),
     "muon_fsdp": (2, ("optimizer=muon", "parallelism.dp_shard=2")),
     "muon_tp": (2, ("optimizer=muon", "parallelism.tp=2", "parallelism.dp_shard=1")),
+    # DeepSeek-V3 (MLA): heads split with replicated down-projections, latents gathered over cp, EP + MTP
+    "mla_tp_sp": (2, (*MLA, "parallelism.tp=2", "parallelism.dp_shard=1")),
+    "mla_cp_ddp": (4, (*MLA, "parallelism.cp=2", "parallelism.dp_shard=1", "parallelism.dp_replicate=2")),
+    "mla_ep_mtp": (2, (*MLA, "model.mtp_depth=1", "parallelism.ep=2", "parallelism.dp_shard=2")),
 }
-ROUTED = ("ep",)  # layouts whose all_to_all bytes follow the routing (EP dispatch), not the plan
+ROUTED = ("ep", "mla_ep_mtp")  # layouts whose all_to_all bytes follow the routing (EP dispatch), not the plan
 
 
 @pytest.fixture(scope="module")

@@ -34,19 +34,30 @@ def activation_bytes_per_token_layer(
     return coeff * dim * act_bytes / 2
 
 
-def layer_activation_bytes(args: Any, *, tp: int, sequence_parallel: bool, act_bytes: int) -> float:
-    """``activation_bytes_per_token_layer`` for a model's args (head size and q/k norm included)."""
-    return activation_bytes_per_token_layer(
-        args.dim, args.n_heads, args.kv_heads, tp=tp, sequence_parallel=sequence_parallel, act_bytes=act_bytes,
-        head_dim=args.head_dim, qk_norm=bool(getattr(args, "qk_norm", False)),
-    )  # fmt: skip
+def layer_activation_bytes(spec: Any, args: Any, *, tp: int, sequence_parallel: bool, act_bytes: int) -> float:
+    """``activation_bytes_per_token_layer`` for the family: Llama's rule (head size and q/k norm
+    included), with the attention's projections replaced by the family's own saved tensors when it declares them
+    (``AttentionComm.saved``, MLA): Llama's q, k, v and output-projection input (4 H at full heads,
+    split by tp) out, the per-head tensors (split by tp) and the latents (never split: replicated
+    modules compute them on the whole sequence) in."""
+    saved = spec.attention_comm(args).saved
+    if saved is None:  # Llama's attention: its projections' true widths (explicit head_dim) and q/k norms
+        return activation_bytes_per_token_layer(
+            args.dim, args.n_heads, args.kv_heads, tp=tp, sequence_parallel=sequence_parallel, act_bytes=act_bytes,
+            head_dim=args.head_dim, qk_norm=bool(getattr(args, "qk_norm", False)),
+        )  # fmt: skip
+    base = activation_bytes_per_token_layer(
+        args.dim, args.n_heads, args.kv_heads, tp=tp, sequence_parallel=sequence_parallel, act_bytes=act_bytes
+    )
+    per_head, latents = saved
+    return base + (per_head / tp + latents - 4 * args.dim / tp) * act_bytes
 
 
 def activation_memory(c: PlanContext, layers: int, has_head: bool, pp_rank: int) -> float:
     """Activation bytes of ``layers`` blocks on one rank at its peak (in-flight microbatches)."""
     args, t = c.cfg.model, c.cfg.training
     tp, sp = c.tp_sp
-    per_tok = layer_activation_bytes(args, tp=tp, sequence_parallel=sp, act_bytes=c.act_bytes)
+    per_tok = layer_activation_bytes(c.spec, args, tp=tp, sequence_parallel=sp, act_bytes=c.act_bytes)
     block_input = 2 * args.dim * c.act_bytes / 2 / (tp if sp else 1)
     in_flight = pp_in_flight(c.schedule, c.dims.pp, c.accum, c.stages_per_rank, pp_rank)
     tokens = c.micro_tokens

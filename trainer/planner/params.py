@@ -109,8 +109,9 @@ def param_table(spec: ModelSpec, args: Any) -> ParamTable:
     expert_ids = {id(p) for m in (spec.expert_modules(model) if spec.expert_modules else []) for p in m.parameters()}
     groups = [ModuleParams() for _ in blocks]
     first, last = ModuleParams(), ModuleParams()
-    first_ids = {id(p) for n in spec.first_modules if hasattr(model, n) for p in getattr(model, n).parameters()}
-    tied = any(id(p) in first_ids for n in spec.last_modules if hasattr(model, n) for p in getattr(model, n).parameters())
+    present = lambda names: [m for m in (getattr(model, n, None) for n in names) if m is not None]  # noqa: E731
+    first_ids = {id(p) for m in present(spec.first_modules) for p in m.parameters()}
+    tied = any(id(p) in first_ids for m in present(spec.last_modules) for p in m.parameters())
     for name, p in model.named_parameters():  # tied weights once, under the first module
         module_name = name.rpartition(".")[0]
         block = next((i for pre, i in prefix_of.items() if name.startswith(pre)), None)

@@ -90,7 +90,7 @@ def build_plan(cfg: TrainConfig, cluster: ClusterConfig, experiment: str = "") -
     args = cfg.model
     tp, sp = c.tp_sp
     per_tok = {
-        "no_ac": layer_activation_bytes(args, tp=tp, sequence_parallel=sp, act_bytes=c.act_bytes),
+        "no_ac": layer_activation_bytes(c.spec, args, tp=tp, sequence_parallel=sp, act_bytes=c.act_bytes),
         "full_ac": 2 * args.dim * c.act_bytes / 2 / (tp if sp else 1),
     }  # fmt: skip
     d = c.dims
