@@ -180,6 +180,12 @@ class MetricsLogger:
         self._write(record, step)
         return record
 
+    def log_tasks(self, step: int, tasks: dict[str, dict[str, float]], seconds: float) -> dict[str, Any]:
+        """Log downstream task scores (``eval.tasks``): ``tasks/<name>/<metric>`` in the trackers."""
+        record = {"step": step, "tasks": tasks, "tasks_time_s": seconds}
+        self._write(record, step)
+        return record
+
     def _write(self, record: dict[str, Any], step: int) -> None:
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record) + "\n")
