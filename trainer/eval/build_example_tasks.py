@@ -52,7 +52,7 @@ def next_line_examples(docs: list[str], rng: random.Random) -> list[dict]:
 
 def complete_word_examples(docs: list[str], rng: random.Random) -> list[dict]:
     sites = []
-    for d, doc in enumerate(docs):
+    for doc in docs:
         lines = doc.splitlines()
         for i in range(4, len(lines)):
             before = "\n".join(lines[max(0, i - 8) : i]) + "\n"
