@@ -99,6 +99,9 @@ def evaluate(cfg: TrainConfig) -> dict[str, Any]:
         if trainer.val_loader is not None:
             loss, tokens = trainer.evaluate()
             results["validation"] = {"loss": loss, "tokens": tokens}
+            for name, (loader, steps) in trainer.named_val_loaders.items():
+                loss, tokens = trainer.evaluate(loader, steps)
+                results.setdefault("validation_sets", {})[name] = {"loss": loss, "tokens": tokens}
         if trainer.rank == 0:
             os.makedirs(cfg.job.dump_folder, exist_ok=True)
             with open(os.path.join(cfg.job.dump_folder, "eval_results.json"), "w", encoding="utf-8") as f:
@@ -124,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, metrics in results.get("tasks", {}).items():
             print(f"{name}: " + "  ".join(f"{k} {v:.4f}" if k != "examples" else f"{k} {v}" for k, v in metrics.items()))
         if "validation" in results:
-            print(f"validation: loss {results['validation']['loss']:.4f}  tokens {results['validation']['tokens']}")
+            for name, v in {"validation": results["validation"], **results.get("validation_sets", {})}.items():
+                print(f"{name}: loss {v['loss']:.4f}  tokens {v['tokens']}")
         print(f"wrote {os.path.join(cfg.job.dump_folder, 'eval_results.json')}")
     return 0
 

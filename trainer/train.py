@@ -31,8 +31,10 @@ from trainer.checkpoint.checkpointer import (
 from trainer.config import TrainConfig, to_yaml
 from trainer.data import DataLoader, build_dataloader
 from trainer.data.tokenizer import build_tokenizer, check_vocab_size
+from trainer.eval.config import validation_sources
 from trainer.eval.evaluator import TaskEvaluator, TaskResult
 from trainer.eval.scoring import ROW_STATS, row_stats
+from trainer.eval.validation import build_validation_loaders
 from trainer.observe.comm_ledger import CommLedger, axis_names_of_groups
 from trainer.observe.metrics import MetricsLogger, setup_logging
 from trainer.observe.profiling import StepProfiler
@@ -126,6 +128,11 @@ class Trainer:
                 global_batch_size=t.micro_batch_size * self.dims.dp, dp_rank=dp_rank, dp_size=self.dims.dp,
                 seed=t.seed,
             )  # fmt: skip
+        # Named validation sets (eval.validation), each its own loss, at the same steps.
+        self.named_val_loaders = build_validation_loaders(
+            validation_sources(cfg.eval), cfg.data, self.tokenizer, seq_len=t.seq_len, batch_size=t.micro_batch_size * self.dims.dp,
+            dp_rank=dp_rank, dp_size=self.dims.dp, seed=t.seed, default_steps=t.eval_steps,
+        ) if t.eval_freq > 0 else {}  # fmt: skip
         # Downstream tasks (eval.tasks): read and tokenized here, so a bad file fails on every rank.
         # Rows are padded to a multiple of what context / sequence parallelism split.
         align = (2 * self.dims.cp if self.dims.cp > 1 else 1) * self.dims.tp
@@ -378,16 +385,18 @@ class Trainer:
         return loss_sum / num_tokens, grad_norm
 
     @torch.no_grad()
-    def evaluate(self) -> tuple[float, int]:
-        """Mean token loss over ``training.eval_steps`` validation batches (same on every rank)."""
-        if self.val_loader is None:
+    def evaluate(self, loader: Optional[DataLoader] = None, steps: Optional[int] = None) -> tuple[float, int]:
+        """Mean token loss over ``steps`` (default ``training.eval_steps``) batches of ``loader``
+        (default the validation split), weighted by tokens over every rank (same on every rank)."""
+        loader = loader if loader is not None else self.val_loader
+        if loader is None:
             raise RuntimeError("evaluate() needs training.eval_freq > 0")
         self._train_mode(False)
-        self.val_loader.reset()
+        loader.reset()
         loss_sum = torch.zeros((), device=self.device)
         count = torch.zeros((), device=self.device)
-        for _ in range(self.cfg.training.eval_steps):
-            batch = self._next_batch(self.val_loader)
+        for _ in range(steps or self.cfg.training.eval_steps):
+            batch = self._next_batch(loader)
             if self.pipeline is not None:
                 loss_sum += self.pipeline.forward_loss_sum(batch.inputs, batch.labels, batch.positions)
             else:
@@ -470,6 +479,9 @@ class Trainer:
                 if self.val_loader is not None and (step % t.eval_freq == 0 or step == t.steps):
                     eval_loss, eval_tokens = self.evaluate()
                     self.state.history.append(self.metrics.log_eval(step, eval_loss, eval_tokens))
+                    if self.named_val_loaders:
+                        named = {name: self.evaluate(loader, steps) for name, (loader, steps) in self.named_val_loaders.items()}
+                        self.state.history.append(self.metrics.log_validation(step, named))
                 if self.task_evaluator is not None and self.task_evaluator.due(step, t.steps):
                     start_tasks = time.perf_counter()
                     results = self.evaluate_tasks()
