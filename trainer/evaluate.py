@@ -113,9 +113,12 @@ def evaluate(cfg: TrainConfig) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help") or argv[0].startswith("-") or "=" in argv[0]:
-        print(USAGE + "\n\n" + __doc__, file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if argv and argv[0] in ("-h", "--help"):
+        print(USAGE + "\n\n" + __doc__)
+        return 0
+    if not argv or argv[0].startswith("-") or "=" in argv[0]:
+        print(f"error: the first argument is the folder to evaluate; {USAGE}", file=sys.stderr)
+        return 2
     rank = os.environ.get("RANK", "0")
     try:
         cfg = build_config(argv[0], argv[1:])
