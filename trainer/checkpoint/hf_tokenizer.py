@@ -85,8 +85,8 @@ def _tokenizer_config(bos: str, eos: str, max_len: int, **extra: Any) -> dict[st
 
 def write_tokenizer_files(out_dir: str, tokenizer: Optional[str], *, max_len: int) -> list[str]:
     """Write the tokenizer files and ``generation_config.json`` of ``tokenizer`` (``"byte"`` or a
-    path to a HF ``tokenizer.json``; None: the run's tokenizer file is gone, only the generation
-    config is skipped too) into the HF folder ``out_dir``; return the file names written."""
+    path to a HF ``tokenizer.json``) into the HF folder ``out_dir``; return the file names written.
+    None (the run's tokenizer file has gone since) writes nothing: the weights are still exported."""
     if tokenizer is None:
         return []
     files: list[str] = []
@@ -109,8 +109,7 @@ def write_tokenizer_files(out_dir: str, tokenizer: Optional[str], *, max_len: in
                 shutil.copyfile(os.path.join(source, name), os.path.join(out_dir, name))
                 files.append(name)
         if "tokenizer_config.json" not in files:
-            bos = hf_tok._tok.id_to_token(hf_tok.bos_id)
-            eos = hf_tok._tok.id_to_token(hf_tok.eos_id)
+            bos, eos = hf_tok.id_to_token(hf_tok.bos_id), hf_tok.id_to_token(hf_tok.eos_id)
             # Our HFTokenizer never adds specials itself; the file's own post-processor decides.
             config = _tokenizer_config(bos, eos, max_len)
             del config["add_bos_token"], config["add_eos_token"]
