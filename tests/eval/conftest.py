@@ -1,7 +1,7 @@
 """One trained debug checkpoint for the evaluation tests (session scope): the debug model trained a
-few steps on the built-in corpus by the Trainer, with a DCP checkpoint, the final weights saved as a
-HF folder by the running job (``checkpoint.last_save_in_hf``) and the checkpoint exported by
-``python -m trainer.export_hf``."""
+few steps on the built-in corpus by the Trainer (scoring the shipped tasks and a named validation
+set at its last step), with a DCP checkpoint, the final weights saved as a HF folder by the running
+job (``checkpoint.last_save_in_hf``) and the checkpoint exported by ``python -m trainer.export_hf``."""
 
 from __future__ import annotations
 
@@ -18,10 +18,14 @@ DEBUG_RUN = (
     "training.seq_len=128",
     "training.global_batch_size=8",
     "training.micro_batch_size=8",
-    "training.eval_freq=0",
+    "training.eval_freq=30",
+    "training.eval_steps=2",
+    "eval.tasks=[next_line,complete_word]",  # scored at the last step (eval.freq=0 follows eval_freq)
+    "eval.limit=6",
+    "+eval.validation.stdlib={source:builtin,steps:2}",
     "lr_scheduler.warmup_steps=5",
     "metrics.log_freq=10",
-    "metrics.tensorboard=false",
+    "metrics.tensorboard=true",
     "checkpoint.interval=1000",
     "checkpoint.last_save_in_hf=true",
 )
