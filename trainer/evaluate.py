@@ -9,7 +9,8 @@ The model (and the tokenizer) come from the folder; every other key is a trainin
 (``eval.*``, ``parallelism.*``, ``training.micro_batch_size`` ...). The weights are loaded
 sharded, as ``checkpoint.initial_load_path`` / ``initial_load_hf`` would start a run, and the
 tasks are scored by the trainer's own scorer (``Trainer.evaluate_tasks``); with
-``training.eval_freq > 0`` the validation loss (``training.eval_steps`` batches) is measured too.
+``training.eval_freq > 0`` the validation loss (``training.eval_steps`` batches) is measured too
+(without it, the built-in corpus's training loader, which nothing reads, is capped at 64 files).
 Rank 0 prints one line per task and writes ``<job.dump_folder>/eval_results.json`` (default
 ``outputs/evaluate``): the metrics and every example's log-likelihoods. Bad input exits 2.
 """
@@ -73,6 +74,11 @@ def build_config(path: str, overrides: list[str]) -> TrainConfig:
     model, tokenizer, load = _source(path)
     dcfg = OmegaConf.to_container(compose_dict(*DEFAULTS, *overrides), resolve=False)
     assert isinstance(dcfg, dict)  # a composed config is a mapping
+    if not dcfg["training"]["eval_freq"] and dcfg["data"]["source"] == "builtin" and not any(
+        o.lstrip("+~").startswith("data.max_documents") for o in overrides
+    ):
+        # No validation loss asked for: the training loader the Trainer builds reads a few files only.
+        dcfg["data"]["max_documents"] = 64
     dcfg["model"] = model
     dcfg["data"]["tokenizer"] = tokenizer
     dcfg["checkpoint"].update(load)

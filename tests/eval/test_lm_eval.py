@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("lm_eval", reason="lm-evaluation-harness (the dev extra) is not installed")
 
-NUM_EXAMPLES = 24
+NUM_EXAMPLES = 16
 
 
 @pytest.mark.slow
