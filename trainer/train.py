@@ -433,6 +433,17 @@ class Trainer:
         finally:
             self._train_mode(True)
 
+    def _evaluate_more(self, step: int) -> None:
+        """The named validation sets (at the validation steps) and the tasks (``eval.freq``), logged."""
+        t = self.cfg.training
+        if self.named_val_loaders and (step % t.eval_freq == 0 or step == t.steps):
+            named = {name: self.evaluate(loader, steps) for name, (loader, steps) in self.named_val_loaders.items()}
+            self.state.history.append(self.metrics.log_validation(step, named))
+        if self.task_evaluator is not None and self.task_evaluator.due(step, t.steps):
+            start = time.perf_counter()
+            results = {name: r.metrics for name, r in self.evaluate_tasks().items()}
+            self.state.history.append(self.metrics.log_tasks(step, results, time.perf_counter() - start))
+
     # -- the loop -------------------------------------------------------------------
     def _is_logged(self, step: int) -> bool:
         return step % self.cfg.metrics.log_freq == 0 or step == self.cfg.training.steps or step == 1
@@ -479,15 +490,7 @@ class Trainer:
                 if self.val_loader is not None and (step % t.eval_freq == 0 or step == t.steps):
                     eval_loss, eval_tokens = self.evaluate()
                     self.state.history.append(self.metrics.log_eval(step, eval_loss, eval_tokens))
-                    if self.named_val_loaders:
-                        named = {name: self.evaluate(loader, steps) for name, (loader, steps) in self.named_val_loaders.items()}
-                        self.state.history.append(self.metrics.log_validation(step, named))
-                if self.task_evaluator is not None and self.task_evaluator.due(step, t.steps):
-                    start_tasks = time.perf_counter()
-                    results = self.evaluate_tasks()
-                    self.state.history.append(self.metrics.log_tasks(
-                        step, {name: r.metrics for name, r in results.items()}, time.perf_counter() - start_tasks
-                    ))  # fmt: skip
+                self._evaluate_more(step)  # eval.validation sets and eval.tasks (trainer/eval/)
                 self.checkpointer.maybe_save(step, last=step == stop)
                 # Preemption: one all-reduce of a flag per step; if any rank was signalled, all
                 # checkpoint this step and raise Preempted (exit 75).
