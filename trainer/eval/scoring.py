@@ -14,7 +14,6 @@ weight is gathered: only logits of the scored positions and three numbers per ro
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Optional
 
@@ -112,6 +111,7 @@ def task_metrics(task: Task, requests: list[Request], stats: Tensor) -> tuple[di
     for req, row in zip(requests, stats.tolist()):
         per_example.setdefault(req.example, []).append((row[0], row[1] == 0))
     sums: dict[str, float] = {}
+    counts: dict[str, int] = {}  # a file may mix both kinds: each metric averages its own examples
     details: list[dict] = []
     for i, ex in enumerate(task.examples):
         scored = per_example[i]
@@ -131,15 +131,12 @@ def task_metrics(task: Task, requests: list[Request], stats: Tensor) -> tuple[di
             details.append({"loglikelihood": lls[0], **result})
         for key, value in result.items():
             sums[key] = sums.get(key, 0.0) + value
-    counts: dict[str, int] = {}
-    for d in details:
-        for key in sums:
-            counts[key] = counts.get(key, 0) + (key in d)
-    metrics = {key: sums[key] / counts[key] for key in sums}
+            counts[key] = counts.get(key, 0) + 1
+    metrics: dict[str, float] = {key: sums[key] / counts[key] for key in sums}
     metrics["examples"] = len(task.examples)
     return metrics, details
 
 
 def _argmax(values: list[float]) -> int:
-    best = max(values)
-    return next(i for i, v in enumerate(values) if v == best or (math.isnan(best) and math.isnan(v)))
+    """Index of the first largest value (``np.argmax``'s tie rule)."""
+    return max(range(len(values)), key=values.__getitem__)
