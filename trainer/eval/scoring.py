@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from models.common import IGNORE_INDEX
 from trainer.eval.tasks import Request, Task
@@ -33,11 +33,9 @@ ROW_STATS = ("loglik", "mismatches", "num_targets")  # per row: summed target lo
 def row_stats(logits: Tensor, labels: Tensor) -> Tensor:
     """(B, 3) ``ROW_STATS`` of (B, S, V) ``logits`` against (B, S) ``labels`` (``IGNORE_INDEX``: not
     scored), in fp32. Vocab-sharded (loss-parallel) logits are gathered for the scored positions."""
-    if isinstance(logits, DTensor):
-        logits = logits.full_tensor()
     mask = labels != IGNORE_INDEX  # (B, S)
     rows = mask.nonzero()[:, 0]  # (T,) row of every scored position
-    picked = logits[mask].float()  # (T, V)
+    picked = _scored_logits(logits, mask).float()  # (T, V)
     targets = labels[mask]  # (T,)
     token_ll = torch.log_softmax(picked, dim=-1).gather(1, targets[:, None])[:, 0]  # (T,)
     mismatch = (picked.argmax(dim=-1) != targets).float()  # (T,)
@@ -46,6 +44,17 @@ def row_stats(logits: Tensor, labels: Tensor) -> Tensor:
     out[:, 1].index_add_(0, rows, mismatch)
     out[:, 2].index_add_(0, rows, torch.ones_like(token_ll))
     return out
+
+
+def _scored_logits(logits: Tensor, mask: Tensor) -> Tensor:
+    """(T, V) full-vocabulary logits of the scored positions. Vocab-sharded logits (TP loss
+    parallel) are cut to those positions on each rank before the shards are gathered."""
+    if not isinstance(logits, DTensor):
+        return logits[mask]
+    if all(isinstance(p, Shard) and p.dim in (-1, logits.dim() - 1) for p in logits.placements):
+        local = logits.to_local()[mask]  # (T, V / tp): every tp rank holds the same rows
+        return DTensor.from_local(local, logits.device_mesh, [Shard(1)] * len(logits.placements)).full_tensor()
+    return logits.full_tensor()[mask]
 
 
 def _round_up(n: int, align: int) -> int:
