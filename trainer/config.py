@@ -23,6 +23,7 @@ from models.spec import ModelArgs
 from parallelisms.config import DDPConfig, FSDPConfig, ParallelismConfig
 from parallelisms.utils import DTYPES
 from trainer.checkpoint.hf import parse_size
+from trainer.eval.config import EvalConfig, validate_eval
 
 __all__ = [
     "CheckpointConfig",
@@ -197,6 +198,7 @@ class TrainConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)  # downstream tasks (trainer/eval/)
 
 
 _GROUPS: dict[str, type] = {
@@ -208,6 +210,7 @@ _GROUPS: dict[str, type] = {
     "metrics": MetricsConfig,
     "comm": CommConfig,
     "profiling": ProfilingConfig,
+    "eval": EvalConfig,
 }
 
 
@@ -378,6 +381,7 @@ def validate(cfg: TrainConfig) -> None:
     _positive(cfg.metrics.log_freq, "metrics.log_freq")
     _validate_operations(cfg)
     _validate_data(cfg.data)
+    validate_eval(cfg.eval)
     folder = cfg.job.dump_folder
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise ConfigError(

@@ -31,6 +31,10 @@ from trainer.checkpoint.checkpointer import (
 from trainer.config import TrainConfig, to_yaml
 from trainer.data import DataLoader, build_dataloader
 from trainer.data.tokenizer import build_tokenizer, check_vocab_size
+from trainer.eval.config import validation_sources
+from trainer.eval.evaluator import TaskEvaluator, TaskResult
+from trainer.eval.scoring import ROW_STATS, row_stats
+from trainer.eval.validation import build_validation_loaders
 from trainer.observe.comm_ledger import CommLedger, axis_names_of_groups
 from trainer.observe.metrics import MetricsLogger, setup_logging
 from trainer.observe.mtp import MTPStats
@@ -125,6 +129,17 @@ class Trainer:
                 global_batch_size=t.micro_batch_size * self.dims.dp, dp_rank=dp_rank, dp_size=self.dims.dp,
                 seed=t.seed,
             )  # fmt: skip
+        # Named validation sets (eval.validation), each its own loss, at the same steps.
+        self.named_val_loaders = build_validation_loaders(
+            validation_sources(cfg.eval), cfg.data, self.tokenizer, seq_len=t.seq_len, batch_size=t.micro_batch_size * self.dims.dp,
+            dp_rank=dp_rank, dp_size=self.dims.dp, seed=t.seed, default_steps=t.eval_steps,
+        ) if t.eval_freq > 0 else {}  # fmt: skip
+        # Downstream tasks (eval.tasks): read and tokenized here, so a bad file fails on every rank.
+        # Rows are padded to a multiple of what context / sequence parallelism split.
+        align = (2 * self.dims.cp if self.dims.cp > 1 else 1) * self.dims.tp
+        self.task_evaluator = TaskEvaluator.build(
+            cfg.eval, self.tokenizer, max_seq_len=cfg.model.max_seq_len, align=align, default_freq=t.eval_freq
+        )
 
     def _init_process_group(self) -> None:
         cfg = self.cfg
@@ -383,16 +398,18 @@ class Trainer:
         return loss_sum / num_tokens, grad_norm
 
     @torch.no_grad()
-    def evaluate(self) -> tuple[float, int]:
-        """Mean token loss over ``training.eval_steps`` validation batches (same on every rank)."""
-        if self.val_loader is None:
+    def evaluate(self, loader: Optional[DataLoader] = None, steps: Optional[int] = None) -> tuple[float, int]:
+        """Mean token loss over ``steps`` (default ``training.eval_steps``) batches of ``loader``
+        (default the validation split), weighted by tokens over every rank (same on every rank)."""
+        loader = loader if loader is not None else self.val_loader
+        if loader is None:
             raise RuntimeError("evaluate() needs training.eval_freq > 0")
         self._train_mode(False)
-        self.val_loader.reset()
+        loader.reset()
         loss_sum = torch.zeros((), device=self.device)
         count = torch.zeros((), device=self.device)
-        for _ in range(self.cfg.training.eval_steps):
-            batch = self._next_batch(self.val_loader)
+        for _ in range(steps or self.cfg.training.eval_steps):
+            batch = self._next_batch(loader)
             if self.pipeline is not None:
                 loss_sum += self.pipeline.forward_loss_sum(batch.inputs, batch.labels, batch.positions)
             else:
@@ -402,6 +419,43 @@ class Trainer:
         self._train_mode(True)
         totals = self._global_sum(torch.stack([loss_sum, count]))
         return (totals[0] / totals[1].clamp(min=1)).item(), int(totals[1].item())
+
+    def _row_stats(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per-row task statistics (``trainer.eval.scoring.ROW_STATS``) of one (B, S) batch: this
+        rank's share (its context-parallel shard), on every pp rank."""
+        batch = self.step_context.shard_batch(StepBatch(inputs, labels))
+        if self.pipeline is not None:
+            return self.pipeline.forward_loss_sum(
+                batch.inputs, batch.labels, batch.positions, loss_fn=row_stats, out_shape=(len(inputs), len(ROW_STATS))
+            )
+        with self.step_context():
+            logits = self.model(batch.inputs) if batch.positions is None else self.model(batch.inputs, batch.positions)
+            return row_stats(logits, batch.labels)
+
+    @torch.no_grad()
+    def evaluate_tasks(self) -> dict[str, TaskResult]:
+        """Score ``eval.tasks`` on the model as it is sharded (collective; the same on every rank)."""
+        if self.task_evaluator is None:
+            raise RuntimeError("evaluate_tasks() needs eval.tasks")
+        self._train_mode(False)
+        try:
+            return self.task_evaluator.run(
+                self._row_stats, dp_rank=self.dims.dp_rank_of(self.rank), dp_size=self.dims.dp, device=self.device,
+                reduce_group=self.dims.loss_mesh.get_group() if self.dims.dp_cp > 1 else None,
+            )  # fmt: skip
+        finally:
+            self._train_mode(True)
+
+    def _evaluate_more(self, step: int) -> None:
+        """The named validation sets (at the validation steps) and the tasks (``eval.freq``), logged."""
+        t = self.cfg.training
+        if self.named_val_loaders and (step % t.eval_freq == 0 or step == t.steps):
+            named = {name: self.evaluate(loader, steps) for name, (loader, steps) in self.named_val_loaders.items()}
+            self.state.history.append(self.metrics.log_validation(step, named))
+        if self.task_evaluator is not None and self.task_evaluator.due(step, t.steps):
+            start = time.perf_counter()
+            results = {name: r.metrics for name, r in self.evaluate_tasks().items()}
+            self.state.history.append(self.metrics.log_tasks(step, results, time.perf_counter() - start))
 
     # -- the loop -------------------------------------------------------------------
     def _is_logged(self, step: int) -> bool:
@@ -453,6 +507,7 @@ class Trainer:
                 if self.val_loader is not None and (step % t.eval_freq == 0 or step == t.steps):
                     eval_loss, eval_tokens = self.evaluate()
                     self.state.history.append(self.metrics.log_eval(step, eval_loss, eval_tokens))
+                self._evaluate_more(step)  # eval.validation sets and eval.tasks (trainer/eval/)
                 self.checkpointer.maybe_save(step, last=step == stop)
                 # Preemption: one all-reduce of a flag per step; if any rank was signalled, all
                 # checkpoint this step and raise Preempted (exit 75).
