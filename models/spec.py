@@ -20,7 +20,8 @@ class, so a new family plugs in without touching any strategy:
   parallel, FSDP and the planner; ``has_experts`` / ``num_experts(args)``), ``ties_embeddings(args)``
   and ``attention_mask(args)`` (both with the dense, untied, causal answer as the default), and
   ``mtp_depth(args)`` (multi-token-prediction modules, 0 by default; DeepSeek-V3), and
-  ``attention_comm(args)`` (what attention moves under CP / TP beyond the plan's kinds, for the planner).
+  ``attention_comm(args)`` (what attention moves under CP / TP beyond the plan's kinds, for the planner),
+  and ``qk_clip`` (whether the attention supports QK-clip).
 """
 
 from __future__ import annotations
@@ -139,6 +140,9 @@ class ModelSpec:
     attention_mask: Callable[[Any], str] = _causal
     mtp_depth: Callable[[Any], int] = _no_mtp  # multi-token-prediction modules (0: none)
     attention_comm: Callable[[Any], AttentionComm] = _gqa_comm  # the planner's view of attention traffic
+    # Whether the blocks' attention records per-head max logits and has per-head wq / wk rows to
+    # scale (QK-clip, ``optimizer.qk_clip_tau``): Llama's attention (MoE, Qwen3) does; MLA does not yet.
+    qk_clip: bool = True
 
     @property
     def has_experts(self) -> bool:

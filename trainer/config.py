@@ -323,6 +323,12 @@ def _validate_qk_clip(cfg: TrainConfig) -> None:
             "measured from local keys only, and a context shard does not hold all of them. Set "
             "optimizer.qk_clip_tau=0 or parallelism.cp=1."
         )
+    if not get_spec(cfg.model.family).qk_clip:
+        raise ConfigError(
+            f"optimizer.qk_clip_tau={tau} with model.family={cfg.model.family}: QK-clip is built for Llama's "
+            "attention (llama, moe, qwen3 families); this family's attention (multi-head latent attention) does "
+            "not record per-head max logits. Set optimizer.qk_clip_tau=0."
+        )
     if getattr(cfg.model, "qk_norm", False):
         raise ConfigError(
             f"optimizer.qk_clip_tau={tau} with model.qk_norm=true: the per-head RMSNorm of q and k undoes any "

@@ -41,4 +41,5 @@ DEEPSEEK_V3_SPEC = ModelSpec(
     mtp_depth=mtp_depth,
     attention_comm=attention_comm,
     last_modules=("norm", "output", "mtp"),  # MTP modules share the final norm and the head
+    qk_clip=False,  # MLA: QK-clip would scale only the non-RoPE q/k parts (Kimi K2); not built yet
 )

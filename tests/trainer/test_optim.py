@@ -140,6 +140,9 @@ def test_owners_balance_newton_schulz_flops_within_candidates() -> None:
         ("optimizer.muon.ns_steps=0", "optimizer.muon.ns_steps=0"),
         ("optimizer.muon.momentum=1.0", "optimizer.muon.momentum=1.0"),
         ("optimizer.muon.ns_dtype=float16", "optimizer.muon.ns_dtype"),
+        ("optimizer.qk_clip_tau=50 model=deepseek_v3_debug", "model.family=deepseek_v3"),
+        ("optimizer.qk_clip_tau=50 model=qwen3_debug", "model.qk_norm=true"),
+        ("optimizer.qk_clip_tau=50 parallelism.cp=2", "parallelism.cp=2"),
     ],
 )
 def test_muon_config_errors_name_the_key(override: str, match: str) -> None:
@@ -147,7 +150,7 @@ def test_muon_config_errors_name_the_key(override: str, match: str) -> None:
     from tests.configs import make_config
 
     with pytest.raises(ConfigError, match=match):
-        make_config("optimizer=muon", override)
+        make_config("optimizer=muon", *override.split())
 
 
 # -- QK-clip --------------------------------------------------------------------------------------
