@@ -23,6 +23,7 @@ from models.spec import ModelArgs
 from parallelisms.config import DDPConfig, FSDPConfig, ParallelismConfig
 from parallelisms.utils import DTYPES
 from trainer.checkpoint.hf import parse_size
+from trainer.resilience.fault_tolerance import validate_fault_tolerance
 
 __all__ = [
     "CheckpointConfig",
@@ -318,6 +319,7 @@ def validate(cfg: TrainConfig) -> None:
     _positive(cfg.metrics.log_freq, "metrics.log_freq")
     _validate_operations(cfg)
     _validate_data(cfg.data)
+    validate_fault_tolerance(cfg)  # parallelism.fault_tolerance (torchft replica groups)
     folder = cfg.job.dump_folder
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise ConfigError(
