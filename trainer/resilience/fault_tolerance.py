@@ -54,6 +54,9 @@ logger = logging.getLogger("meshwright")
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 HEARTBEAT_DIR = "heartbeat"
+# Test-only: seconds every step sleeps (a tiny model's step is ~50 ms; the failure tests need the
+# survivors still training while a killed group restarts, as a real model's steps would). Never set it in runs.
+STEP_DELAY_ENV = "MESHWRIGHT_TEST_FT_STEP_DELAY_S"
 
 
 def group_folder(dump_folder: str, group_id: int) -> str:
@@ -81,6 +84,11 @@ def validate_fault_tolerance(cfg: TrainConfig) -> None:
         value = getattr(ft, name)
         if not value > 0:
             raise ConfigError(f"{key}.{name}={value} must be > 0.")
+    if ft.hang_timeout_s <= ft.quorum_timeout_s:
+        raise ConfigError(
+            f"{key}.hang_timeout_s={ft.hang_timeout_s} must exceed {key}.quorum_timeout_s={ft.quorum_timeout_s}: a "
+            "group waiting for a quorum starts no step, and the hang watchdog would kill it. Raise hang_timeout_s."
+        )
     if cfg.training.global_batch_size % p.dp_replicate:
         raise ConfigError(
             f"training.global_batch_size={cfg.training.global_batch_size} must be a multiple of "
@@ -195,15 +203,17 @@ class FaultTolerance:
         self.folder = group_folder(dump_folder, self.group_id)
         self._beat = os.path.join(self.folder, HEARTBEAT_DIR, f"rank{rank}")
         os.makedirs(os.path.dirname(self._beat), mode=0o750, exist_ok=True)
-        self.beat()
+        self.beat("setup")
         self._parts: list[torch.nn.Module] = []
         self._trainer: Any = None
         self.num_participants = 1
         self.participating_rank = 0
         self.discarded_steps = 0
+        self.data_position = 0  # samples committed before the current step (the same in every group)
         self.last_heal_s: Optional[float] = None  # seconds the last heal took (quorum + transfer + load)
         self._healed = False
         self._quorum_s = 0.0
+        self._test_delay_s = float(os.environ.get(STEP_DELAY_ENV, "0") or 0)
 
     # -- wiring ---------------------------------------------------------------------
     def attach(self, trainer: Any) -> None:
@@ -263,14 +273,19 @@ class FaultTolerance:
         return {**sd, "state": state}
 
     # -- per step -------------------------------------------------------------------
-    def beat(self) -> None:
-        """Progress mark read by the launcher's supervisor (main thread only: a hung rank stops beating)."""
-        with open(self._beat, "w", encoding="utf-8") as f:
-            f.write(f"{time.time()}\n")
+    def beat(self, phase: str = "step") -> None:
+        """Progress mark read by the launcher's supervisor (main thread only: a hung rank stops beating).
+        The hang watchdog watches "step" marks only (setup is bounded by comm.init_timeout_s)."""
+        tmp = f"{self._beat}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(f"{time.time()} {phase} {os.getpid()}\n")
+        os.replace(tmp, self._beat)
 
     def begin_step(self, loader: Any, tokens_seen: int) -> None:
         """Quorum (healing first if this group is behind), then point the loader at this group's share."""
         self.beat()
+        if self._test_delay_s > 0:
+            time.sleep(self._test_delay_s)
         start = time.perf_counter()
         self.manager.start_quorum()  # synchronous: heals and applies the state here
         self._quorum_s = time.perf_counter() - start
@@ -286,6 +301,7 @@ class FaultTolerance:
         rank = self.manager.participating_rank()
         self.participating_rank = 0 if rank is None else int(rank)
         committed = tokens_seen // self.seq_len
+        self.data_position = committed
         loader.seek(committed + self.participating_rank * self.batch_size,
                     stride=self.num_participants * self.batch_size)  # fmt: skip
 
@@ -341,6 +357,7 @@ class FaultTolerance:
         out: dict[str, Any] = {
             "ft/state_sha": self.state_digest(),
             "ft/participants": self.num_participants,
+            "ft/data_position": self.data_position,
             "ft/discarded_steps": self.discarded_steps,
             "ft/quorum_s": self._quorum_s,
             "ft/replica_group": self.group_id,
@@ -351,6 +368,7 @@ class FaultTolerance:
         return out
 
     def close(self) -> None:
+        self.beat("done")
         try:
             self.manager.shutdown(wait=False)
         except Exception as e:  # shutting down after a failure: nothing left to save

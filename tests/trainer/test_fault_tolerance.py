@@ -1,0 +1,170 @@
+"""Fault-tolerant data parallelism on torchft, launched as a user does: ``FT_GROUPS=2 NPROC=1 ./launch.sh``
+(a lighthouse and two replica groups, each its own torchrun, under trainer/resilience/supervisor.py).
+
+* no faults: losses, gradient norms and final weights equal plain DDP x2 (``./launch.sh`` with
+  ``parallelism.dp_replicate=2``) on the same batches within 1e-6, and both groups hold bitwise
+  equal weights and optimizer state at every step;
+* failures in one job: SIGKILL of a group (the survivor keeps committing steps alone; the group
+  restarts and heals bitwise), SIGSTOP of a group (the hang watchdog kills it, it restarts and
+  heals), then SIGKILL of every group (all restart and resume from the DCP checkpoint exactly), with
+  the data accounting: every committed step advances the data position by exactly the samples of
+  its participants.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+import pytest
+
+from tests.configs import REPO, TINY
+from tests.ft_harness import FT_FAST, FTJob, clean_env, stalls
+from trainer.checkpoint.checkpointer import read_marker
+from trainer.config import ConfigError, compose_config
+from trainer.resilience.fault_tolerance import check_environment
+
+pytest.importorskip("torchft")
+
+FT = "parallelism.fault_tolerance"
+
+
+def test_config_errors() -> None:
+    """Bad fault-tolerance settings fail at validation, naming the key and the fix."""
+    base = ("+experiment=debug", "parallelism.dp_replicate=2", f"{FT}.enable=true")
+    cases = {
+        f"{FT}.replica_group_id=2": "replica_group_id=2 must lie in [0, parallelism.dp_replicate=2)",
+        f"{FT}.min_replicas=3": "min_replicas=3 must lie in [1, parallelism.dp_replicate=2]",
+        f"{FT}.hang_timeout_s=30": "hang_timeout_s=30.0 must exceed",
+        "parallelism.ddp.impl=torch": "Set parallelism.ddp.impl=custom",
+        "parallelism.ddp.sharded_optimizer=true": "parallelism.ddp.sharded_optimizer=false",
+        "training.global_batch_size=15": "multiple of parallelism.dp_replicate=2",
+    }
+    for override, message in cases.items():
+        with pytest.raises(ConfigError, match=None) as err:
+            compose_config(*base, override)
+        assert message in str(err.value), (override, str(err.value))
+    # No lighthouse address anywhere: refused before any process group (trainer/main.py exits 2 on it).
+    cfg = compose_config(*base)
+    os.environ.pop("TORCHFT_LIGHTHOUSE", None)
+    with pytest.raises(ConfigError) as err:
+        check_environment(cfg)
+    assert "TORCHFT_LIGHTHOUSE" in str(err.value) and f"{FT}.lighthouse" in str(err.value)
+
+
+RUN = (*TINY, "training.steps=8", "checkpoint.enable=true", "checkpoint.interval=100", *FT_FAST)
+
+
+@pytest.mark.slow
+def test_two_groups_match_ddp(tmp_path) -> None:
+    """No faults: two replica groups of one rank train exactly what plain DDP x2 trains."""
+    from trainer.checkpoint.load import load_model
+
+    job = FTJob(str(tmp_path / "ft"), (*RUN, f"{FT}.min_replicas=2"))
+    ref_dump = str(tmp_path / "ddp")
+    ref = subprocess.run(
+        ["./launch.sh", *RUN, "parallelism.dp_replicate=2", f"job.dump_folder={ref_dump}"],
+        cwd=REPO, env=clean_env(NPROC="2"), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert ref.returncode == 0, ref.stdout[-3000:]
+    try:
+        assert job.wait(timeout=600) == 0, job.log()
+    finally:
+        job.stop()
+    import json
+
+    with open(os.path.join(ref_dump, "metrics.jsonl"), encoding="utf-8") as f:
+        expected = [r for r in map(json.loads, f) if "loss" in r]
+    groups = [job.records(0), job.records(1)]
+    assert [r["step"] for r in groups[0]] == [r["step"] for r in expected] == list(range(1, 9))
+    worst = 0.0
+    for r0, r1, e in zip(*groups, expected):
+        assert r0["ft/participants"] == r1["ft/participants"] == 2
+        assert r0["ft/state_sha"] == r1["ft/state_sha"], "replica groups diverged"
+        assert r0["loss"] == r1["loss"] and r0["grad_norm"] == r1["grad_norm"]
+        for key in ("loss", "grad_norm"):
+            worst = max(worst, abs(r0[key] - e[key]) / abs(e[key]))
+    ft_model, _ = load_model(os.path.join(job.dump, "checkpoints", "step-8"))
+    ddp_model, _ = load_model(os.path.join(ref_dump, "checkpoints", "step-8"))
+    ddp_state = ddp_model.state_dict()
+    weight_err = max((v - ddp_state[k]).abs().max().item() for k, v in ft_model.state_dict().items())
+    print(f"FT 2 groups vs DDP x2: max relative loss/grad-norm error {worst:.2e}, max weight error {weight_err:.2e}")
+    assert worst <= 1e-6 and weight_err <= 1e-6
+
+
+@pytest.mark.slow
+def test_failures_heal_and_resume(tmp_path) -> None:
+    """SIGKILL, SIGSTOP, then every group killed, in one job of 2 groups (min_replicas=1)."""
+    steps = 70
+    job = FTJob(
+        str(tmp_path / "ft"),
+        (*TINY, f"training.steps={steps}", "checkpoint.enable=true", "checkpoint.interval=10", *FT_FAST,
+         f"{FT}.min_replicas=1", f"{FT}.quorum_timeout_s=20", f"{FT}.hang_timeout_s=22"),
+        step_delay_s=0.15,
+    )  # fmt: skip
+    try:
+        both = lambda: job.last_step(0) >= 4 and job.last_step(1) >= 4  # noqa: E731
+        job.wait_for(both, 300, "both groups training")
+        # 1. SIGKILL group 1: group 0 keeps committing steps alone; group 1 restarts and heals.
+        killed_at = job.last_step(0)
+        job.signal_group(1, signal.SIGKILL)
+        job.wait_for(lambda: any(r["step"] > killed_at and r["ft/participants"] == 1 for r in job.records(0)),
+                     60, "the survivor to commit a step alone")  # fmt: skip
+        job.wait_for(lambda: any(r.get("ft/heal_s") for r in job.records(1)), 300, "group 1 to heal")
+        # 2. SIGSTOP group 1: the supervisor's hang watchdog kills it; it restarts and heals again.
+        job.wait_for(lambda: job.records(1)[-1]["ft/participants"] == 2, 60, "group 1 back in the quorum")
+        job.signal_group(1, signal.SIGSTOP)
+        job.wait_for(lambda: sum(1 for r in job.records(1) if r.get("ft/heal_s")) >= 2, 300, "group 1 to heal twice")
+        # 3. every group dies: the supervisor restarts both, and they resume from the DCP checkpoint.
+        job.wait_for(lambda: job.records(1)[-1]["ft/participants"] == 2 and job.last_step(0) % 10 >= 3,
+                     120, "both groups past a checkpoint")  # fmt: skip
+        lost_at = job.last_step(0)
+        for group in (0, 1):
+            job.signal_group(group, signal.SIGKILL)
+        assert job.wait(timeout=600) == 0, job.log()
+    finally:
+        job.stop()
+    log = "".join(job.supervisor_lines())
+    assert "hang watchdog" in log, log
+    g0, g1 = job.records(0), job.records(1)
+    # The survivor never stopped: it committed steps alone while group 1 was down, and it discarded
+    # only the steps a failure interrupted.
+    alone = [r["step"] for r in g0 if r["ft/participants"] == 1 and r["step"] <= lost_at]
+    assert alone, "group 0 never trained alone"
+    survivor = [r for r in g0 if r["step"] <= lost_at]
+    print("stalls of the survivor (step, s):", [(s["step"], round(s["stall_s"], 2)) for s in stalls(survivor)])
+    print("heal times of group 1 (s):", [round(r["ft/heal_s"], 2) for r in g1 if r.get("ft/heal_s")])
+    # Bitwise equal replicas after healing: same weights + optimizer digest at every step both logged.
+    both_logged = {r["step"] for r in g1} & {r["step"] for r in g0}
+    after_heals = [s for s in both_logged if len({r["ft/state_sha"] for r in g0 + g1 if r["step"] == s}) > 1]
+    assert not after_heals, f"replica groups differ at steps {sorted(after_heals)[:10]}"
+    # Every group lost: the steps after the checkpoint are trained again, exactly as the first time
+    # (where the participants agree: the same batches).
+    resumed_from = lost_at - lost_at % 10
+    before = {r["step"]: r for r in survivor if r["step"] > resumed_from}
+    after = {r["step"]: r for r in g0[len(survivor):] if r["step"] in before}
+    same = [s for s in after if after[s]["ft/participants"] == before[s]["ft/participants"]]
+    assert same, (before.keys(), after.keys())
+    for s in same:
+        assert after[s]["loss"] == before[s]["loss"] and after[s]["ft/state_sha"] == before[s]["ft/state_sha"]
+    print(f"all groups lost after step {lost_at}: resumed from step-{resumed_from}, steps {sorted(same)} replayed bitwise")
+    # Data accounting: step s trains samples [position, position + participants * b), the participant of
+    # quorum rank r the r-th b of them; each committed step starts where the previous one ended (through
+    # the kills, the heals and the resume), so no sample is trained twice or skipped, and the final
+    # position (tokens_seen of the last checkpoint) is the sum over the final history.
+    last = {}
+    for r in g0 + g1:
+        if r["step"] in last and r["ft/participants"] == 2 and last[r["step"]]["ft/participants"] == 2:
+            assert r["ft/data_position"] == last[r["step"]]["ft/data_position"]
+        last[r["step"]] = r  # the final incarnation's record of each step
+    batch = 8 // 2  # global_batch_size / dp_replicate
+    last = {r["step"]: r for r in g0}  # group 0 logged every step of the final history
+    position = 0
+    for s in range(1, steps + 1):
+        assert last[s]["ft/data_position"] == position, (s, last[s], position)
+        position += last[s]["ft/participants"] * batch
+    expected_samples = position
+    marker = read_marker(os.path.join(job.dump, "checkpoints", f"step-{steps}"))
+    assert marker["tokens_seen"] == expected_samples * 32, (marker, expected_samples)
+    print(f"data: {expected_samples} samples committed in {steps} steps, none twice, none skipped")
