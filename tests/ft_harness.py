@@ -46,7 +46,10 @@ class FTJob:
         self.dump = dump
         self.groups = groups
         env = clean_env(
-            FT_GROUPS=str(groups), NPROC=str(nproc), FT_LIGHTHOUSE_PORT=str(free_port()), FT_ARGS=supervisor_args
+            FT_GROUPS=str(groups),
+            NPROC=str(nproc),
+            FT_LIGHTHOUSE_PORT=str(free_port()),
+            FT_ARGS=supervisor_args,
         )
         if step_delay_s:
             env[STEP_DELAY_ENV] = str(step_delay_s)
@@ -76,12 +79,16 @@ class FTJob:
             if condition():
                 return
             if self.proc.poll() is not None:
-                raise AssertionError(f"the job ended (exit {self.proc.returncode}) before {what}:\n{self.log()}")
+                raise AssertionError(
+                    f"the job ended (exit {self.proc.returncode}) before {what}:\n{self.log()}"
+                )
             time.sleep(0.1)
         raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}:\n{self.log()}")
 
     def worker_pid(self, group: int, rank: int = 0) -> int:
-        with open(os.path.join(group_folder(self.dump, group), HEARTBEAT_DIR, f"rank{rank}"), encoding="utf-8") as f:
+        with open(
+            os.path.join(group_folder(self.dump, group), HEARTBEAT_DIR, f"rank{rank}"), encoding="utf-8"
+        ) as f:
             return int(f.read().split()[2])
 
     def signal_group(self, group: int, sig: int, rank: int = 0) -> float:

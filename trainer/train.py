@@ -259,7 +259,7 @@ class Trainer:
             lr_scheduler=self.lr_scheduler, dataloader=self.train_loader, train_state=self.state,
             seed=cfg.training.seed, device=self.device,
             info=model_info(cfg.model, cfg.data.tokenizer, describe_layout(self.dims, self.parallelism)),
-            full_shapes=self.full_shapes, hf_target=(self.spec, cfg.model),
+            full_shapes=self.full_shapes, hf_target=(self.spec, cfg.model), shared_folder=self.ft is not None,
         )  # fmt: skip
         self.checkpointer.load()
         if self.ft is not None:  # healing payload; the torchft step from a resumed checkpoint

@@ -84,6 +84,10 @@ def validate_fault_tolerance(cfg: TrainConfig) -> None:
         value = getattr(ft, name)
         if not value > 0:
             raise ConfigError(f"{key}.{name}={value} must be > 0.")
+    if not 0 <= ft.startup_wait_s < ft.hang_timeout_s:
+        raise ConfigError(
+            f"{key}.startup_wait_s={ft.startup_wait_s} must lie in [0, hang_timeout_s={ft.hang_timeout_s})."
+        )
     if ft.hang_timeout_s <= ft.quorum_timeout_s:
         raise ConfigError(
             f"{key}.hang_timeout_s={ft.hang_timeout_s} must exceed {key}.quorum_timeout_s={ft.quorum_timeout_s}: a "
@@ -214,6 +218,8 @@ class FaultTolerance:
         self._healed = False
         self._quorum_s = 0.0
         self._test_delay_s = float(os.environ.get(STEP_DELAY_ENV, "0") or 0)
+        self.num_groups = cfg.parallelism.dp_replicate
+        self._startup_wait_s = ft.startup_wait_s  # spent once, at this process's first step
 
     # -- wiring ---------------------------------------------------------------------
     def attach(self, trainer: Any) -> None:
@@ -277,9 +283,13 @@ class FaultTolerance:
         """Progress mark read by the launcher's supervisor (main thread only: a hung rank stops beating).
         The hang watchdog watches "step" marks only (setup is bounded by comm.init_timeout_s)."""
         tmp = f"{self._beat}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(f"{time.time()} {phase} {os.getpid()}\n")
-        os.replace(tmp, self._beat)
+        try:
+            os.makedirs(os.path.dirname(tmp), mode=0o750, exist_ok=True)
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(f"{time.time()} {phase} {os.getpid()}\n")
+            os.replace(tmp, self._beat)
+        except OSError as e:  # a full or vanished disk must not stop training; the watchdog will notice
+            logger.warning(f"heartbeat {self._beat}: {e}")
 
     def begin_step(self, loader: Any, tokens_seen: int) -> None:
         """Quorum (healing first if this group is behind), then point the loader at this group's share."""
@@ -288,6 +298,13 @@ class FaultTolerance:
             time.sleep(self._test_delay_s)
         start = time.perf_counter()
         self.manager.start_quorum()  # synchronous: heals and applies the state here
+        if self._startup_wait_s > 0:  # first step: rather every group than a lone start and heals later
+            deadline = time.monotonic() + self._startup_wait_s
+            while self.manager.num_participants() < self.num_groups and time.monotonic() < deadline:
+                time.sleep(0.5)
+                self.beat()
+                self.manager.start_quorum()
+            self._startup_wait_s = 0.0
         self._quorum_s = time.perf_counter() - start
         if self._healed:
             self._healed = False
