@@ -107,7 +107,7 @@ class FTJob:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)  # the supervisor kills its groups and the lighthouse
             try:
-                self.proc.wait(timeout=20)
+                self.proc.wait(timeout=120)  # groups checkpoint (the writer) and exit 75
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         self._log.close()

@@ -200,16 +200,46 @@ class Supervisor:
         self._stopping = True
         self._code = code
 
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self._signal = signum  # handled by the main loop
+
+    def forward(self, signum: int) -> None:
+        """SIGTERM/SIGUSR1 (preemption, scancel): pass it to every group (each rank checkpoints if its
+        group writes checkpoints, and exits 75), wait up to --stop-grace-s, then kill what is left."""
+        name = signal.Signals(signum).name
+        self.log(f"got {name}: forwarding it to every group")
+        running = [g for g in self.groups if g.proc is not None and g.proc.poll() is None]
+        for group in running:
+            try:
+                os.killpg(group.proc.pid, signum)
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + self.args.stop_grace_s
+        codes = []
+        for group in running:
+            try:
+                codes.append(group.proc.wait(timeout=max(deadline - time.time(), 0.1)))
+            except subprocess.TimeoutExpired:
+                self.kill(group, f"still running {self.args.stop_grace_s:g}s after {name}")
+                codes.append(1)
+        self._stopping = True
+        self._code = max(codes, default=0) or 0
+
     def run(self) -> int:
         self._code = 0
+        self._signal: Optional[int] = None
         if self.args.start_lighthouse:
             self.start_lighthouse()
-        signal.signal(signal.SIGTERM, lambda *_: self.stop(143))
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._on_signal)
         try:
             for group in self.groups:
                 self.start(group)
             while not self._stopping and not all(g.done or g.failed for g in self.groups):
                 time.sleep(0.2)
+                if self._signal is not None:
+                    self.forward(self._signal)
+                    break
                 for group in self.groups:
                     self.poll(group)
         finally:
@@ -236,6 +266,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--heartbeat-timeout-ms", type=int, default=1000, help="lighthouse: dead after")
     parser.add_argument("--max-restarts", type=int, default=3, help="restarts per group")
     parser.add_argument("--restart-delay", type=float, default=1.0, help="seconds before a restart")
+    parser.add_argument("--stop-grace-s", type=float, default=90.0, help="after SIGTERM/SIGUSR1: wait, then kill")
     parser.add_argument("--entry", default=os.path.join(os.path.dirname(__file__), "..", "main.py"))
     argv = list(argv)
     overrides: list[str] = []
