@@ -48,11 +48,11 @@ def main() -> None:
         job.wait_for(lambda: job.last_step(0) >= 3 and job.last_step(1) >= 3, 600, "both groups training")
         for _ in range(args.trials):
             target = job.last_step(0) + rng.randint(3, 15)
-            job.wait_for(lambda: job.last_step(0) >= target, 300, f"step {target}")
+            job.wait_for(lambda target=target: job.last_step(0) >= target, 300, f"step {target}")
             killed_at = job.last_step(0)
             t_kill = job.signal_group(1, signal.SIGKILL)
 
-            def healed() -> bool:
+            def healed(killed_at: int = killed_at) -> bool:
                 g1 = job.records(1)
                 heals = [r for r in g1 if r.get("ft/heal_s") and r["step"] > killed_at]
                 return bool(heals) and g1[-1]["ft/participants"] == 2 and g1[-1]["step"] > heals[0]["step"]
