@@ -122,14 +122,15 @@ class FTJob:
 
 
 def stalls(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The survivor's view of each failure: the committed step right after a discard, its duration."""
+    """The survivor's view of each change of the quorum: the first step with fewer participants (the
+    failure: a discarded attempt, if the peer died inside the step, plus the new quorum) or more (the
+    rejoin: the heal it serves), with its duration (seconds since the previous committed step)."""
     out = []
-    previous = 0
-    for r in records:
-        discarded = r.get("ft/discarded_steps", 0)
-        if discarded > previous:
-            out.append({"step": r["step"], "stall_s": r["step_time_s"], "participants": r["ft/participants"]})
-        previous = discarded
+    for prev, r in zip(records, records[1:]):
+        if r["ft/participants"] != prev["ft/participants"]:
+            kind = "failure" if r["ft/participants"] < prev["ft/participants"] else "rejoin"
+            out.append({"step": r["step"], "kind": kind, "stall_s": r["step_time_s"],
+                        "discarded": r["ft/discarded_steps"] - prev["ft/discarded_steps"]})  # fmt: skip
     return out
 
 
