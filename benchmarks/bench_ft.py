@@ -40,7 +40,7 @@ def main() -> None:
     job = FTJob(
         dump,
         (*TINY, "training.steps=100000", "checkpoint.enable=false", *FT_FAST, f"{FT}.min_replicas=1",
-         f"{FT}.quorum_timeout_s=8", f"{FT}.hang_timeout_s=10", f"{FT}.startup_wait_s=8"),
+         f"{FT}.quorum_timeout_s=12", f"{FT}.hang_timeout_s=14", f"{FT}.startup_wait_s=10"),
         step_delay_s=args.step_delay,
     )  # fmt: skip
     trials = []

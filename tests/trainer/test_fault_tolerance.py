@@ -102,8 +102,8 @@ def test_failures_heal_and_resume(tmp_path) -> None:
     job = FTJob(
         str(tmp_path / "ft"),
         (*TINY, "training.steps=100000", "checkpoint.enable=true", "checkpoint.interval=10", "checkpoint.keep_latest=0",
-         *FT_FAST, f"{FT}.min_replicas=1", f"{FT}.quorum_timeout_s=8", f"{FT}.hang_timeout_s=10",
-         f"{FT}.startup_wait_s=8"),
+         *FT_FAST, f"{FT}.min_replicas=1", f"{FT}.quorum_timeout_s=12", f"{FT}.hang_timeout_s=14",
+         f"{FT}.startup_wait_s=10"),
         step_delay_s=0.1,
     )  # fmt: skip
 

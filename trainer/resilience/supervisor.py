@@ -53,6 +53,27 @@ class Group:
     history: list[str] = field(default_factory=list)
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc): torchrun starts each worker in a session of its own,
+    so killing torchrun's process group leaves them running."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="utf-8") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
 def read_heartbeats(folder: str) -> dict[str, tuple[float, str, int]]:
     """rank file -> (time, phase, pid) of a group's heartbeat files."""
     out = {}
@@ -144,11 +165,26 @@ class Supervisor:
                     time.sleep(1.0)
                 except ProcessLookupError:
                     pass
-            try:
-                os.killpg(group.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            for pid in [group.proc.pid, *descendants(group.proc.pid)]:  # torchrun and its workers
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             group.proc.wait()
+
+    def reap(self, group: Group) -> None:
+        """SIGKILL ranks of an ended incarnation that outlived their torchrun (a rank blocked in a
+        collective defers SIGTERM to its step boundary, which it never reaches); their pids are in
+        the heartbeat files, checked against /proc so that a recycled pid is left alone."""
+        for _, _, pid in read_heartbeats(group_folder(self.dump_folder, group.group_id)).values():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if os.path.basename(self.args.entry).encode() not in f.read():
+                        continue
+                os.kill(pid, signal.SIGKILL)
+                self.log(f"group {group.group_id}: killed rank process {pid} left over by its torchrun")
+            except (OSError, ProcessLookupError):
+                continue
 
     def hung(self, group: Group) -> Optional[tuple[str, int, str]]:
         """(reason, pid) if a rank of ``group`` has not started a step for longer than hang_timeout_s,
@@ -174,6 +210,7 @@ class Supervisor:
                 return
             self.kill(group, f"hang watchdog: {hang[0]}", stack_of=hang[1])
             rc = 0 if hang[2] == "done" else group.proc.returncode  # stuck in teardown: it did finish
+        self.reap(group)
         group.log.close()
         group.history.append(str(rc))
         if rc == 0:
@@ -211,7 +248,7 @@ class Supervisor:
         running = [g for g in self.groups if g.proc is not None and g.proc.poll() is None]
         for group in running:
             try:
-                os.killpg(group.proc.pid, signum)
+                os.kill(group.proc.pid, signum)  # torchrun forwards it to its workers
             except ProcessLookupError:
                 pass
         deadline = time.time() + self.args.stop_grace_s
