@@ -519,3 +519,18 @@ def apply_ddp(
     elif grad_dtype == torch.float16:
         ddp.register_comm_hook(group, default_hooks.fp16_compress_hook)
     return ddp
+
+
+def apply_replica_ddp(
+    model: nn.Module,
+    reducer: ReplicaReducer,
+    *,
+    bucket_mb: float = 25.0,
+    grad_dtype: Optional[torch.dtype] = None,
+) -> nn.Module:
+    """Wrap ``model`` in :class:`BucketedDDP` whose bucket all-reduce goes through ``reducer``.
+
+    No construction-time broadcast: replica groups build identical weights (deterministic init, or
+    the same checkpoint), and a group that joins late heals from a live peer before its first step.
+    """
+    return BucketedDDP(model, None, bucket_mb=bucket_mb, grad_dtype=grad_dtype, reducer=reducer)

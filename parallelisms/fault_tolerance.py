@@ -9,7 +9,7 @@ reconfigurable process group. A group can die (and restart) without stopping the
 This file swaps *only the collective*; the wrappers stay ours:
 
 * **Pure replication inside a group** (``dp_shard = cp = pp = 1``): :class:`BucketedDDP` with a
-  :class:`ManagedReducer`. Its buckets and hooks are unchanged (gradients are copied into flat
+  :class:`ManagedReducer` (``parallelisms.ddp.apply_replica_ddp``). Its buckets and hooks are unchanged (gradients are copied into flat
   buckets, each bucket launched in order as soon as it is full, overlapping backward); each
   bucket's ``all_reduce`` goes through ``Manager.allreduce`` instead of ``dist.all_reduce``.
 * **Sharded or pipelined groups** (FSDP2 / HSDP-like, PP, CP): after backward (FSDP's own
@@ -32,7 +32,7 @@ waits for the all-reduce; neither is used). ``torchft`` is imported only by whoe
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -40,7 +40,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 
-__all__ = ["ManagedReducer", "ReplicaReducer", "allreduce_gradients", "apply_replica_ddp"]
+__all__ = ["ManagedReducer", "ReplicaReducer", "allreduce_gradients"]
 
 _DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 
@@ -120,20 +120,3 @@ def _launch(
     flat = _flatten_dense_tensors(chunk)
     flat.mul_(scale)
     return reducer.all_reduce(flat), flat, chunk
-
-
-def apply_replica_ddp(
-    model: nn.Module,
-    reducer: ReplicaReducer,
-    *,
-    bucket_mb: float = 25.0,
-    grad_dtype: Optional[torch.dtype] = None,
-) -> nn.Module:
-    """Wrap ``model`` in :class:`BucketedDDP` whose bucket all-reduce goes through ``reducer``.
-
-    No construction-time broadcast: replica groups build identical weights (deterministic init, or
-    the same checkpoint), and a group that joins late heals from a live peer before its first step.
-    """
-    from parallelisms.ddp import BucketedDDP
-
-    return BucketedDDP(model, None, bucket_mb=bucket_mb, grad_dtype=grad_dtype, reducer=reducer)

@@ -143,7 +143,7 @@ def parallelize_part(
             grad_dtype=to_dtype(cfg.ddp.grad_dtype) if cfg.ddp.grad_dtype else None,
         )  # fmt: skip
     elif options.replica_reducer is not None and wrap_ddp and not dims.fsdp_enabled:
-        from parallelisms.fault_tolerance import apply_replica_ddp
+        from parallelisms.ddp import apply_replica_ddp
         from parallelisms.utils import to_dtype
 
         model = apply_replica_ddp(

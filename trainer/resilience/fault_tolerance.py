@@ -64,67 +64,6 @@ def group_folder(dump_folder: str, group_id: int) -> str:
     return os.path.join(dump_folder, f"replica_group_{group_id}")
 
 
-def validate_fault_tolerance(cfg: TrainConfig) -> None:
-    """The static checks (no environment): raised as ``ConfigError`` by ``trainer.config.validate``."""
-    p, ft = cfg.parallelism, cfg.parallelism.fault_tolerance
-    if not ft.enable:
-        return
-    key = "parallelism.fault_tolerance"
-    if not 0 <= ft.replica_group_id < p.dp_replicate:
-        raise ConfigError(
-            f"{key}.replica_group_id={ft.replica_group_id} must lie in [0, parallelism.dp_replicate="
-            f"{p.dp_replicate}): each dp_replicate index is one replica group. Set parallelism.dp_replicate "
-            "to the number of groups and give each group its index (the launchers do)."
-        )
-    if not 1 <= ft.min_replicas <= p.dp_replicate:
-        raise ConfigError(
-            f"{key}.min_replicas={ft.min_replicas} must lie in [1, parallelism.dp_replicate={p.dp_replicate}]."
-        )
-    for name in ("timeout_s", "quorum_timeout_s", "hang_timeout_s", "heartbeat_ms"):
-        value = getattr(ft, name)
-        if not value > 0:
-            raise ConfigError(f"{key}.{name}={value} must be > 0.")
-    if not 0 <= ft.startup_wait_s < ft.hang_timeout_s:
-        raise ConfigError(
-            f"{key}.startup_wait_s={ft.startup_wait_s} must lie in [0, hang_timeout_s={ft.hang_timeout_s})."
-        )
-    if ft.hang_timeout_s <= ft.quorum_timeout_s:
-        raise ConfigError(
-            f"{key}.hang_timeout_s={ft.hang_timeout_s} must exceed {key}.quorum_timeout_s={ft.quorum_timeout_s}: a "
-            "group waiting for a quorum starts no step, and the hang watchdog would kill it. Raise hang_timeout_s."
-        )
-    if cfg.training.global_batch_size % p.dp_replicate:
-        raise ConfigError(
-            f"training.global_batch_size={cfg.training.global_batch_size} must be a multiple of "
-            f"parallelism.dp_replicate={p.dp_replicate} (each replica group trains an equal share)."
-        )
-    if p.ddp.impl != "custom":
-        raise ConfigError(
-            f"{key}.enable=true averages gradients through our bucketed DDP with the torchft collective; "
-            f"parallelism.ddp.impl={p.ddp.impl!r} cannot swap it. Set parallelism.ddp.impl=custom."
-        )
-    if p.ddp.sharded_optimizer:
-        raise ConfigError(
-            f"{key}.enable=true with parallelism.ddp.sharded_optimizer=true: ZeRO-1 would shard the optimizer "
-            "state over replica groups that may die. Set parallelism.ddp.sharded_optimizer=false (shard inside "
-            "a group with parallelism.dp_shard instead)."
-        )
-    if cfg.data.streaming:
-        raise ConfigError(
-            f"{key}.enable=true with data.streaming=true: a streamed corpus is read per rank and cannot move a "
-            "failed group's share to the survivors. Prepare the data (python -m trainer.prepare_data) or set "
-            "data.streaming=false."
-        )
-    if getattr(cfg.model, "num_experts", 0):
-        raise ConfigError(
-            f"{key}.enable=true is not supported for MoE models (model.num_experts={cfg.model.num_experts}): the "
-            "expert load balancer updates its biases from group-local token counts, so replica groups would "
-            "diverge. Use a dense model, or train without fault tolerance."
-        )
-    if cfg.checkpoint.create_seed:
-        raise ConfigError(f"checkpoint.create_seed=true runs one process; set {key}.enable=false for it.")
-
-
 def group_parallelism(p: ParallelismConfig) -> ParallelismConfig:
     """The layout inside one replica group: ``dp_replicate`` is the number of groups, so 1 inside."""
     if not p.fault_tolerance.enable:
