@@ -42,9 +42,11 @@ class FTJob:
     def __init__(
         self, dump: str, overrides: tuple[str, ...], *, groups: int = 2, nproc: int = 1,
         step_delay_s: float = 0.0, supervisor_args: str = "--max-restarts 5 --restart-delay 0.5",
+        env: Optional[dict[str, str]] = None,
     ) -> None:  # fmt: skip
         self.dump = dump
         self.groups = groups
+        extra = env
         env = clean_env(
             FT_GROUPS=str(groups),
             NPROC=str(nproc),
@@ -53,6 +55,7 @@ class FTJob:
         )
         if step_delay_s:
             env[STEP_DELAY_ENV] = str(step_delay_s)
+        env.update(extra or {})
         os.makedirs(dump, exist_ok=True)
         self.log_path = os.path.join(dump, "supervisor.log")
         self._log = open(self.log_path, "ab")

@@ -23,7 +23,7 @@ from tests.configs import REPO, TINY
 from tests.ft_harness import FT_FAST, FTJob, clean_env, stalls
 from trainer.checkpoint.checkpointer import complete_steps, read_marker
 from trainer.config import ConfigError, compose_config
-from trainer.resilience.fault_tolerance import check_environment
+from trainer.resilience.fault_tolerance import KILL_ENV, check_environment
 
 pytest.importorskip("torchft")
 
@@ -104,7 +104,7 @@ def test_failures_heal_and_resume(tmp_path) -> None:
         (*TINY, "training.steps=100000", "checkpoint.enable=true", "checkpoint.interval=10", "checkpoint.keep_latest=0",
          *FT_FAST, f"{FT}.min_replicas=1", f"{FT}.quorum_timeout_s=12", f"{FT}.hang_timeout_s=14",
          f"{FT}.startup_wait_s=10"),
-        step_delay_s=0.1,
+        step_delay_s=0.1, env={KILL_ENV: "1@6"},
     )  # fmt: skip
 
     heal_times: list[float] = []
@@ -118,10 +118,14 @@ def test_failures_heal_and_resume(tmp_path) -> None:
         return True
 
     try:
-        job.wait_for(lambda: job.last_step(0) >= 3 and job.last_step(1) >= 3, 300, "both groups training")
-        # 1. SIGKILL group 1: group 0 keeps committing steps alone; group 1 restarts and heals.
-        killed_at = job.last_step(0)
-        job.signal_group(1, signal.SIGKILL)
+        # 1. Group 1 SIGKILLs itself after the forward of its first step >= 6 (test hook): group 0 is inside that step's
+        # gradient all-reduce when its peer disappears; it discards the step and keeps committing steps
+        # alone; group 1 restarts and heals.
+        job.wait_for(
+            lambda: any(r.get("ft/discarded_steps") for r in job.records(0)), 300, "a discarded step"
+        )
+        died = next(r for r in job.records(0) if r["ft/discarded_steps"])  # the step group 1 died in
+        killed_at = died["step"] - 1
         job.wait_for(lambda: any(r["step"] > killed_at and r["ft/participants"] == 1 for r in job.records(0)),
                      60, "the survivor to commit a step alone")  # fmt: skip
         job.wait_for(lambda: healed_after(killed_at), 300, "group 1 to heal after SIGKILL")
@@ -152,6 +156,9 @@ def test_failures_heal_and_resume(tmp_path) -> None:
     assert [r["step"] for r in first_run] == list(range(1, lost_at + 1))
     # The survivor never stopped: it committed steps alone while group 1 was down.
     alone = [r["step"] for r in first_run if r["ft/participants"] == 1]
+    # the step group 1 died in: discarded once by group 0, retried and committed alone
+    assert died["ft/participants"] == 1 and died["ft/discarded_steps"] == 1, died
+    assert first_run[killed_at - 1]["ft/participants"] == 2, first_run[killed_at - 1]
     assert any(killed_at < s < stopped_at for s in alone) and any(s > stopped_at for s in alone), alone
     median = sorted(r["step_time_s"] for r in first_run)[len(first_run) // 2]
     print(f"survivor: median step {median:.2f}s; quorum changes (step, kind, s, discarded):",

@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Optional
@@ -57,6 +58,10 @@ HEARTBEAT_DIR = "heartbeat"
 # Test-only: seconds every step sleeps (a tiny model's step is ~50 ms; the failure tests need the
 # survivors still training while a killed group restarts, as a real model's steps would). Never set it in runs.
 STEP_DELAY_ENV = "MESHWRIGHT_TEST_FT_STEP_DELAY_S"
+# Test-only: "<group>@<step>": rank 0 of that replica group SIGKILLs itself at the end of the forward
+# pass of its first step >= <step> (once per run folder), so the other groups are inside that step's
+# gradient all-reduce when it disappears.
+KILL_ENV = "MESHWRIGHT_TEST_FT_KILL_AT"
 
 
 def group_folder(dump_folder: str, group_id: int) -> str:
@@ -169,6 +174,18 @@ class FaultTolerance:
         self.manager.load_state_dict(
             {"step": trainer.state.step, "batches_committed": samples // self.batch_size}
         )
+        kill = os.environ.get(KILL_ENV, "")
+        if kill and int(kill.split("@")[0]) == self.group_id and self.rank == 0:
+            at = int(kill.split("@")[1])
+            done = os.path.join(self.folder, "test_kill_done")
+
+            def die(module: Any, args: Any, output: Any) -> None:
+                if trainer.state.step + 1 >= at and module.training and not os.path.exists(done):
+                    open(done, "w").close()
+                    logger.warning(f"{KILL_ENV}={kill}: replica group {self.group_id} kills itself (test hook)")
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            trainer.model_parts[0].register_forward_hook(die)
 
     def _state_dict(self) -> dict[str, Any]:
         t = self._trainer
