@@ -7,6 +7,7 @@ the median step), the steps group 0 trained alone, the heal time of group 1, gro
 around the failure, and whether both groups ended bitwise equal (weights + optimizer digest).
 
     python benchmarks/bench_ft.py [--trials 3] [--seed 0] [--step-delay 0.1]
+    python benchmarks/bench_ft.py --nproc 2 --signal STOP --rank 1   # FSDP x2 per group, a hung rank 1
 """
 
 from __future__ import annotations
@@ -34,14 +35,19 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--step-delay", type=float, default=0.1, help="seconds added to every step")
+    parser.add_argument("--nproc", type=int, default=1, help="ranks per group (> 1: FSDP over them)")
+    parser.add_argument("--signal", choices=("KILL", "STOP"), default="KILL", help="STOP: the hang watchdog acts")
+    parser.add_argument("--rank", type=int, default=0, help="the rank of group 1 that gets the signal")
     args = parser.parse_args()
+    sig = signal.SIGKILL if args.signal == "KILL" else signal.SIGSTOP
     rng = random.Random(args.seed)
     dump = tempfile.mkdtemp(prefix="bench_ft_")
     job = FTJob(
         dump,
-        (*TINY, "training.steps=100000", "checkpoint.enable=false", *FT_FAST, f"{FT}.min_replicas=1",
+        (*TINY, "training.steps=100000", "checkpoint.enable=false", f"parallelism.dp_shard={args.nproc}",
+         *FT_FAST, f"{FT}.min_replicas=1",
          f"{FT}.quorum_timeout_s=12", f"{FT}.hang_timeout_s=14", f"{FT}.startup_wait_s=10"),
-        step_delay_s=args.step_delay,
+        step_delay_s=args.step_delay, nproc=args.nproc,
     )  # fmt: skip
     trials = []
     try:
@@ -50,7 +56,7 @@ def main() -> None:
             target = job.last_step(0) + rng.randint(3, 15)
             job.wait_for(lambda target=target: job.last_step(0) >= target, 300, f"step {target}")
             killed_at = job.last_step(0)
-            t_kill = job.signal_group(1, signal.SIGKILL)
+            t_kill = job.signal_group(1, sig, rank=args.rank)
 
             def healed(killed_at: int = killed_at) -> bool:
                 g1 = job.records(1)
@@ -79,7 +85,8 @@ def main() -> None:
         equal = all(shared[r["step"]] == r["ft/state_sha"] for r in job.records(0) if r["step"] in shared)
     finally:
         job.stop()
-    print(json.dumps({"trials": trials, "groups_bitwise_equal_where_both_logged": equal}, indent=1))
+    print(json.dumps({"signal": args.signal, "nproc": args.nproc, "rank": args.rank, "trials": trials,
+                      "groups_bitwise_equal_where_both_logged": equal}, indent=1))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@
 * no faults: losses, gradient norms and final weights equal plain DDP x2 (``./launch.sh`` with
   ``parallelism.dp_replicate=2``) on the same batches within 1e-6, and both groups hold bitwise
   equal weights and optimizer state at every step;
-* failures in one job: SIGKILL of a group (the survivor keeps committing steps alone; the group
-  restarts and heals bitwise), SIGSTOP of a group (the hang watchdog kills it, it restarts and
+* failures in one job: a group SIGKILLed inside a step (the survivor, inside the gradient
+  all-reduce, discards that step and keeps committing steps alone; the group restarts and heals
+  bitwise), SIGSTOP of a group (the hang watchdog kills it, it restarts and
   heals), then SIGKILL of every group (all restart and resume from the DCP checkpoint exactly), with
   the data accounting: every committed step advances the data position by exactly the samples of
   its participants.
@@ -97,7 +98,7 @@ def test_two_groups_match_ddp(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_failures_heal_and_resume(tmp_path) -> None:
-    """SIGKILL, SIGSTOP, then every group killed, in one job of 2 groups (min_replicas=1). The job is
+    """SIGKILL inside a step, SIGSTOP, then every group killed, in one job of 2 groups (min_replicas=1). The job is
     long (steps=100000); the test stops it once every scenario has been seen."""
     job = FTJob(
         str(tmp_path / "ft"),
