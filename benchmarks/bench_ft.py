@@ -8,6 +8,7 @@ around the failure, and whether both groups ended bitwise equal (weights + optim
 
     python benchmarks/bench_ft.py [--trials 3] [--seed 0] [--step-delay 0.1]
     python benchmarks/bench_ft.py --nproc 2 --signal STOP --rank 1   # FSDP x2 per group, a hung rank 1
+    python benchmarks/bench_ft.py --parity --nproc 2   # no faults: 2 groups x FSDP2 vs HSDP 2 x 2 (./launch.sh)
 """
 
 from __future__ import annotations
@@ -30,6 +31,40 @@ from tests.ft_harness import FT_FAST, FTJob  # noqa: E402
 FT = "parallelism.fault_tolerance"
 
 
+def parity(nproc: int) -> None:
+    """8 steps of 2 groups x ``nproc`` ranks (FSDP inside when nproc > 1) against the same layout without
+    fault tolerance (DDP x2, or HSDP 2 x nproc) on the same batches: losses, grad norms, final weights."""
+    import subprocess
+
+    from tests.configs import REPO
+    from tests.ft_harness import clean_env
+    from trainer.checkpoint.load import load_model
+
+    dump = tempfile.mkdtemp(prefix="bench_ft_parity_")
+    run = (*TINY, "training.steps=8", "checkpoint.enable=true", "checkpoint.interval=100",
+           f"parallelism.dp_shard={nproc}", *FT_FAST)  # fmt: skip
+    job = FTJob(os.path.join(dump, "ft"), (*run, f"{FT}.min_replicas=2"), nproc=nproc)
+    ref = subprocess.run(
+        ["./launch.sh", *run, "parallelism.dp_replicate=2", f"job.dump_folder={dump}/plain"],
+        cwd=REPO, env=clean_env(NPROC=str(2 * nproc)), capture_output=True, text=True, timeout=1800,
+    )  # fmt: skip
+    assert ref.returncode == 0, ref.stdout[-3000:]
+    assert job.wait(1800) == 0, job.log()
+    job.stop()
+    with open(os.path.join(dump, "plain", "metrics.jsonl"), encoding="utf-8") as f:
+        want = [r for r in map(json.loads, f) if "loss" in r]
+    g0, g1 = job.records(0), job.records(1)
+    err = max(abs(a[k] - e[k]) / abs(e[k]) for a, e in zip(g0, want) for k in ("loss", "grad_norm"))
+    ft_model, _ = load_model(os.path.join(dump, "ft", "checkpoints", "step-8"))
+    plain = load_model(os.path.join(dump, "plain", "checkpoints", "step-8"))[0].state_dict()
+    weights = max((v - plain[k]).abs().max().item() for k, v in ft_model.state_dict().items())
+    print(json.dumps({
+        "layout": f"2 groups x {nproc} ranks vs dp_replicate=2 x dp_shard={nproc}", "steps": len(g0),
+        "max_rel_loss_grad_norm_error": err, "max_weight_error": weights,
+        "groups_bitwise_equal": all(a["ft/state_sha"] == b["ft/state_sha"] for a, b in zip(g0, g1)),
+    }, indent=1))  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=3)
@@ -38,7 +73,11 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=1, help="ranks per group (> 1: FSDP over them)")
     parser.add_argument("--signal", choices=("KILL", "STOP"), default="KILL", help="STOP: the hang watchdog acts")
     parser.add_argument("--rank", type=int, default=0, help="the rank of group 1 that gets the signal")
+    parser.add_argument("--parity", action="store_true", help="no faults: compare with the plain run instead")
     args = parser.parse_args()
+    if args.parity:
+        parity(args.nproc)
+        return
     sig = signal.SIGKILL if args.signal == "KILL" else signal.SIGSTOP
     rng = random.Random(args.seed)
     dump = tempfile.mkdtemp(prefix="bench_ft_")
