@@ -39,7 +39,7 @@ class FaultToleranceConfig:
     quorum_timeout_s: float = 60.0  # waiting for a quorum (> the lighthouse's --join_timeout_ms)
     heartbeat_ms: int = 100  # manager -> lighthouse heartbeat interval
     startup_wait_s: float = 0.0  # first step of a group's process: wait up to this long for all dp_replicate groups
-    hang_timeout_s: float = 90.0  # no new step for this long: the launcher's supervisor kills the group (> quorum_timeout_s)
+    hang_timeout_s: float = 90.0  # main thread silent this long (not in a step, not waiting for a quorum): the supervisor kills the group
 
 
 @dataclass

@@ -37,7 +37,7 @@ def test_config_errors() -> None:
     cases = {
         f"{FT}.replica_group_id=2": "replica_group_id=2 must lie in [0, parallelism.dp_replicate=2)",
         f"{FT}.min_replicas=3": "min_replicas=3 must lie in [1, parallelism.dp_replicate=2]",
-        f"{FT}.hang_timeout_s=30": "hang_timeout_s=30.0 must exceed",
+        f"{FT}.startup_wait_s=-1": "startup_wait_s=-1.0 must be >= 0",
         "parallelism.ddp.impl=torch": "Set parallelism.ddp.impl=custom",
         "parallelism.ddp.sharded_optimizer=true": "parallelism.ddp.sharded_optimizer=false",
         "training.global_batch_size=15": "multiple of parallelism.dp_replicate=2",

@@ -164,6 +164,8 @@ class FaultTolerance:
         self._test_delay_s = float(os.environ.get(STEP_DELAY_ENV, "0") or 0)
         self.num_groups = cfg.parallelism.dp_replicate
         self._startup_wait_s = ft.startup_wait_s  # spent once, at this process's first step
+        # enough quorum timeouts to outlast a hung peer until the supervisor kills it
+        self._quorum_attempts = 2 + int(ft.hang_timeout_s // ft.quorum_timeout_s)
 
     # -- wiring ---------------------------------------------------------------------
     def attach(self, trainer: Any) -> None:
@@ -253,13 +255,13 @@ class FaultTolerance:
         if self._test_delay_s > 0:
             time.sleep(self._test_delay_s)
         start = time.perf_counter()
-        self.manager.start_quorum()  # synchronous: heals and applies the state here
+        self._quorum()  # synchronous: heals and applies the state here
         if self._startup_wait_s > 0:  # first step: rather every group than a lone start and heals later
             deadline = time.monotonic() + self._startup_wait_s
             while self.manager.num_participants() < self.num_groups and time.monotonic() < deadline:
                 time.sleep(0.5)
                 self.beat()
-                self.manager.start_quorum()
+                self._quorum()
             self._startup_wait_s = 0.0
         self._quorum_s = time.perf_counter() - start
         if self._healed:
@@ -277,6 +279,34 @@ class FaultTolerance:
         self.data_position = committed
         loader.seek(committed + self.participating_rank * self.batch_size,
                     stride=self.num_participants * self.batch_size)  # fmt: skip
+
+    def _quorum(self) -> None:
+        """``Manager.start_quorum`` (synchronous; a heal is applied inside it while this thread only
+        waits), run in a helper thread so that the main thread keeps marking its heartbeat: waiting for
+        a quorum is not a hang. A quorum that times out is asked again, up to ``quorum_attempts``
+        times: a hung peer that still heartbeats blocks the lighthouse (it wants more than half of the
+        heartbeating groups) until the supervisor's hang watchdog has killed it."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshwright-quorum") as pool:
+            for attempt in range(1, self._quorum_attempts + 1):
+                future = pool.submit(self.manager.start_quorum)
+                while not future.done():
+                    try:
+                        future.result(timeout=0.5)
+                    except Exception:  # still waiting (wait timeout), or failed: decided below
+                        pass
+                    if not future.done():
+                        self.beat()
+                error = future.exception()
+                if error is None:
+                    return
+                if attempt == self._quorum_attempts:
+                    raise error
+                logger.warning(f"replica group {self.group_id}: quorum attempt {attempt} failed ({error}); again")
+                # torchft keeps the failed quorum's future and re-raises it on the next start_quorum:
+                # drop it (a private attribute of torchft 0.2.0's Manager).
+                self.manager._quorum_future = None
 
     def sum_over_groups(self, value: torch.Tensor) -> torch.Tensor:
         """SUM of ``value`` over this step's replica groups (rank r with rank r); local on failure."""

@@ -14,9 +14,10 @@ lighthouse on the first node). For each of its groups it runs a restart loop:
 * **hang watchdog**: each rank's main thread rewrites ``<dump>/replica_group_<g>/heartbeat/rank<R>``
   at the start of every step. A group whose oldest heartbeat is older than
   ``parallelism.fault_tolerance.hang_timeout_s`` (a rank hung in Python, a deadlock, SIGSTOP) is
-  killed (SIGKILL to its whole process group) and restarted. Its torchft heartbeat may still be
-  alive (a thread of its own), so the lighthouse's ``--join_timeout_ms`` (kept below
-  ``quorum_timeout_s``) is what lets the others form a quorum without it meanwhile.
+  killed (SIGKILL to torchrun and every rank) and restarted. Waiting for a quorum is not a hang (the
+  trainer beats while it waits). A hung group whose torchft manager still heartbeats blocks new
+  quorums until it is killed (the lighthouse wants more than half of the heartbeating groups); the
+  others retry their quorum meanwhile (trainer/resilience/fault_tolerance.py).
 
 The supervisor reads the run folder and the fault-tolerance settings from the same overrides the
 trainer gets (Hydra composition, the trainer's own config code).
