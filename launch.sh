@@ -5,6 +5,7 @@
 #   ./launch.sh +experiment=38m_ddp training.steps=50
 #   NPROC=4 ./launch.sh +experiment=debug parallelism.dp_replicate=2 parallelism.dp_shard=2
 #   NNODES=4 NODE_RANK=$i RDZV_ENDPOINT=host0:29500 ./launch.sh +experiment=7b_hsdp
+#   FT_GROUPS=2 NPROC=1 ./launch.sh +experiment=debug   # fault tolerance: a lighthouse + 2 replica groups
 #
 # NPROC defaults to the number of visible GPUs, else 2 CPU ranks (gloo). Multi-node without
 # a scheduler: run the same command on every node with NNODES, NODE_RANK (0..NNODES-1) and
@@ -17,6 +18,10 @@ if [[ -z "${NPROC:-}" ]]; then
   NPROC=0
   if command -v nvidia-smi >/dev/null 2>&1; then
     NPROC=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  fi
+  if [[ -n "${FT_GROUPS:-}" ]]; then   # ranks per replica group: the GPUs shared out, else 1 CPU rank
+    NPROC=$(( NPROC / FT_GROUPS ))
+    [[ "$NPROC" -gt 0 ]] || NPROC=1
   fi
   [[ "$NPROC" -gt 0 ]] || NPROC=2
 fi
@@ -45,6 +50,15 @@ export TORCHELASTIC_SIGNALS_TO_HANDLE=${TORCHELASTIC_SIGNALS_TO_HANDLE:-$PET_SIG
 # reconnect to the shared rendezvous store (pytorch/pytorch#135712): give them their own.
 if [[ "${TORCHRUN_ARGS:-}" == *max[-_]restarts* ]]; then
   export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
+fi
+
+# Fault tolerance (README "Fault tolerance"): a torchft lighthouse and FT_GROUPS replica groups of
+# NPROC ranks each, every group its own torchrun, supervised by trainer/resilience/supervisor.py
+# (restart loop with a fresh torchrun per incarnation, hang watchdog). FT_LIGHTHOUSE_PORT (29510)
+# and FT_ARGS (supervisor options, e.g. "--max-restarts 5") tune it.
+if [[ -n "${FT_GROUPS:-}" ]]; then
+  exec python -m trainer.resilience.supervisor --groups "$FT_GROUPS" --nproc "$NPROC" --start-lighthouse \
+    --lighthouse "http://localhost:${FT_LIGHTHOUSE_PORT:-29510}" ${FT_ARGS:-} -- "$@"
 fi
 
 if [[ "$NNODES" -gt 1 ]]; then

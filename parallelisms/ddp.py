@@ -32,7 +32,7 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,9 @@ from torch.distributed.tensor import DTensor
 
 from models.errors import ConfigError
 from parallelisms.validate import validate_ddp
+
+if TYPE_CHECKING:
+    from parallelisms.fault_tolerance import ReplicaReducer
 
 # Parameters and buffers are broadcast at construction in flat chunks of at most this many
 # bytes: few collectives, bounded temporary memory (same default as torch DDP).
@@ -129,6 +132,10 @@ class BucketedDDP(nn.Module):
         broadcast_buffers: include buffers in the construction-time broadcast. Buffers are not
             re-broadcast before every forward (an LLM's buffers, e.g. RoPE tables, are constants);
             ``apply_ddp`` builds torch DDP with the same behaviour.
+        reducer: swap the collective (``process_group`` is then None): each bucket is SUM
+            all-reduced by ``reducer`` over ``reducer.size()`` replicas of the current step
+            (torchft replica groups, parallelisms/fault_tolerance.py); nothing is broadcast at
+            construction and a failed all-reduce does not raise (the reducer reports it).
 
     The wrapper's ``state_dict``/``load_state_dict``/``named_parameters`` carry no ``module.``
     prefix, so checkpoints move freely between wrapped and unwrapped models, and attribute
@@ -138,30 +145,35 @@ class BucketedDDP(nn.Module):
     def __init__(
         self,
         module: nn.Module,
-        process_group: dist.ProcessGroup,
+        process_group: Optional[dist.ProcessGroup],
         *,
         bucket_mb: float = 25.0,
         grad_dtype: Optional[torch.dtype] = None,
         broadcast_buffers: bool = True,
+        reducer: Optional[ReplicaReducer] = None,
     ) -> None:
         super().__init__()
         validate_ddp("custom", bucket_mb)
         if grad_dtype is not None and not grad_dtype.is_floating_point:
             raise ConfigError(f"grad_dtype must be a floating dtype such as torch.bfloat16, got {grad_dtype}")
+        if (reducer is None) == (process_group is None):
+            raise ValueError("BucketedDDP needs exactly one of process_group and reducer")
         self.module = module
         self.process_group = process_group
-        self.world_size = dist.get_world_size(process_group)
+        self._reducer = reducer
+        self._group_size = dist.get_world_size(process_group) if process_group is not None else 1
         self.bucket_bytes = int(bucket_mb * 1024 * 1024)
         self.grad_dtype = grad_dtype
         # NCCL averages natively; gloo has no reliable AVG, so there we pre-scale by 1/N (see
         # _copy_into_slot) or divide after the sum, which is what torch DDP's reducer does too.
-        self._use_avg_op = dist.get_backend(process_group) == dist.Backend.NCCL
+        self._use_avg_op = process_group is not None and dist.get_backend(process_group) == dist.Backend.NCCL
         self.require_backward_grad_sync = True  # False inside no_sync()
 
-        states = [_local(p) for p in module.parameters()]
-        if broadcast_buffers:
-            states += [_local(b) for b in module.buffers()]
-        broadcast_tensors_coalesced(states, process_group)
+        if process_group is not None:
+            states = [_local(p) for p in module.parameters()]
+            if broadcast_buffers:
+                states += [_local(b) for b in module.buffers()]
+            broadcast_tensors_coalesced(states, process_group)
 
         self._buckets = self._build_buckets([p for p in module.parameters() if p.requires_grad])
         self._next_bucket = 0  # buckets are launched strictly in order
@@ -184,6 +196,11 @@ class BucketedDDP(nn.Module):
 
         self.register_state_dict_post_hook(_strip_wrapped_prefix)
         self.register_load_state_dict_pre_hook(_add_wrapped_prefix)
+
+    @property
+    def world_size(self) -> int:
+        """Replicas averaged over: the process group's size, or the reducer's current participants."""
+        return self._reducer.size() if self._reducer is not None else self._group_size
 
     def _build_buckets(self, params: list[nn.Parameter]) -> list[_Bucket]:
         """Assign parameters to buckets in reverse registration order, split by size, dtype and device."""
@@ -308,8 +325,11 @@ class BucketedDDP(nn.Module):
     def _launch(self, bucket: _Bucket) -> None:
         assert bucket.buffer is not None
         wire = bucket.buffer.to(self.grad_dtype) if bucket.cast_for_wire else bucket.buffer
-        op = dist.ReduceOp.AVG if self._use_avg_op else dist.ReduceOp.SUM
-        handle = dist.all_reduce(wire, op=op, group=self.process_group, async_op=True)
+        if self._reducer is not None:
+            handle = self._reducer.all_reduce(wire)  # SUM over the replicas of this step
+        else:
+            op = dist.ReduceOp.AVG if self._use_avg_op else dist.ReduceOp.SUM
+            handle = dist.all_reduce(wire, op=op, group=self.process_group, async_op=True)
         bucket.launched = True
         self._pending.append((bucket, handle, wire))
 
@@ -499,3 +519,18 @@ def apply_ddp(
     elif grad_dtype == torch.float16:
         ddp.register_comm_hook(group, default_hooks.fp16_compress_hook)
     return ddp
+
+
+def apply_replica_ddp(
+    model: nn.Module,
+    reducer: ReplicaReducer,
+    *,
+    bucket_mb: float = 25.0,
+    grad_dtype: Optional[torch.dtype] = None,
+) -> nn.Module:
+    """Wrap ``model`` in :class:`BucketedDDP` whose bucket all-reduce goes through ``reducer``.
+
+    No construction-time broadcast: replica groups build identical weights (deterministic init, or
+    the same checkpoint), and a group that joins late heals from a live peer before its first step.
+    """
+    return BucketedDDP(model, None, bucket_mb=bucket_mb, grad_dtype=grad_dtype, reducer=reducer)

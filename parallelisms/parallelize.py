@@ -11,6 +11,7 @@ Order (fixed), each step applied only when its axis is active:
 7. FSDP2 / HSDP             (dp_shard x cp [, dp_replicate])  -- parallelisms/fsdp.py
 8. materialise: ``to_empty`` + the caller's deterministic ``init_weights``
 9. DDP                      (dp_replicate [x cp], not under PP) -- parallelisms/ddp.py
+   or, with fault tolerance, across torchft replica groups     -- parallelisms/fault_tolerance.py
 
 Steps 1-7 run on the meta device so no rank ever holds the whole model; DDP comes last
 because it broadcasts real weights from the replicate group's first rank.
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
@@ -37,6 +38,7 @@ from parallelisms.config import ParallelismConfig
 from parallelisms.parallel_dims import ParallelDims
 
 if TYPE_CHECKING:
+    from parallelisms.fault_tolerance import ReplicaReducer
     from parallelisms.pipeline_parallel import Pipeline
 
 
@@ -51,6 +53,9 @@ class PartOptions:
     ac_layer_interval: int = 2
     compile: bool = False
     attention_mask: str = "causal"  # the model's mask, for the context-parallel attention core
+    # Fault tolerance: the collective across torchft replica groups. A group that only replicates
+    # (no FSDP, no PP) gets BucketedDDP with it; other layouts all-reduce after backward instead.
+    replica_reducer: Optional[ReplicaReducer] = None
 
 
 def reshard_after_forward(cfg: ParallelismConfig, dims: ParallelDims) -> bool:
@@ -135,6 +140,14 @@ def parallelize_part(
 
         model = apply_ddp(
             model, dims.ddp_mesh, impl=cfg.ddp.impl, bucket_mb=cfg.ddp.bucket_mb,
+            grad_dtype=to_dtype(cfg.ddp.grad_dtype) if cfg.ddp.grad_dtype else None,
+        )  # fmt: skip
+    elif options.replica_reducer is not None and wrap_ddp and not dims.fsdp_enabled:
+        from parallelisms.ddp import apply_replica_ddp
+        from parallelisms.utils import to_dtype
+
+        model = apply_replica_ddp(
+            model, options.replica_reducer, bucket_mb=cfg.ddp.bucket_mb,
             grad_dtype=to_dtype(cfg.ddp.grad_dtype) if cfg.ddp.grad_dtype else None,
         )  # fmt: skip
     return model

@@ -388,6 +388,7 @@ def validate(cfg: TrainConfig) -> None:
     _validate_operations(cfg)
     _validate_data(cfg.data)
     validate_eval(cfg.eval)
+    _validate_fault_tolerance(cfg)
     folder = cfg.job.dump_folder
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise ConfigError(
@@ -417,6 +418,67 @@ def _validate_operations(cfg: TrainConfig) -> None:
             f"profiling.steps={list(cfg.profiling.steps)}: steps count from 1; drop {bad_steps}."
         )
     _positive(cfg.profiling.top_ops, "profiling.top_ops")
+
+
+def _validate_fault_tolerance(cfg: TrainConfig) -> None:
+    """``parallelism.fault_tolerance`` (torchft replica groups, trainer/resilience/fault_tolerance.py): the
+    checks that need no environment (the lighthouse address and torchft are checked at the start)."""
+    p, ft = cfg.parallelism, cfg.parallelism.fault_tolerance
+    if not ft.enable:
+        return
+    key = "parallelism.fault_tolerance"
+    if not 0 <= ft.replica_group_id < p.dp_replicate:
+        raise ConfigError(
+            f"{key}.replica_group_id={ft.replica_group_id} must lie in [0, parallelism.dp_replicate="
+            f"{p.dp_replicate}): each dp_replicate index is one replica group. Set parallelism.dp_replicate "
+            "to the number of groups and give each group its index (the launchers do)."
+        )
+    if not 1 <= ft.min_replicas <= p.dp_replicate:
+        raise ConfigError(
+            f"{key}.min_replicas={ft.min_replicas} must lie in [1, parallelism.dp_replicate={p.dp_replicate}]."
+        )
+    for name in ("timeout_s", "quorum_timeout_s", "hang_timeout_s", "heartbeat_ms"):
+        value = getattr(ft, name)
+        if not value > 0:
+            raise ConfigError(f"{key}.{name}={value} must be > 0.")
+    if ft.startup_wait_s < 0:
+        raise ConfigError(f"{key}.startup_wait_s={ft.startup_wait_s} must be >= 0 (0: no wait).")
+    if cfg.training.global_batch_size % p.dp_replicate:
+        raise ConfigError(
+            f"training.global_batch_size={cfg.training.global_batch_size} must be a multiple of "
+            f"parallelism.dp_replicate={p.dp_replicate} (each replica group trains an equal share)."
+        )
+    if p.ddp.impl != "custom":
+        raise ConfigError(
+            f"{key}.enable=true averages gradients through our bucketed DDP with the torchft collective; "
+            f"parallelism.ddp.impl={p.ddp.impl!r} cannot swap it. Set parallelism.ddp.impl=custom."
+        )
+    if p.ddp.sharded_optimizer:
+        raise ConfigError(
+            f"{key}.enable=true with parallelism.ddp.sharded_optimizer=true: ZeRO-1 would shard the optimizer "
+            "state over replica groups that may die. Set parallelism.ddp.sharded_optimizer=false (shard inside "
+            "a group with parallelism.dp_shard instead)."
+        )
+    if cfg.data.streaming:
+        raise ConfigError(
+            f"{key}.enable=true with data.streaming=true: a streamed corpus is read per rank and cannot move a "
+            "failed group's share to the survivors. Prepare the data (python -m trainer.prepare_data) or set "
+            "data.streaming=false."
+        )
+    if getattr(cfg.model, "num_experts", 0):
+        raise ConfigError(
+            f"{key}.enable=true is not supported for MoE models (model.num_experts={cfg.model.num_experts}): the "
+            "expert load balancer updates its biases from group-local token counts, so replica groups would "
+            "diverge. Use a dense model, or train without fault tolerance."
+        )
+    if cfg.optimizer.qk_clip_tau > 0:
+        raise ConfigError(
+            f"{key}.enable=true is not supported with optimizer.qk_clip_tau={cfg.optimizer.qk_clip_tau}: each "
+            "replica group would take its max logits from its own batches only and clip different heads, so the "
+            "groups' weights would diverge. Set optimizer.qk_clip_tau=0, or train without fault tolerance."
+        )
+    if cfg.checkpoint.create_seed:
+        raise ConfigError(f"checkpoint.create_seed=true runs one process; set {key}.enable=false for it.")
 
 
 def _validate_data(d: DataConfig) -> None:

@@ -55,6 +55,12 @@ def run(dcfg: DictConfig) -> None:
                 _exit_comm_failure(e, trainer, rank)
             raise
         trainer.close()
+        if trainer.ft is not None:
+            # torchft's native parts (manager server, lighthouse client, its gloo groups) take 5-10 s
+            # to tear down at interpreter exit; everything is written and closed: leave now.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
     except ConfigError as e:
         print(f"[rank{rank}] config error: {e}", file=sys.stderr, flush=True)
         _close(trainer)

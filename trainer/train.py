@@ -40,6 +40,12 @@ from trainer.observe.metrics import MetricsLogger, setup_logging
 from trainer.observe.mtp import MTPStats
 from trainer.observe.profiling import StepProfiler
 from trainer.optim import build_lr_scheduler, build_optimizer, build_qk_clip
+from trainer.resilience.fault_tolerance import (
+    FaultTolerance,
+    check_environment,
+    group_batch_size,
+    group_parallelism,
+)
 from trainer.resilience.guards import install_test_nan_hook, non_finite_message
 from trainer.resilience.preemption import PreemptionHandler
 from trainer.resilience.watchdog import CommMonitor, configure_flight_recorder
@@ -90,6 +96,11 @@ class Trainer:
         self.spec = get_spec(cfg.model.family)
         self._validate_and_load_data()  # 1. everything that needs no process group
         self._init_process_group()  # 2. process group and mesh
+        self.ft: Optional[FaultTolerance] = None  # torchft replica groups (trainer/resilience/fault_tolerance.py)
+        if cfg.parallelism.fault_tolerance.enable:
+            self.ft = FaultTolerance(
+                cfg, rank=self.rank, world_size=self.world_size, device=self.device, dump_folder=cfg.job.dump_folder
+            )
         self._build_operations()  # timeouts, preemption, profiling
         self._write_run_folder()  # 3. run folder, identical on every rank
         self._build_model()  # 4. model on meta -> parallelize -> deterministic weights
@@ -107,19 +118,23 @@ class Trainer:
         self.parallelism = (
             seed_parallelism(cfg.parallelism) if cfg.checkpoint.create_seed else cfg.parallelism
         )
+        # Fault tolerance: this process is one replica group; dp_replicate counts the groups.
+        check_environment(cfg)
+        self.parallelism = group_parallelism(self.parallelism)
+        self.batch_size = group_batch_size(cfg.parallelism, t.global_batch_size)  # this group's sequences per step
         self.device = resolve_device(t.device, self.local_rank)
         self.dims = validated_dims(
             self.parallelism, self.world_size, spec=self.spec, model_args=cfg.model, seq_len=t.seq_len,
-            global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size, compile=t.compile,
+            global_batch_size=self.batch_size, micro_batch_size=t.micro_batch_size, compile=t.compile,
             device_type=self.device.type,
         )  # fmt: skip
-        self.grad_accum_steps = self.dims.grad_accum_steps(t.global_batch_size, t.micro_batch_size)
-        self.local_batch_size = self.dims.local_batch_size(t.global_batch_size)
+        self.grad_accum_steps = self.dims.grad_accum_steps(self.batch_size, t.micro_batch_size)
+        self.local_batch_size = self.dims.local_batch_size(self.batch_size)
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
         check_vocab_size(self.tokenizer, cfg.model.vocab_size)
         dp_rank = self.dims.dp_rank_of(self.rank)  # the mesh confirms it once built
         self.train_loader = build_dataloader(
-            cfg.data, self.tokenizer, split="train", seq_len=t.seq_len, global_batch_size=t.global_batch_size,
+            cfg.data, self.tokenizer, split="train", seq_len=t.seq_len, global_batch_size=self.batch_size,
             dp_rank=dp_rank, dp_size=self.dims.dp, seed=t.seed,
         )  # fmt: skip
         self.val_loader: Optional[DataLoader] = None
@@ -173,11 +188,13 @@ class Trainer:
         )
 
     def _write_run_folder(self) -> None:
-        """Only rank 0 writes into the run folder (the same path on every rank)."""
+        """Only rank 0 writes into the run folder (the same path on every rank); a replica group
+        writes its config and metrics into its own subfolder."""
         self.dump_folder = self.cfg.job.dump_folder
+        self.log_folder = self.ft.folder if self.ft is not None else self.dump_folder
         if self.rank == 0:
-            os.makedirs(self.dump_folder, mode=0o750, exist_ok=True)
-            with open(os.path.join(self.dump_folder, "config.yaml"), "w", encoding="utf-8") as f:
+            os.makedirs(self.log_folder, mode=0o750, exist_ok=True)
+            with open(os.path.join(self.log_folder, "config.yaml"), "w", encoding="utf-8") as f:
                 f.write(to_yaml(self.cfg))
 
     @property
@@ -198,6 +215,7 @@ class Trainer:
             ac_layer_interval=t.ac_layer_interval,
             compile=t.compile,
             attention_mask=self.attention_mask,
+            replica_reducer=self.ft.reducer if self.ft is not None else None,
         )
         self.step_context = StepContext(
             device_type=self.device.type,
@@ -263,16 +281,18 @@ class Trainer:
             lr_scheduler=self.lr_scheduler, dataloader=self.train_loader, train_state=self.state,
             seed=cfg.training.seed, device=self.device,
             info=model_info(cfg.model, cfg.data.tokenizer, describe_layout(self.dims, self.parallelism)),
-            full_shapes=self.full_shapes, hf_target=(self.spec, cfg.model),
+            full_shapes=self.full_shapes, hf_target=(self.spec, cfg.model), shared_folder=self.ft is not None,
         )  # fmt: skip
         self.checkpointer.load()
+        if self.ft is not None:  # healing payload; the torchft step from a resumed checkpoint
+            self.ft.attach(self)
 
     def _build_metrics(self) -> None:
         cfg, t = self.cfg, self.cfg.training
-        self.tokens_per_step = t.global_batch_size * t.seq_len
+        self.tokens_per_step = self.batch_size * t.seq_len
         self.param_counts = self.spec.param_counts(cfg.model)
         self.metrics = MetricsLogger(
-            self.dump_folder, cfg.metrics, is_writer=self.rank == 0, device=self.device,
+            self.log_folder, cfg.metrics, is_writer=self.rank == 0, device=self.device,
             flops_per_token=self.spec.flops_per_token(cfg.model, t.seq_len), tokens_per_step=self.tokens_per_step,
             world_size=self.world_size, total_steps=t.steps, resume_step=self.state.step, run_name=cfg.job.name,
         )  # fmt: skip
@@ -358,14 +378,21 @@ class Trainer:
             finish()
         return loss_sum
 
-    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step over ``grad_accum_steps`` microbatches; returns (loss, grad_norm) tensors."""
+    def train_step(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """One optimizer step over ``grad_accum_steps`` microbatches; returns (loss, grad_norm) tensors,
+        or None if fault tolerance discarded the step (a replica group failed during it)."""
+        if self.ft is not None:  # quorum (a lagging group heals here) and this group's data share
+            self.ft.begin_step(self.train_loader, self.state.tokens_seen)
         batch = self._next_batch(self.train_loader)
         # The loss is normalised by the GLOBAL number of target tokens, and the gradient
         # reducers (DDP, FSDP) average over dp ranks, so each rank scales by dp_cp: the
         # result equals the single-process mean over the whole global batch.
-        num_tokens = self._global_sum(count_targets(batch.labels)).clamp(min=1)
-        scale = self.dims.dp_cp / num_tokens
+        num_tokens = self._global_sum(count_targets(batch.labels))
+        replicas = 1
+        if self.ft is not None:  # the tokens of every replica group in the step; they average over `replicas`
+            num_tokens, replicas = self.ft.sum_over_groups(num_tokens), self.ft.num_participants
+        num_tokens = num_tokens.clamp(min=1)
+        scale = self.dims.dp_cp * replicas / num_tokens
         if self.load_balancer is not None:
             self.load_balancer.begin_step()
         if self.qk_clip is not None:  # the attention records its per-head max logits this step
@@ -380,8 +407,15 @@ class Trainer:
             )
         else:
             loss_sum = self._accumulate_gradients(batch, scale)
+        if self.ft is not None:  # the gradient mean over the replica groups (unless DDP's buckets did it)
+            self.ft.sync_gradients(self.model, self.parameters)
         pp_mesh = self.dims.get_mesh("pp") if self.dims.pp > 1 else None
         grad_norm = clip_grad_norm_(self.parameters, self.cfg.training.grad_clip, pp_mesh=pp_mesh)
+        if self.ft is not None:
+            loss_sum = self.ft.sum_over_groups(loss_sum)
+            if not self.ft.should_commit():  # a group failed in this step: every survivor drops it
+                self.optimizer.zero_grad(set_to_none=True)
+                return None
         # Every rank sees the same global grad norm, so all stop together, before the step.
         message = non_finite_message(grad_norm, loss_sum, self.state.step + 1)  # names the rank(s)
         if message is not None:
@@ -483,9 +517,12 @@ class Trainer:
                 self.comm.begin_step(self.state.step + 1)  # a hang report names this step
                 self.profiler.begin(self.state.step + 1)
                 with self._ledger_for(self.state.step + 1):  # metrics.comm_ledger: the logged steps
-                    loss, grad_norm = self.train_step()
+                    result = self.train_step()
+                if result is None:  # fault tolerance: discarded, retried with the next quorum
+                    continue
+                loss, grad_norm = result
                 self.state.step += 1
-                self.state.tokens_seen += self.tokens_per_step
+                self.state.tokens_seen += self.tokens_per_step if self.ft is None else self.ft.step_tokens
                 step = self.state.step
                 self.profiler.end(step)
                 if self._is_logged(step):
@@ -501,6 +538,8 @@ class Trainer:
                         extra.update(self.mtp_stats.log_stats(self.device))
                     if self.comm_ledger is not None:  # every rank's collectives per step (a collective)
                         extra["comm"] = self.comm_ledger.collect(self.parameters, self.optimizer)
+                    if self.ft is not None:  # participants, discarded steps, heal time, replica digest
+                        extra.update(self.ft.metrics())
                     lr = self.lr_scheduler.get_last_lr()[0]
                     record = self.metrics.log_step(step, global_loss.item(), grad_norm.item(), lr, extra=extra)
                     self.state.history.append(record)
@@ -508,11 +547,13 @@ class Trainer:
                     eval_loss, eval_tokens = self.evaluate()
                     self.state.history.append(self.metrics.log_eval(step, eval_loss, eval_tokens))
                 self._evaluate_more(step)  # eval.validation sets and eval.tasks (trainer/eval/)
-                self.checkpointer.maybe_save(step, last=step == stop)
+                writer = self.ft is None or self.ft.writes_checkpoints  # one replica group writes DCP
+                if writer:
+                    self.checkpointer.maybe_save(step, last=step == stop)
                 # Preemption: one all-reduce of a flag per step; if any rank was signalled, all
                 # checkpoint this step and raise Preempted (exit 75).
                 if step < stop and self.preemption.should_stop(step):
-                    self.preemption.stop(step, self.checkpointer, self.cfg.checkpoint.enable)
+                    self.preemption.stop(step, self.checkpointer, self.cfg.checkpoint.enable and writer)
                 self.comm.end_step(step)  # after the first step: comm.train_timeout_s
             self.checkpointer.wait()
         finally:
@@ -523,6 +564,8 @@ class Trainer:
     def close(self) -> None:
         """Finish a pending checkpoint, then tear down the process group if this trainer created it."""
         self.checkpointer.close()
+        if self.ft is not None:
+            self.ft.close()
         self.profiler.close()
         self.preemption.close()
         self.comm.close()

@@ -168,3 +168,64 @@ def test_scontrol_requeue_resumes_and_finishes(cluster: SlurmCluster, reference,
     diff = max(abs(a - b) / abs(b) for (_, a), (_, b) in zip(got, want))
     print(f"requeued run (stopped after step {step}): max relative loss difference {diff:.2e}")
     assert diff <= 1e-6
+
+
+def test_fault_tolerant_sbatch_node_group_rejoins(cluster: SlurmCluster, tmp_path) -> None:
+    """``FT=1``: one torchft replica group per node. SIGKILL of node n2's group: the job keeps
+    running (n1's group trains alone), n2's supervisor restarts the group, which heals from n1's and
+    trains with it again, bitwise equal. The job is long; scancel ends it once that is seen."""
+    pytest.importorskip("torchft")
+    from tests.ft_harness import FT_FAST, free_port
+    from trainer.resilience.fault_tolerance import STEP_DELAY_ENV, group_folder
+
+    ft = "parallelism.fault_tolerance"
+    dump = str(tmp_path / "run")
+    args = ("+experiment=debug", *TINY, "training.steps=100000", "checkpoint.enable=false", *FT_FAST,
+            f"{ft}.min_replicas=1", f"{ft}.quorum_timeout_s=12", f"{ft}.hang_timeout_s=14", f"{ft}.startup_wait_s=10")  # fmt: skip
+    job = cluster.run(
+        "sbatch", "--parsable", "--nodes=2", f"--output={cluster.root}/batch-%j.out",
+        f"--export=ALL,FT=1,CPU_RANKS_PER_NODE=1,HEAD_PORT={free_port()},FT_LIGHTHOUSE_PORT={free_port()},"
+        f"{STEP_DELAY_ENV}=0.1",
+        os.path.join(REPO, "slurm", "train.sbatch"), *args, f"job.dump_folder={dump}",
+    ).strip()  # fmt: skip
+
+    def records(group: int) -> list[dict]:
+        path = os.path.join(group_folder(dump, group), "metrics.jsonl")
+        if not os.path.exists(path):
+            return []
+        with open(path, encoding="utf-8") as f:
+            return [r for r in map(json.loads, f) if "loss" in r]
+
+    def wait(check, what: str, timeout: float = 400) -> None:
+        end = time.monotonic() + timeout
+        while not check():
+            assert time.monotonic() < end, f"{what}:\n" + _job_logs(cluster, job, dump)[-5000:]
+            assert cluster.job_field(job, "JobState") in ("PENDING", "RUNNING"), _job_logs(
+                cluster, job, dump
+            )[-5000:]
+            time.sleep(0.5)
+
+    try:
+        wait(lambda: len(records(0)) >= 3 and len(records(1)) >= 3, "both nodes' groups training")
+        killed_at = records(0)[-1]["step"]
+        with open(os.path.join(group_folder(dump, 1), "heartbeat", "rank0"), encoding="utf-8") as f:
+            os.kill(int(f.read().split()[2]), 9)  # n2's trainer (the nodes share this machine)
+
+        def healed() -> bool:
+            g1 = records(1)
+            heals = [r for r in g1 if r.get("ft/heal_s") and r["step"] > killed_at]
+            return bool(heals) and g1[-1]["ft/participants"] == 2 and g1[-1]["step"] > heals[0]["step"]
+
+        wait(healed, "n2's group to rejoin and heal")
+        assert cluster.job_field(job, "JobState") == "RUNNING"
+    finally:
+        subprocess.run(["scancel", job], env=cluster.env, timeout=30)
+    g0, g1 = records(0), records(1)
+    alone = [r["step"] for r in g0 if r["step"] > killed_at and r["ft/participants"] == 1]
+    assert alone, "n1's group did not train alone while n2's was down"
+    sha = {r["step"]: r["ft/state_sha"] for r in g1}
+    shared = [r for r in g0 if r["step"] in sha]
+    assert shared and all(sha[r["step"]] == r["ft/state_sha"] for r in shared)
+    heal = next(r for r in g1 if r.get("ft/heal_s") and r["step"] > killed_at)
+    print(f"slurm FT job {job}: n2's group killed after step {killed_at}, n1 trained {len(alone)} steps alone, "
+          f"n2 healed at step {heal['step']} in {heal['ft/heal_s']:.2f}s; {len(shared)} steps bitwise equal")  # fmt: skip

@@ -260,6 +260,7 @@ class Checkpointer:
         info: dict[str, Any],
         full_shapes: Optional[dict[str, torch.Size]] = None,
         hf_target: Optional[tuple[Any, Any]] = None,
+        shared_folder: bool = False,
     ) -> None:
         self.cfg = cfg
         self.hf_target = hf_target  # (ModelSpec, args) of the model, for checkpoint.initial_load_hf
@@ -291,7 +292,9 @@ class Checkpointer:
         self._last_saved_step: Optional[int] = None
         self._token = ""
         if cfg.enable or cfg.create_seed or cfg.last_save_in_hf:
-            if self.rank == 0:
+            # shared_folder (fault-tolerant replica groups): a ``*.tmp-*`` folder may be another
+            # group's save in progress, not a leftover; it is left alone.
+            if self.rank == 0 and not shared_folder:
                 for name in remove_leftovers(self.folder):
                     logger.warning(f"removed {name} from {self.folder}: an interrupted save or purge")
             # Rank 0's view of the disk travels with the token, so every rank takes the same verdict.

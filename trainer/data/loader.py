@@ -117,8 +117,10 @@ class DataLoader:
         self.prefetch = prefetch
         self.pin_memory = pin_memory
         self.samples_seen = 0  # global, across all dp ranks
+        self.stride = global_batch_size  # samples from one batch to the next (see seek)
         self._prefetcher: Optional[Prefetcher] = None
         self._prefetch_pos = -1  # global sample count the prefetcher's next batch starts at
+        self._prefetch_stride = global_batch_size
         self._wait_s = 0.0
         self._waits = 0
 
@@ -138,27 +140,36 @@ class DataLoader:
             self._prefetcher.close()
             self._prefetcher = None
 
+    def seek(self, samples: int, *, stride: Optional[int] = None) -> None:
+        """Read the next batch at global sample ``samples`` and the following ones every ``stride``
+        samples (default ``global_batch_size``). Fault tolerance: a replica group's share of a step
+        moves with the number of groups taking part (trainer/resilience/fault_tolerance.py)."""
+        self.samples_seen = samples
+        self.stride = stride or self.global_batch_size
+
     def next_batch(self) -> Batch:
         """This rank's ``global_batch_size // dp_size`` rows of the next global step."""
         if self.prefetch <= 0:
             start = time.perf_counter()
-            batch, _ = next(_produce(self.order, self.samples_seen, self.global_batch_size,
+            batch, _ = next(_produce(self.order, self.samples_seen, self.stride,
                                      self.local_batch_size, self.dp_rank))  # fmt: skip
             waited = time.perf_counter() - start
         else:
-            if self._prefetcher is None or self._prefetch_pos != self.samples_seen:
-                self._close_prefetcher()  # the position was moved (resume, reset): start over
+            if (self._prefetcher is None or self._prefetch_pos != self.samples_seen
+                    or self._prefetch_stride != self.stride):  # fmt: skip
+                self._close_prefetcher()  # the position was moved (resume, reset, seek): start over
+                self._prefetch_stride = self.stride
                 args = (
                     self.order,
                     self.samples_seen,
-                    self.global_batch_size,
+                    self.stride,
                     self.local_batch_size,
                     self.dp_rank,
                 )
                 self._prefetcher = Prefetcher(lambda: _produce(*args), self.prefetch, self.pin_memory)
                 weakref.finalize(self, self._prefetcher.close)  # the thread never outlives the loader
             batch, self._prefetch_pos, waited = self._prefetcher.get()
-        self.samples_seen += self.global_batch_size
+        self.samples_seen += self.stride
         self._wait_s += waited
         self._waits += 1
         return batch

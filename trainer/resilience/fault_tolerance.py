@@ -1,0 +1,378 @@
+"""Fault-tolerant data parallelism (torchft): the trainer's side.
+
+``parallelism.fault_tolerance.enable=true`` turns every ``dp_replicate`` index into a *replica
+group*: its own torchrun (own world, process group and mesh, any layout inside), started by the
+launchers (``FT_GROUPS=N ./launch.sh``, ``FT=1 sbatch slurm/train.sbatch``; both run
+``trainer/resilience/supervisor.py``). The groups meet only through torchft: a lighthouse and one
+``Manager`` per rank. Every step:
+
+1. ``begin_step``: a *synchronous* quorum (``use_async_quorum=False``: torchft's asynchronous quorum
+   reads ``state_dict`` from its own thread, which races FSDP's backward). A group that is behind
+   (restarted, or new) heals here, before its forward pass, from a live peer over HTTP: model,
+   optimizer, LR schedule, step, tokens seen (= the data position) and RNG.
+2. Data: the position is the number of samples *committed* so far, ``tokens_seen / seq_len``. A
+   step with ``n`` participating groups trains samples ``[pos, pos + n*b)``; the participant of
+   quorum rank ``r`` reads ``[pos + r*b, pos + (r+1)*b)`` (``b`` = global batch / dp_replicate, split
+   over the group's dp ranks as usual). A discarded step does not move ``pos``, so its samples are
+   retried: no sample is trained twice or skipped, whatever groups come and go; only the step at
+   which a sample is trained depends on the failures.
+3. Loss: normalised by the target tokens of all participants (one cross-group SUM), gradients
+   averaged over the participants (parallelisms/fault_tolerance.py).
+4. ``should_commit``: every rank of every surviving group agrees whether the step completed; if a
+   peer failed during it, the step is discarded (gradients dropped, step not counted) and retried
+   with the next quorum.
+
+DCP checkpoints are written by the group of quorum rank 0 only (DCP is collective inside a
+group); when every group is lost, the launchers restart them all and they resume from the newest
+checkpoint exactly as a plain run does (the torchft step comes from ``train_state.step``).
+
+Supervision: the main thread touches ``<dump>/replica_group_<g>/heartbeat/rank<R>`` every step;
+the launcher's supervisor kills a group whose heartbeat stalls (a hung or SIGSTOPped rank) and
+restarts it, like a crashed one, with a fresh torchrun (new rendezvous store and port).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from models.errors import ConfigError
+from parallelisms.config import ParallelismConfig
+from parallelisms.fault_tolerance import ManagedReducer, allreduce_gradients
+
+if TYPE_CHECKING:
+    from trainer.config import TrainConfig
+
+logger = logging.getLogger("meshwright")
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+HEARTBEAT_DIR = "heartbeat"
+# Test-only: seconds every step sleeps (a tiny model's step is ~50 ms; the failure tests need the
+# survivors still training while a killed group restarts, as a real model's steps would). Never set it in runs.
+STEP_DELAY_ENV = "MESHWRIGHT_TEST_FT_STEP_DELAY_S"
+# Test-only: "<group>@<step>": rank 0 of that replica group SIGKILLs itself at the end of the forward
+# pass of its first step >= <step> (once per run folder), so the other groups are inside that step's
+# gradient all-reduce when it disappears.
+KILL_ENV = "MESHWRIGHT_TEST_FT_KILL_AT"
+
+
+def group_folder(dump_folder: str, group_id: int) -> str:
+    """Where a replica group writes its config.yaml, metrics.jsonl, tb/ and heartbeats."""
+    return os.path.join(dump_folder, f"replica_group_{group_id}")
+
+
+def group_parallelism(p: ParallelismConfig) -> ParallelismConfig:
+    """The layout inside one replica group: ``dp_replicate`` is the number of groups, so 1 inside."""
+    if not p.fault_tolerance.enable:
+        return p
+    return dataclasses.replace(p, dp_replicate=1)
+
+
+def group_batch_size(p: ParallelismConfig, global_batch_size: int) -> int:
+    """Sequences one replica group trains per step (the whole global batch without fault tolerance)."""
+    return global_batch_size // p.dp_replicate if p.fault_tolerance.enable else global_batch_size
+
+
+def _lighthouse(address: Optional[str]) -> str:
+    address = address or os.environ.get(LIGHTHOUSE_ENV)
+    if not address:
+        raise ConfigError(
+            "parallelism.fault_tolerance.enable=true needs the lighthouse address: set "
+            "parallelism.fault_tolerance.lighthouse=http://host:port or $TORCHFT_LIGHTHOUSE (the launchers "
+            "start torchft_lighthouse and set it)."
+        )
+    return address
+
+
+def check_environment(cfg: TrainConfig) -> None:
+    """What needs the environment (before any process group): the lighthouse address and torchft."""
+    ft = cfg.parallelism.fault_tolerance
+    if not ft.enable:
+        return
+    _lighthouse(ft.lighthouse)
+    try:
+        import torchft  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(
+            f"parallelism.fault_tolerance.enable=true needs torchft ({e}); pip install 'meshwright[ft]'."
+        ) from e
+
+
+def _tree_local(value: Any) -> Any:
+    """DTensors -> their local tensors (the payload crosses processes; a mesh does not pickle)."""
+    if isinstance(value, DTensor):
+        return value.to_local()
+    if isinstance(value, dict):
+        return {k: _tree_local(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_tree_local(v) for v in value)
+    return value
+
+
+class FaultTolerance:
+    """One rank's torchft ``Manager`` plus what the trainer asks of it each step."""
+
+    def __init__(
+        self, cfg: TrainConfig, *, rank: int, world_size: int, device: torch.device, dump_folder: str
+    ) -> None:
+        from torchft import Manager
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        ft = cfg.parallelism.fault_tolerance
+        self.cfg = ft
+        self.group_id = ft.replica_group_id
+        self.rank = rank
+        self.seq_len = cfg.training.seq_len
+        self.batch_size = group_batch_size(cfg.parallelism, cfg.training.global_batch_size)
+        timeout = timedelta(seconds=ft.timeout_s)
+        pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        store: dict[str, Any] = {}
+        if "MASTER_ADDR" not in os.environ:  # plain `python trainer/main.py`: a store of our own
+            from torch.distributed import TCPStore
+
+            self._store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+            store = {"store_addr": "localhost", "store_port": self._store.port}
+        self.manager = Manager(
+            pg=pg, load_state_dict=None, state_dict=None, min_replica_size=ft.min_replicas,
+            use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
+            connect_timeout=timedelta(seconds=max(ft.timeout_s, 30.0)), rank=rank, world_size=world_size,
+            lighthouse_addr=_lighthouse(ft.lighthouse), replica_id=f"replica_group_{self.group_id}",
+            heartbeat_interval=timedelta(milliseconds=ft.heartbeat_ms), init_sync=False, **store,
+        )  # fmt: skip
+        self.reducer = ManagedReducer(self.manager)
+        self.folder = group_folder(dump_folder, self.group_id)
+        self._beat = os.path.join(self.folder, HEARTBEAT_DIR, f"rank{rank}")
+        os.makedirs(os.path.dirname(self._beat), mode=0o750, exist_ok=True)
+        self.beat("setup")
+        self._parts: list[torch.nn.Module] = []
+        self._trainer: Any = None
+        self.num_participants = 1
+        self.participating_rank = 0
+        self.discarded_steps = 0
+        self.data_position = 0  # samples committed before the current step (the same in every group)
+        self.last_heal_s: Optional[float] = None  # seconds the last heal took (quorum + transfer + load)
+        self._healed = False
+        self._quorum_s = 0.0
+        self._test_delay_s = float(os.environ.get(STEP_DELAY_ENV, "0") or 0)
+        self.num_groups = cfg.parallelism.dp_replicate
+        self._startup_wait_s = ft.startup_wait_s  # spent once, at this process's first step
+        # enough quorum timeouts to outlast a hung peer until the supervisor kills it
+        self._quorum_attempts = 2 + int(ft.hang_timeout_s // ft.quorum_timeout_s)
+
+    # -- wiring ---------------------------------------------------------------------
+    def attach(self, trainer: Any) -> None:
+        """Register the healing payload and take the step from a resumed checkpoint."""
+        self._trainer = trainer
+        self.manager.register_state_dict_fn("meshwright", self._load_state_dict, self._state_dict)
+        samples = trainer.state.tokens_seen // self.seq_len
+        self.manager.load_state_dict(
+            {"step": trainer.state.step, "batches_committed": samples // self.batch_size}
+        )
+        kill = os.environ.get(KILL_ENV, "")
+        if kill and int(kill.split("@")[0]) == self.group_id and self.rank == 0:
+            at = int(kill.split("@")[1])
+            done = os.path.join(self.folder, "test_kill_done")
+
+            def die(module: Any, args: Any, output: Any) -> None:
+                if trainer.state.step + 1 >= at and module.training and not os.path.exists(done):
+                    open(done, "w").close()
+                    logger.warning(f"{KILL_ENV}={kill}: replica group {self.group_id} kills itself (test hook)")
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            trainer.model_parts[0].register_forward_hook(die)
+
+    def _state_dict(self) -> dict[str, Any]:
+        t = self._trainer
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        return {
+            "model": [_tree_local(part.state_dict()) for part in t.model_parts],
+            "optimizer": _tree_local(t.optimizer.state_dict()),
+            "lr_scheduler": t.lr_scheduler.state_dict(),
+            "train": {"step": t.state.step, "tokens_seen": t.state.tokens_seen},
+            "rng": rng,
+        }
+
+    def _load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Apply a live peer's state (called by torchft from the main thread, inside start_quorum)."""
+        t = self._trainer
+        with torch.no_grad():
+            for part, received in zip(t.model_parts, sd["model"]):
+                for name, value in part.state_dict().items():
+                    local = value.to_local() if isinstance(value, DTensor) else value
+                    local.copy_(received[name])
+        t.optimizer.load_state_dict(self._rewrap_optimizer(sd["optimizer"]))
+        t.lr_scheduler.load_state_dict(sd["lr_scheduler"])
+        t.state.step = int(sd["train"]["step"])
+        t.state.tokens_seen = int(sd["train"]["tokens_seen"])
+        torch.set_rng_state(sd["rng"]["cpu"])
+        if "cuda" in sd["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state(sd["rng"]["cuda"])
+        self._healed = True
+
+    def _rewrap_optimizer(self, sd: dict[str, Any]) -> dict[str, Any]:
+        """The peer's optimizer state (local tensors) as DTensors shaped like this rank's parameters."""
+        params = [p for group in self._trainer.optimizer.param_groups for p in group["params"]]
+        state = {}
+        for index, entry in sd["state"].items():
+            p = params[int(index)]
+            if isinstance(p, DTensor):
+                entry = {
+                    k: DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                          stride=p.stride())  # fmt: skip
+                    if isinstance(v, torch.Tensor) and v.shape == p.to_local().shape and v.dim() > 0
+                    else v
+                    for k, v in entry.items()
+                }
+            state[index] = entry
+        return {**sd, "state": state}
+
+    # -- per step -------------------------------------------------------------------
+    def beat(self, phase: str = "step") -> None:
+        """Progress mark read by the launcher's supervisor (main thread only: a hung rank stops beating).
+        The hang watchdog watches "step" marks only (setup is bounded by comm.init_timeout_s)."""
+        tmp = f"{self._beat}.tmp"
+        try:
+            os.makedirs(os.path.dirname(tmp), mode=0o750, exist_ok=True)
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(f"{time.time()} {phase} {os.getpid()}\n")
+            os.replace(tmp, self._beat)
+        except OSError as e:  # a full or vanished disk must not stop training; the watchdog will notice
+            logger.warning(f"heartbeat {self._beat}: {e}")
+
+    def begin_step(self, loader: Any, tokens_seen: int) -> None:
+        """Quorum (healing first if this group is behind), then point the loader at this group's share."""
+        self.beat()
+        if self._test_delay_s > 0:
+            time.sleep(self._test_delay_s)
+        start = time.perf_counter()
+        self._quorum()  # synchronous: heals and applies the state here
+        if self._startup_wait_s > 0:  # first step: rather every group than a lone start and heals later
+            deadline = time.monotonic() + self._startup_wait_s
+            while self.manager.num_participants() < self.num_groups and time.monotonic() < deadline:
+                time.sleep(0.5)
+                self.beat()
+                self._quorum()
+            self._startup_wait_s = 0.0
+        self._quorum_s = time.perf_counter() - start
+        if self._healed:
+            self._healed = False
+            self.last_heal_s = self._quorum_s
+            tokens_seen = self._trainer.state.tokens_seen
+            logger.info(
+                f"replica group {self.group_id}: healed from a live peer at step {self._trainer.state.step} "
+                f"in {self._quorum_s:.2f}s"
+            )
+        self.num_participants = max(self.manager.num_participants(), 1)
+        rank = self.manager.participating_rank()
+        self.participating_rank = 0 if rank is None else int(rank)
+        committed = tokens_seen // self.seq_len
+        self.data_position = committed
+        loader.seek(committed + self.participating_rank * self.batch_size,
+                    stride=self.num_participants * self.batch_size)  # fmt: skip
+
+    def _quorum(self) -> None:
+        """``Manager.start_quorum`` (synchronous; a heal is applied inside it while this thread only
+        waits), run in a helper thread so that the main thread keeps marking its heartbeat: waiting for
+        a quorum is not a hang. A quorum that times out is asked again, up to ``quorum_attempts``
+        times: a hung peer that still heartbeats blocks the lighthouse (it wants more than half of the
+        heartbeating groups) until the supervisor's hang watchdog has killed it."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshwright-quorum") as pool:
+            for attempt in range(1, self._quorum_attempts + 1):
+                future = pool.submit(self.manager.start_quorum)
+                while not future.done():
+                    try:
+                        future.result(timeout=0.5)
+                    except Exception:  # still waiting (wait timeout), or failed: decided below
+                        pass
+                    if not future.done():
+                        self.beat()
+                error = future.exception()
+                if error is None:
+                    return
+                if attempt == self._quorum_attempts:
+                    raise error
+                logger.warning(f"replica group {self.group_id}: quorum attempt {attempt} failed ({error}); again")
+                # torchft keeps the failed quorum's future and re-raises it on the next start_quorum:
+                # drop it (a private attribute of torchft 0.2.0's Manager).
+                self.manager._quorum_future = None
+
+    def sum_over_groups(self, value: torch.Tensor) -> torch.Tensor:
+        """SUM of ``value`` over this step's replica groups (rank r with rank r); local on failure."""
+        out = value.detach().clone()
+        self.reducer.all_reduce(out).wait()
+        return out
+
+    def sync_gradients(self, model: Any, parameters: list[torch.nn.Parameter]) -> None:
+        """Average gradients over the groups unless the DDP wrapper already did (in its buckets)."""
+        from parallelisms.ddp import BucketedDDP
+
+        if not isinstance(model, BucketedDDP):
+            allreduce_gradients(parameters, self.reducer)
+
+    def should_commit(self) -> bool:
+        """Whether every participant completed the step (collective within the group); counts discards."""
+        if self.manager.should_commit():
+            return True
+        self.discarded_steps += 1
+        logger.warning(
+            f"replica group {self.group_id}: step discarded (a replica group failed during it: "
+            f"{self.manager.errored()}); retrying with the next quorum"
+        )
+        return False
+
+    @property
+    def step_tokens(self) -> int:
+        """Tokens the committed step trained over all participating groups."""
+        return self.num_participants * self.batch_size * self.seq_len
+
+    @property
+    def writes_checkpoints(self) -> bool:
+        """Quorum rank 0's group writes the DCP checkpoints (a collective inside the group)."""
+        return self.participating_rank == 0
+
+    def state_digest(self) -> str:
+        """SHA-256 of this rank's weights and optimizer state (local shards), to compare replica groups
+        bit for bit (equal digests in every group's metrics = identical replicas)."""
+        import hashlib
+
+        digest = hashlib.sha256()
+        tensors = [v for part in self._trainer.model_parts for v in _tree_local(part.state_dict()).values()]
+        for entry in _tree_local(self._trainer.optimizer.state_dict())["state"].values():
+            tensors += [v for _, v in sorted(entry.items()) if isinstance(v, torch.Tensor)]
+        for t in tensors:
+            digest.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()[:16]
+
+    def metrics(self) -> dict[str, Any]:
+        """``ft/*`` entries of a metrics record."""
+        out: dict[str, Any] = {
+            "ft/state_sha": self.state_digest(),
+            "ft/participants": self.num_participants,
+            "ft/data_position": self.data_position,
+            "ft/discarded_steps": self.discarded_steps,
+            "ft/quorum_s": self._quorum_s,
+            "ft/replica_group": self.group_id,
+        }
+        if self.last_heal_s is not None:
+            out["ft/heal_s"] = self.last_heal_s
+            self.last_heal_s = None
+        return out
+
+    def close(self) -> None:
+        self.beat("done")
+        try:
+            self.manager.shutdown(wait=False)
+        except Exception as e:  # shutting down after a failure: nothing left to save
+            logger.warning(f"torchft manager shutdown: {e}")
