@@ -32,6 +32,7 @@ from trainer.config import TrainConfig, to_yaml
 from trainer.data import DataLoader, build_dataloader
 from trainer.data.tokenizer import build_tokenizer, check_vocab_size
 from trainer.observe.comm_ledger import CommLedger, axis_names_of_groups
+from trainer.observe.memory_ledger import MemoryLedger
 from trainer.observe.metrics import MetricsLogger, setup_logging
 from trainer.observe.profiling import StepProfiler
 from trainer.optim import build_lr_scheduler, build_optimizer
@@ -258,6 +259,11 @@ class Trainer:
         if cfg.metrics.comm_ledger:
             names = (*self.dims.mesh_dim_names, *self.dims.flat_views, DP_REPLICATE_CP)
             self.comm_ledger = CommLedger(axis_names_of_groups(self.dims.mesh, names))
+        self.memory_ledger: Optional[MemoryLedger] = None
+        if cfg.metrics.memory_ledger:
+            self.memory_ledger = MemoryLedger(
+                self.model_parts, self.spec, model=self.model, optimizer=self.optimizer, device=self.device
+            )
 
     def _log_summary(self) -> None:
         cfg, t, d = self.cfg, self.cfg.training, self.dims
@@ -364,6 +370,8 @@ class Trainer:
             self.load_balancer.end_step()
         if self.comm_ledger is not None and self.comm_ledger.active:  # the gradients exist only now
             self.comm_ledger.measure_gradients(self.parameters)
+        if self.memory_ledger is not None and self.memory_ledger.active:
+            self.memory_ledger.measure_gradients(self.parameters)
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -395,11 +403,15 @@ class Trainer:
         return step % self.cfg.metrics.log_freq == 0 or step == self.cfg.training.steps or step == 1
 
     def _ledger_for(self, step: int) -> contextlib.AbstractContextManager:
-        """The communication ledger around ``step`` if that step is logged (it measures the steps it
-        reports: every step of a run issues the same collectives), else nothing."""
-        if self.comm_ledger is None or not self._is_logged(step):
+        """The communication and memory ledgers around ``step`` if that step is logged (they measure
+        the steps they report: every step of a run issues the same collectives), else nothing."""
+        ledgers = [x for x in (self.comm_ledger, self.memory_ledger) if x is not None and self._is_logged(step)]
+        if not ledgers:
             return contextlib.nullcontext()
-        return self.comm_ledger
+        stack = contextlib.ExitStack()
+        for ledger in ledgers:
+            stack.enter_context(ledger)
+        return stack
 
     def train(self, until_step: Optional[int] = None) -> list[dict[str, Any]]:
         """Run until ``training.steps`` (or stop early after ``until_step``, saving a checkpoint
@@ -415,7 +427,7 @@ class Trainer:
             while self.state.step < stop:
                 self.comm.begin_step(self.state.step + 1)  # a hang report names this step
                 self.profiler.begin(self.state.step + 1)
-                with self._ledger_for(self.state.step + 1):  # metrics.comm_ledger: the logged steps
+                with self._ledger_for(self.state.step + 1):  # metrics.comm_ledger/memory_ledger: logged steps
                     loss, grad_norm = self.train_step()
                 self.state.step += 1
                 self.state.tokens_seen += self.tokens_per_step
@@ -430,6 +442,8 @@ class Trainer:
                         extra.update(self.load_balancer.log_stats(self.device))
                     if self.comm_ledger is not None:  # every rank's collectives per step (a collective)
                         extra["comm"] = self.comm_ledger.collect(self.parameters, self.optimizer)
+                    if self.memory_ledger is not None:  # saved tensors, states, buffers (a collective)
+                        extra["memory"] = self.memory_ledger.collect(self.parameters)
                     lr = self.lr_scheduler.get_last_lr()[0]
                     record = self.metrics.log_step(step, global_loss.item(), grad_norm.item(), lr, extra=extra)
                     self.state.history.append(record)
