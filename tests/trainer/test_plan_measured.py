@@ -1,7 +1,12 @@
-"""The planner against what runs: the communication ledger (``metrics.comm_ledger=true``) of real
-multi-rank trainings on CPU (gloo) must match the plan of the same config, per rank and step, for
-every strategy: bytes per collective op and in total within 5%, and the model-state bytes
-(parameters, gradients, optimizer state) within 5%.
+"""The planner against what runs: the communication ledger (``metrics.comm_ledger=true``) and the
+memory ledger (``metrics.memory_ledger=true``) of real multi-rank trainings on CPU (gloo) must match
+the plan of the same config, per rank and step, for every strategy: bytes per collective op and in
+total within 5%, the model-state bytes (parameters, gradients, optimizer state) within 5%, and the
+memory terms within 5%: bytes saved for backward per step (blocks, checkpointed inputs, autocast
+weight copies, embedding, head, loss), the peak of live saved bytes, and the buffers (FSDP's gathered
+parameters and reduce-scatter input, pipeline receive buffers). The memory side adds activation
+checkpointing (full, every other layer), bf16 autocast, bf16 FSDP parameters and the GPipe schedule
+to the same launches (``MEMORY_ONLY``).
 
 One launch per world size runs every layout of that size (tests/parity.py ``GroupedRuns``). The
 tiny model makes the comparison strict: with 4 blocks, the embedding and the head are a large share
@@ -26,7 +31,7 @@ from trainer.planner.plan import build_plan
 pytestmark = pytest.mark.slow
 
 TOLERANCE = 0.05
-LEDGER = ("metrics.comm_ledger=true", "training.steps=2", "checkpoint.enable=false")
+LEDGER = ("metrics.comm_ledger=true", "metrics.memory_ledger=true", "training.steps=2", "checkpoint.enable=false")
 MOE = ("model=moe_debug", "model.moe_hidden_dim=64", "model.first_k_dense=1", "model.num_shared_experts=1")
 LAYOUTS: dict[str, tuple[int, tuple[str, ...]]] = {
     "ddp": (2, ("parallelism.dp_replicate=2", "parallelism.dp_shard=1")),
@@ -44,6 +49,21 @@ LAYOUTS: dict[str, tuple[int, tuple[str, ...]]] = {
     "cp": (2, ("parallelism.cp=2", "parallelism.dp_shard=1")),
     "ep": (2, (*MOE, "parallelism.ep=2", "parallelism.dp_shard=2")),
 }
+# Memory only (same launches): dtype policies, activation checkpointing, one more pipeline schedule.
+MEMORY_ONLY: dict[str, tuple[int, tuple[str, ...]]] = {
+    "bf16_ddp": (2, ("parallelism.dp_replicate=2", "parallelism.dp_shard=1", "training.mixed_precision=bf16")),
+    "bf16_fsdp_params": (2, ("parallelism.dp_shard=2", "parallelism.fsdp.param_dtype=bfloat16",
+                             "training.mixed_precision=bf16")),
+    "ac_full_ddp": (2, ("parallelism.dp_replicate=2", "parallelism.dp_shard=1", "training.activation_checkpoint=full")),
+    "ac_layer_fsdp": (2, ("parallelism.dp_shard=2", "training.activation_checkpoint=selective",
+                          "training.ac_selective=layer")),
+    "ac_full_tp": (2, ("parallelism.tp=2", "parallelism.dp_shard=1", "training.activation_checkpoint=full",
+                       "training.mixed_precision=bf16")),
+    "pp_gpipe": (2, ("parallelism.pp=2", "parallelism.dp_shard=1", "parallelism.pp_schedule=GPipe")),
+    "pp_gpipe_ac": (2, ("parallelism.pp=2", "parallelism.dp_shard=1", "parallelism.pp_schedule=GPipe",
+                        "training.activation_checkpoint=full")),
+}
+ALL = {**LAYOUTS, **MEMORY_ONLY}
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +71,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
     tmp = tmp_path_factory.mktemp("ledger")
     cases = {
         name: Case(world, tiny_config(str(tmp / name), *LEDGER, *overrides), params=False)
-        for name, (world, overrides) in LAYOUTS.items()
+        for name, (world, overrides) in ALL.items()
     }
     grouped = GroupedRuns(cases)
-    return {name: (cases[name].cfg, grouped.get(name)) for name in LAYOUTS}
+    return {name: (cases[name].cfg, grouped.get(name)) for name in ALL}
 
 
 def _ledger(result: dict) -> dict:
@@ -119,3 +139,38 @@ def test_ledger_off_installs_nothing(runs: dict) -> None:
     finally:
         trainer.close()
     assert history and all("comm" not in r for r in history)
+
+
+# Measured, but not held to 5%: the stage outputs the pipeline keeps (the ledger samples torch's
+# fwd_cache at saves/unpacks, where the microbatch in backward was already popped: a lower bound),
+# ZBV's peak (its deferred weight-gradient pass keeps part of each microbatch: not modelled), and the
+# MoE blocks on CPU (the padded expert fallback pads every local expert to its largest group; the plan
+# assumes balanced routing, as on the grouped-mm path).
+_LOOSE = {("*", "pp_fwd_cache_peak~pp_stage_outputs"), ("pp_zbv", "peak_saved"), ("ep", "blocks"),
+          ("ep", "peak_saved")}
+
+
+@pytest.mark.parametrize("layout", list(ALL))
+def test_memory_matches_plan(layout: str, runs: dict) -> None:
+    from trainer.planner.compare import compare_memory
+
+    cfg, result = runs[layout]
+    records = [r for r in result["history"] if "memory" in r]
+    assert [r["step"] for r in records] == [1, 2], "a memory record at every logged step"
+    memory = records[-1]["memory"]  # step 2: the pipeline's shape inference ran in step 1
+    assert memory["steps"] == 1 and len(memory["ranks"]) == ALL[layout][0]
+    plan = build_plan(cfg, compose_cluster(["cluster=cpu"]))
+    rows = compare_memory(plan, memory)
+    table = "\n".join(f"{layout:<16} rank {r['rank']} {r['kind']:<6} {r['what']:<36} planned {r['planned']:>12,.0f} "
+                      f"measured {r['measured']:>12,.0f} ratio " + ("n/a" if r["ratio"] is None else f"{r['ratio']:.4f}")
+                      for r in rows)  # fmt: skip
+    print("\n" + table)
+    checked = [r for r in rows if r["ratio"] is not None and (layout, r["what"]) not in _LOOSE
+               and ("*", r["what"]) not in _LOOSE]  # fmt: skip
+    seen = {r["what"] for r in rows}
+    assert {"peak_saved", "params", "grads", "optimizer"} <= seen and seen & {"blocks", "ac_inputs"}
+    for r in checked:
+        assert abs(r["ratio"] - 1) <= TOLERANCE, f"{layout}: {r['what']} off by more than 5%:\n{table}"
+    for r in rows:
+        if (layout, r["what"]) in _LOOSE and r["what"] in ("blocks", "peak_saved") and layout == "ep":
+            assert 1 <= r["ratio"] <= 1.5, f"ep: padding beyond the routing spread:\n{table}"
