@@ -111,6 +111,8 @@ class Trainer:
         )  # fmt: skip
         self.grad_accum_steps = self.dims.grad_accum_steps(t.global_batch_size, t.micro_batch_size)
         self.local_batch_size = self.dims.local_batch_size(t.global_batch_size)
+        if not cfg.checkpoint.create_seed:  # metrics.memory_check: will this layout fit on this host?
+            self._check_memory()
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
         check_vocab_size(self.tokenizer, cfg.model.vocab_size)
         dp_rank = self.dims.dp_rank_of(self.rank)  # the mesh confirms it once built
@@ -125,6 +127,18 @@ class Trainer:
                 global_batch_size=t.micro_batch_size * self.dims.dp, dp_rank=dp_rank, dp_size=self.dims.dp,
                 seed=t.seed,
             )  # fmt: skip
+
+    def _check_memory(self) -> None:
+        """Plan this layout in-process (trainer/planner/fit.py) and stop (exit 2), or warn, before any
+        collective when a rank needs more than its GPU or its share of the host RAM."""
+        import dataclasses
+
+        from trainer.planner.fit import run_check
+
+        resolved = dataclasses.replace(self.parallelism, dp_shard=self.dims.dp_shard)  # dp_shard=-1 resolved
+        result = run_check(dataclasses.replace(self.cfg, parallelism=resolved), self.device, logger.warning)
+        if result is not None and result.fits:
+            logger.info(f"memory check: the plan needs {result.need_bytes / 2**30:.2f} GiB per rank (fits)")
 
     def _init_process_group(self) -> None:
         cfg = self.cfg
