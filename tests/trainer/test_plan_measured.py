@@ -120,9 +120,11 @@ def test_ledger_reaches_tensorboard_and_planner_cli(runs: dict, capsys: pytest.C
     tags = set(acc.Tags()["scalars"])
     assert "comm/ranks/1/all_gather/dp_shard/bytes" in tags, sorted(t for t in tags if t.startswith("comm"))[:20]
     assert "comm/ranks/0/model_state/optimizer" in tags
+    assert "memory/ranks/1/saved/block.0/activations/float32" in tags and "memory/ranks/0/peak_saved" in tags
     assert main([f"--run={cfg.job.dump_folder}"]) == 0
     out = capsys.readouterr().out
     assert "planned vs measured" in out and "reduce_scatter" in out
+    assert "memory: planned vs measured" in out and "fsdp_unsharded_params" in out
 
 
 def test_ledger_off_installs_nothing(runs: dict) -> None:
@@ -134,20 +136,20 @@ def test_ledger_off_installs_nothing(runs: dict) -> None:
                       "checkpoint.enable=false")  # fmt: skip
     trainer = Trainer(cfg)
     try:
-        assert trainer.comm_ledger is None
+        assert trainer.comm_ledger is None and trainer.memory_ledger is None
         history = trainer.train()
     finally:
         trainer.close()
-    assert history and all("comm" not in r for r in history)
+    assert history and all("comm" not in r and "memory" not in r for r in history)
 
 
-# Measured, but not held to 5%: the stage outputs the pipeline keeps (the ledger samples torch's
-# fwd_cache at saves/unpacks, where the microbatch in backward was already popped: a lower bound),
-# ZBV's peak (its deferred weight-gradient pass keeps part of each microbatch: not modelled), and the
-# MoE blocks on CPU (the padded expert fallback pads every local expert to its largest group; the plan
-# assumes balanced routing, as on the grouped-mm path).
-_LOOSE = {("*", "pp_fwd_cache_peak~pp_stage_outputs"), ("pp_zbv", "peak_saved"), ("ep", "blocks"),
-          ("ep", "peak_saved")}
+# Measured, held to a bound rather than 5%: the stage outputs the pipeline keeps (the ledger samples
+# torch's fwd_cache at saves/unpacks, where the microbatch in backward was already popped: at most
+# the plan), ZBV's peak (planned as an upper bound: its split backward keeps each microbatch from F
+# to its weight-gradient pass), and the MoE blocks on CPU (the padded expert fallback pads every local
+# expert to its largest group; the plan assumes balanced routing, as on the grouped-mm path).
+_BOUNDS = {("*", "pp_fwd_cache_peak~pp_stage_outputs"): (0.0, 1.0), ("pp_zbv", "peak_saved"): (0.4, 1.0),
+           ("ep", "blocks"): (1.0, 1.5), ("ep", "peak_saved"): (1.0, 1.5)}
 
 
 @pytest.mark.parametrize("layout", list(ALL))
@@ -165,12 +167,10 @@ def test_memory_matches_plan(layout: str, runs: dict) -> None:
                       f"measured {r['measured']:>12,.0f} ratio " + ("n/a" if r["ratio"] is None else f"{r['ratio']:.4f}")
                       for r in rows)  # fmt: skip
     print("\n" + table)
-    checked = [r for r in rows if r["ratio"] is not None and (layout, r["what"]) not in _LOOSE
-               and ("*", r["what"]) not in _LOOSE]  # fmt: skip
     seen = {r["what"] for r in rows}
     assert {"peak_saved", "params", "grads", "optimizer"} <= seen and seen & {"blocks", "ac_inputs"}
-    for r in checked:
-        assert abs(r["ratio"] - 1) <= TOLERANCE, f"{layout}: {r['what']} off by more than 5%:\n{table}"
     for r in rows:
-        if (layout, r["what"]) in _LOOSE and r["what"] in ("blocks", "peak_saved") and layout == "ep":
-            assert 1 <= r["ratio"] <= 1.5, f"ep: padding beyond the routing spread:\n{table}"
+        if r["ratio"] is None:  # unseen by the hooks (AC recompute): planned only
+            continue
+        low, high = _BOUNDS.get((layout, r["what"]), _BOUNDS.get(("*", r["what"]), (1 - TOLERANCE, 1 + TOLERANCE)))
+        assert low <= r["ratio"] <= high, f"{layout}: {r['what']} outside [{low}, {high}]:\n{table}"

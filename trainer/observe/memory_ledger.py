@@ -43,10 +43,13 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from trainer.observe.comm_ledger import _optimizer_tensors, storage_bytes
 
 __all__ = ["MemoryLedger"]
+
+_PLAIN = (torch.Tensor, nn.Parameter)
 
 # autograd nodes that pass a parameter on unchanged in memory terms: views, DTensor.to_local(), the
 # expert-parallel gradient scale (``_ScaleGrad``, a custom Function), and casts (autocast copies)
@@ -57,10 +60,8 @@ _VIEW_NODES = ("TBackward", "ViewBackward", "TransposeBackward", "ExpandBackward
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The plain tensor that holds ``t``'s memory: a DTensor's local shard, the inner tensor of a
     wrapper subclass (functional collectives' ``AsyncCollectiveTensor``)."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
     for _ in range(4):
-        if not is_traceable_wrapper_subclass(t):
+        if type(t) in _PLAIN or not is_traceable_wrapper_subclass(t):
             return t
         names, _ctx = t.__tensor_flatten__()
         t = getattr(t, names[0])
@@ -120,6 +121,7 @@ class MemoryLedger:
         self._live: dict[tuple[int, int], list[int]] = {}  # storage -> [references, bytes]
         self._ac_held: dict[int, list[_Saved]] = {}
         self._fsdp = self._fsdp_params()
+        self._gather_storages: list[list[Any]] = [[] for _ in self._fsdp]
         self._install_scope_hooks()
         self._reset()
         self.grads_bytes = 0
@@ -238,12 +240,15 @@ class MemoryLedger:
     def _sample_buffers(self) -> None:
         if self._fsdp:  # each unit's gathered parameters, or its pending (prefetched) flat all-gather output
             gathered = 0
-            for g in self._fsdp:
+            for i, g in enumerate(self._fsdp):
                 pending = g._all_gather_result
                 if pending is not None:
                     gathered += pending.all_gather_output.untyped_storage().nbytes()
-                else:
-                    gathered += sum(t.untyped_storage().nbytes() for p in g.fsdp_params for t in p.all_gather_outputs)
+                    continue
+                storages = self._gather_storages[i]  # FSDP2 allocates them once, then resizes in place
+                if not storages:
+                    storages[:] = [t.untyped_storage() for p in g.fsdp_params for t in p.all_gather_outputs]
+                gathered += sum(st.nbytes() for st in storages)
             self._fsdp_peak = max(self._fsdp_peak, gathered)
         stages = getattr(self.model, "stages", None)
         if stages:
