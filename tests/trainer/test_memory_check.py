@@ -22,7 +22,9 @@ from trainer.planner import fit
 from trainer.planner.cluster import GIB
 
 
-def test_38m_ddp_on_8_cpu_ranks_of_a_24_gib_host_is_stopped_with_fixes(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_38m_ddp_on_8_cpu_ranks_of_a_24_gib_host_is_stopped_with_fixes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(fit, "host_memory_bytes", lambda: 24 * GIB)
     cfg = compose_config("+experiment=38m_ddp")
     result = fit.check_memory(cfg, torch.device("cpu"), local_world_size=8, world_size=8)
@@ -53,11 +55,15 @@ def test_trainer_errors_before_any_output_or_warns(tmp_path, monkeypatch: pytest
 
     monkeypatch.setattr(fit, "host_memory_bytes", lambda: 64 * 2**20)
     run = tmp_path / "run"
-    with pytest.raises(ConfigError, match=r"metrics.memory_check=error: the planned memory of a rank does not fit"):
+    with pytest.raises(
+        ConfigError, match=r"metrics.memory_check=error: the planned memory of a rank does not fit"
+    ):
         Trainer(tiny_config(str(run), "training.steps=1", "checkpoint.enable=false"))
     assert not run.exists(), "the check runs before the run folder is written"
     capfd.readouterr()
-    trainer = Trainer(tiny_config(str(run), "training.steps=1", "checkpoint.enable=false", "metrics.memory_check=warn"))
+    trainer = Trainer(
+        tiny_config(str(run), "training.steps=1", "checkpoint.enable=false", "metrics.memory_check=warn")
+    )
     try:
         assert trainer.train()
     finally:
@@ -84,7 +90,11 @@ def test_launch_stops_before_the_first_step(tmp_path) -> None:
                           timeout=300)  # fmt: skip
     assert proc.returncode != 0
     for rank in (0, 1):
-        lines = [ln for ln in proc.stderr.splitlines() if ln.startswith(f"[rank{rank}] config error: metrics.memory_check")]
+        lines = [
+            ln
+            for ln in proc.stderr.splitlines()
+            if ln.startswith(f"[rank{rank}] config error: metrics.memory_check")
+        ]
         assert lines, proc.stderr[-3000:]
         assert "x 2 rank(s)" in lines[0] and "training.activation_checkpoint=full ->" in lines[0]
     print("\n" + lines[0])

@@ -53,8 +53,16 @@ _PLAIN = (torch.Tensor, nn.Parameter)
 
 # autograd nodes that pass a parameter on unchanged in memory terms: views, DTensor.to_local(), the
 # expert-parallel gradient scale (``_ScaleGrad``, a custom Function), and casts (autocast copies)
-_VIEW_NODES = ("TBackward", "ViewBackward", "TransposeBackward", "ExpandBackward", "_ToTorchTensorBackward",
-               "UnsafeViewBackward", "ReshapeAliasBackward", "_ScaleGradBackward")
+_VIEW_NODES = (
+    "TBackward",
+    "ViewBackward",
+    "TransposeBackward",
+    "ExpandBackward",
+    "_ToTorchTensorBackward",
+    "UnsafeViewBackward",
+    "ReshapeAliasBackward",
+    "_ScaleGradBackward",
+)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -125,7 +133,9 @@ class MemoryLedger:
         self._install_scope_hooks()
         self._reset()
         self.grads_bytes = 0
-        self.trace: Optional[list[tuple]] = None  # set to [] to record every first save (scope, kind, shape, ...)
+        self.trace: Optional[list[tuple]] = (
+            None  # set to [] to record every first save (scope, kind, shape, ...)
+        )
 
     # -- scopes --------------------------------------------------------------------------
     def _install_scope_hooks(self) -> None:
@@ -167,7 +177,9 @@ class MemoryLedger:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
         if isinstance(module, CheckpointWrapper):  # its recompute closure keeps the inputs alive
-            held = [self._hold(t, "ac_inputs") for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+            held = [
+                self._hold(t, "ac_inputs") for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)
+            ]
             self._ac_held.setdefault(id(module), []).append([h for h in held if h is not None])
 
     def _leave_block(self, module: nn.Module, out: Any, checkpointed: bool) -> None:
@@ -200,7 +212,9 @@ class MemoryLedger:
             by_kind[dtype] = by_kind.get(dtype, 0) + key[1]
             if self.trace is not None:  # debugging aid: what each first save was
                 fn = _local(t).grad_fn or t.grad_fn
-                self.trace.append((self.scope, kind, tuple(t.shape), dtype, key[1], type(fn).__name__ if fn else None))
+                self.trace.append(
+                    (self.scope, kind, tuple(t.shape), dtype, key[1], type(fn).__name__ if fn else None)
+                )
         return _Saved(t, key, self)
 
     def _pack(self, t: torch.Tensor) -> Any:
@@ -266,7 +280,9 @@ class MemoryLedger:
             )  # fmt: skip
         buckets = getattr(self.model, "_buckets", None)
         if buckets:
-            out["ddp_buckets"] = sum(b.buffer.numel() * b.buffer.element_size() for b in buckets if b.buffer is not None)
+            out["ddp_buckets"] = sum(
+                b.buffer.numel() * b.buffer.element_size() for b in buckets if b.buffer is not None
+            )
         flat = getattr(self.optimizer, "_flat", None)
         if flat:
             out["zero1_flat_params"] = sum(f.storage.numel() * f.storage.element_size() for f in flat)
@@ -316,8 +332,11 @@ class MemoryLedger:
             "forwards": {k: v / steps for k, v in sorted(self._forwards.items())},
             "peak_saved": self._peak,
             "model_state": {
-                "params": storage_bytes(params), "grads": self.grads_bytes,
-                "optimizer": storage_bytes(_optimizer_tensors(self.optimizer)) if self.optimizer is not None else 0,
+                "params": storage_bytes(params),
+                "grads": self.grads_bytes,
+                "optimizer": storage_bytes(_optimizer_tensors(self.optimizer))
+                if self.optimizer is not None
+                else 0,
             },  # fmt: skip
             "buffers": self._static_buffers(),
         }
@@ -346,4 +365,3 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, (list, tuple)):
         return [t for v in value for t in _tensors(v)]
     return []
-

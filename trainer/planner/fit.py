@@ -15,8 +15,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from models.errors import ConfigError
 from trainer.planner.cluster import GIB, ClusterConfig
@@ -81,7 +82,9 @@ def rank_budget(device: torch.device, local_world_size: int, world_size: Optiona
     else:
         total = float(host_memory_bytes())
         sharing = max(1, local_world_size)
-        cluster = ClusterConfig(name="this host", gpus_per_node=sharing, memory_gib=total / GIB, backend="gloo")
+        cluster = ClusterConfig(
+            name="this host", gpus_per_node=sharing, memory_gib=total / GIB, backend="gloo"
+        )
         what = f"this host's {total / GIB:.1f} GiB of RAM (MemTotal)"
         overhead = float(process_rss_bytes())  # measured: interpreter + torch + libraries
     if sharing > 1:
@@ -135,10 +138,16 @@ def _fixes(cfg: TrainConfig, budget: Budget) -> list[str]:
     if micro is not None:
         tried.append(micro)
     if p.dp_replicate > 1 and p.dp_shard == 1:
+
         def fsdp(c: Any, n: int = p.dp_replicate) -> None:
             c.parallelism.dp_replicate, c.parallelism.dp_shard = 1, n
 
-        tried.append((f"parallelism.dp_replicate=1 parallelism.dp_shard={p.dp_replicate} (FSDP)", _try(cfg, budget, fsdp)))
+        tried.append(
+            (
+                f"parallelism.dp_replicate=1 parallelism.dp_shard={p.dp_replicate} (FSDP)",
+                _try(cfg, budget, fsdp),
+            )
+        )
         if not p.ddp.sharded_optimizer:
             tried.append(("parallelism.ddp.sharded_optimizer=true (ZeRO-1)",
                           _try(cfg, budget, lambda c: setattr(c.parallelism.ddp, "sharded_optimizer", True))))  # fmt: skip
@@ -146,7 +155,9 @@ def _fixes(cfg: TrainConfig, budget: Budget) -> list[str]:
             for label, need in tried if need is not None]  # fmt: skip
 
 
-def check_memory(cfg: TrainConfig, device: torch.device, local_world_size: int, world_size: Optional[int] = None) -> FitCheck:
+def check_memory(
+    cfg: TrainConfig, device: torch.device, local_world_size: int, world_size: Optional[int] = None
+) -> FitCheck:
     """Plan ``cfg`` on this host (``local_world_size`` of ``world_size`` ranks on it) and compare with
     its memory."""
     budget = rank_budget(device, local_world_size, world_size)

@@ -40,7 +40,13 @@ def dtype_policy(c: PlanContext) -> DtypePolicy:
 
 
 def activation_bytes_per_token_layer(
-    dim: int, n_heads: int, n_kv_heads: int, *, tp: int = 1, sequence_parallel: bool = False, act_bytes: int = 2
+    dim: int,
+    n_heads: int,
+    n_kv_heads: int,
+    *,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    act_bytes: int = 2,
 ) -> float:
     """The seed article's GPT rule, ``34 H`` bytes per token and layer in bf16 (10 H outside the
     TP regions, 24 H inside; GQA shrinks K/V; TP divides the inside, SP the outside too). Kept for
@@ -150,7 +156,10 @@ def head_terms(c: PlanContext) -> dict[str, float]:
     """Final RMSNorm + output projection, per local token; the loss: ``log_softmax`` of fp32 logits
     (vocab-sharded under loss parallel)."""
     pol = dtype_policy(c)
-    terms = {k.replace("attention_norm", "final_norm"): v for k, v in _norm_terms(c, pol, "attention_norm", 1).items()}
+    terms = {
+        k.replace("attention_norm", "final_norm"): v
+        for k, v in _norm_terms(c, pol, "attention_norm", 1).items()
+    }
     tp = c.dims.tp
     vocab_split = tp if (tp > 1 and c.cfg.parallelism.loss_parallel) else 1
     terms["log_softmax"] = 4.0 * c.cfg.model.vocab_size / vocab_split
@@ -169,7 +178,10 @@ def sac_cache_bytes(c: PlanContext, block: int) -> float:
     a, tp, cb = c.cfg.model, c.dims.tp, dtype_policy(c).compute
     D = a.dim // a.n_heads if getattr(a, "attn_head_dim", None) is None else a.attn_head_dim
     hidden = getattr(a, "hidden_dim", None) or getattr(a, "moe_hidden_dim", a.dim)
-    return cb * ((a.n_heads + 2 * a.kv_heads) * D / tp + 2 * a.dim + 2 * hidden / tp + a.n_heads * D / tp) + 4 * a.n_heads / tp
+    return (
+        cb * ((a.n_heads + 2 * a.kv_heads) * D / tp + 2 * a.dim + 2 * hidden / tp + a.n_heads * D / tp)
+        + 4 * a.n_heads / tp
+    )
 
 
 # -- one virtual stage, one microbatch ---------------------------------------------------------
@@ -342,7 +354,9 @@ def buffer_bytes(c: PlanContext, pp_rank: int) -> dict[str, float]:
         out["pp_grad_recv"] = c.accum * boundary * sum(1 for st in stages if not st.last)
         # each in-flight microbatch's stage output (fwd_cache): the boundary, or the last stage's logits
         tp = dims.tp
-        logits = c.micro_tokens * c.cfg.model.vocab_size / (tp if p.loss_parallel and tp > 1 else 1) * pol.compute
+        logits = (
+            c.micro_tokens * c.cfg.model.vocab_size / (tp if p.loss_parallel and tp > 1 else 1) * pol.compute
+        )
         out["pp_stage_outputs"] = sum(f * (logits if st.last else boundary)
                                       for st, f in zip(stages, in_flight(c, pp_rank)))  # fmt: skip
     return out
