@@ -23,7 +23,7 @@ rank, measured on the logged steps -- the numbers the planner's memory model is 
   largest unit's unsharded gradients in ``reduce_dtype``); the DDP buckets; the ZeRO-1 flat
   parameter storage; the pipeline's receive buffers (activations and gradients, one per
   microbatch, allocated once by torch's ``PipelineStage``) and the peak of stage outputs kept
-  for backward (``fwd_cache``).
+  for backward (each stage's ``fwd_cache``, observed as entries are added).
 - On CUDA also ``torch.cuda.max_memory_allocated`` / ``memory_reserved`` of the step.
 
 Not seen: what op-level selective checkpointing caches (torch keeps the saved matmul outputs in
@@ -116,6 +116,20 @@ class _Saved:
         self.ledger._release(self.key)
 
 
+class _ObservedCache(dict):
+    """A pipeline stage's ``fwd_cache`` (microbatch -> (outputs, inputs) kept for its backward) that
+    tells the ledger its size whenever a microbatch's entry is added: the peak of kept outputs."""
+
+    def __init__(self, initial: dict, ledger: MemoryLedger) -> None:
+        super().__init__(initial)
+        self._ledger = ledger
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(key, value)
+        if self._ledger.active:
+            self._ledger._sample_stage_outputs()
+
+
 class MemoryLedger:
     """Measures the memory of the steps it is entered around (``with ledger: trainer.train_step()``)."""
 
@@ -129,6 +143,8 @@ class MemoryLedger:
         self._live: dict[tuple[int, int], list[int]] = {}  # storage -> [references, bytes]
         self._ac_held: dict[int, list[_Saved]] = {}
         self._fsdp = self._fsdp_params()
+        for stage in getattr(model, "stages", None) or []:  # pipeline: see each stage output it keeps
+            stage.fwd_cache = _ObservedCache(stage.fwd_cache, self)
         self._gather_storages: list[list[Any]] = [[] for _ in self._fsdp]
         self._install_scope_hooks()
         self._reset()
@@ -264,10 +280,11 @@ class MemoryLedger:
                     storages[:] = [t.untyped_storage() for p in g.fsdp_params for t in p.all_gather_outputs]
                 gathered += sum(st.nbytes() for st in storages)
             self._fsdp_peak = max(self._fsdp_peak, gathered)
-        stages = getattr(self.model, "stages", None)
-        if stages:
-            cached = sum(storage_bytes(_tensors(out)) for st in stages for out, _ in st.fwd_cache.values())
-            self._fwd_cache_peak = max(self._fwd_cache_peak, cached)
+
+    def _sample_stage_outputs(self) -> None:
+        stages = getattr(self.model, "stages", None) or []
+        kept = storage_bytes(t for st in stages for out, _ in st.fwd_cache.values() for t in _tensors(out))
+        self._fwd_cache_peak = max(self._fwd_cache_peak, kept)
 
     def _static_buffers(self) -> dict[str, float]:
         out: dict[str, float] = {}
