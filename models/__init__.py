@@ -5,12 +5,16 @@
 
 from __future__ import annotations
 
+from models.deepseek_v3 import DEEPSEEK_V3_SPEC
 from models.errors import ConfigError
 from models.llama import LLAMA_SPEC
 from models.moe import MOE_SPEC
+from models.qwen3 import QWEN3_SPEC
 from models.spec import ModelSpec
 
-MODEL_SPECS: dict[str, ModelSpec] = {spec.family: spec for spec in (LLAMA_SPEC, MOE_SPEC)}
+MODEL_SPECS: dict[str, ModelSpec] = {
+    spec.family: spec for spec in (LLAMA_SPEC, MOE_SPEC, QWEN3_SPEC, DEEPSEEK_V3_SPEC)
+}
 
 
 def get_spec(family: str) -> ModelSpec:

@@ -43,6 +43,8 @@ __all__ = [
     "ATTENTION_MASKS",
     "AttentionCore",
     "KVCacheCore",
+    "LatentAttentionCore",
+    "LatentKVCacheCore",
     "MaskCache",
     "MaskSpec",
     "attend",
@@ -239,3 +241,70 @@ class KVCacheCore(nn.Module):
         index = torch.arange(self.length, device=q.device)
         mask = MaskSpec(index[-Sn:], index).additive(q.dtype)  # (1, 1, Sn, L)
         return attend(q, self.k[:, : self.length], self.v[:, : self.length], mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Latent attention cores (multi-head latent attention, models/deepseek_v3)
+# --------------------------------------------------------------------------------------------
+
+# Expand the compressed keys/values: (B, Sk, 1, C) -> k (B, Sk, nh, Dqk), v (B, Sk, nh, Dv).
+Expand = Callable[[Tensor], tuple[Tensor, Tensor]]
+
+
+class LatentAttentionCore(nn.Module):
+    """Core of multi-head latent attention (MLA): it receives the queries and the COMPRESSED keys and
+    values of the tokens at hand (one latent per token, shared by all heads: the normalised KV latent
+    and the rotated shared RoPE key, concatenated, (B, S, 1, C)) with the ``expand`` function that
+    up-projects latents to per-head keys and values. This core expands at once and attends like
+    ``AttentionCore`` (same masks, one shared instance per model). Cores that move or keep keys
+    swap in here and move or keep the latents instead: context parallel all-gathers them before
+    expanding (``parallelisms/context_parallel.py``), generation caches them
+    (``LatentKVCacheCore``)."""
+
+    def __init__(self, attention_mask: str = "causal") -> None:
+        super().__init__()
+        self.inner = AttentionCore(attention_mask)
+
+    @property
+    def attention_mask(self) -> str:
+        return self.inner.attention_mask
+
+    def forward(self, q: Tensor, latent: Tensor, *, expand: Expand, positions: Optional[Tensor] = None) -> Tensor:
+        """q (B, S, nh, Dqk), latent (B, S, 1, C) -> (B, S, nh, Dv)."""
+        k, v = expand(latent)  # (B, S, nh, Dqk), (B, S, nh, Dv)
+        return self.inner(q, k, v, positions=positions)
+
+
+class LatentKVCacheCore(nn.Module):
+    """Inference core of MLA that caches the compressed latents (B, L, 1, C) of every token seen so far,
+    not the expanded per-head keys and values (nh * (Dqk + Dv) / C times more), and expands the whole
+    cache at each step. Same contract as ``KVCacheCore``."""
+
+    def __init__(self, max_len: int) -> None:
+        super().__init__()
+        self.max_len = max_len
+        self.latent: Optional[Tensor] = None
+        self.length = 0
+
+    def reset(self) -> None:
+        """Forget the cached tokens (the buffer is kept for the next sequence)."""
+        self.length = 0
+
+    def forward(self, q: Tensor, latent: Tensor, *, expand: Expand, positions: Optional[Tensor] = None) -> Tensor:
+        """q (B, Sn, nh, Dqk), latent (B, Sn, 1, C) for the Sn new tokens -> (B, Sn, nh, Dv)."""
+        B, Sn = latent.shape[:2]
+        if self.length + Sn > self.max_len:
+            raise ValueError(f"KV cache of {self.max_len} positions is full; reset it and prefill again")
+        if (
+            self.latent is None
+            or self.latent.shape[0] != B
+            or self.latent.dtype != latent.dtype
+            or self.latent.device != latent.device
+        ):
+            self.latent = latent.new_empty(B, self.max_len, *latent.shape[2:])  # (B, L, 1, C)
+        self.latent[:, self.length : self.length + Sn] = latent
+        self.length += Sn
+        k, v = expand(self.latent[:, : self.length])  # (B, L, nh, Dqk), (B, L, nh, Dv)
+        index = torch.arange(self.length, device=q.device)
+        mask = MaskSpec(index[-Sn:], index).additive(q.dtype)  # (1, 1, Sn, L)
+        return attend(q, k, v, mask)

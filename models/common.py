@@ -38,7 +38,10 @@ __all__ = [
     "num_params",
     "precompute_rope_cache",
     "repeat_kv",
+    "rope_attention_factor",
     "rope_inv_freq",
+    "yarn_mscale",
+    "yarn_softmax_scale",
 ]
 
 # Label value the loss skips (padding, document ends without a successor). The one definition.
@@ -50,7 +53,7 @@ CopyFn = Callable[[nn.Parameter, Tensor], None]
 # Rotary position embedding
 # --------------------------------------------------------------------------------------------
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass
@@ -61,14 +64,24 @@ class RopeScaling:
     interpolation). ``llama3``: Llama 3.1's piecewise rule -- wavelengths shorter than
     ``original_max_seq_len / high_freq_factor`` are kept, those longer than
     ``original_max_seq_len / low_freq_factor`` are divided by ``factor``, and the band in
-    between is interpolated smoothly.
+    between is interpolated smoothly. ``yarn`` (DeepSeek-V3, Kimi K2; Peng et al. 2023): the
+    dimensions that turn fewer than ``beta_slow`` times over ``original_max_seq_len`` are divided
+    by ``factor``, those that turn more than ``beta_fast`` times are kept, with a linear ramp
+    between; cos and sin are multiplied by ``attention_factor`` (derived, as in transformers, from
+    ``mscale`` / ``mscale_all_dim`` when 0), and ``mscale_all_dim`` also rescales the softmax of
+    MLA attention (``yarn_softmax_scale``).
     """
 
     type: str = "default"  # default | linear | llama3
     factor: float = 1.0
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
-    original_max_seq_len: int = 8192  # llama3: the pre-training context
+    original_max_seq_len: int = 8192  # llama3 / yarn: the pre-training context
+    beta_fast: float = 32.0  # yarn: rotations above which a dimension is kept (extrapolated)
+    beta_slow: float = 1.0  # yarn: rotations below which a dimension is interpolated (/ factor)
+    mscale: float = 0.0  # yarn: numerator of the cos/sin scale (0 = absent, as in HF)
+    mscale_all_dim: float = 0.0  # yarn: denominator of the cos/sin scale and MLA's softmax scale (0 = absent)
+    attention_factor: float = 0.0  # yarn: explicit cos/sin scale (0 = derived from factor and mscale)
 
     def validate(self) -> None:
         """Raise ``ConfigError`` naming the bad value and the fix."""
@@ -80,6 +93,18 @@ class RopeScaling:
             return
         if not self.factor > 0:
             raise ConfigError(f"model.rope_scaling.factor={self.factor} must be > 0.")
+        if self.type == "yarn":
+            if not (self.beta_slow > 0 and self.beta_fast > 0):
+                raise ConfigError(
+                    f"model.rope_scaling: beta_fast={self.beta_fast} and beta_slow={self.beta_slow} must be > 0."
+                )
+            for name in ("mscale", "mscale_all_dim", "attention_factor"):
+                if getattr(self, name) < 0:
+                    raise ConfigError(f"model.rope_scaling.{name}={getattr(self, name)} must be >= 0 (0 = absent).")
+        if self.type in ("llama3", "yarn") and self.original_max_seq_len <= 0:
+            raise ConfigError(
+                f"model.rope_scaling.original_max_seq_len={self.original_max_seq_len} must be positive."
+            )
         if self.type == "llama3":
             if not 0 < self.low_freq_factor < self.high_freq_factor:
                 raise ConfigError(
@@ -99,6 +124,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[RopeScaling] = 
         return inv_freq
     if scaling.type == "linear":
         return inv_freq / scaling.factor
+    if scaling.type == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
     # llama3: keep high frequencies, divide low ones by factor, interpolate the band between.
     low_wavelen = scaling.original_max_seq_len / scaling.low_freq_factor
     high_wavelen = scaling.original_max_seq_len / scaling.high_freq_factor
@@ -112,6 +139,46 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[RopeScaling] = 
     return torch.where(medium, blended, scaled)
 
 
+def _yarn_inv_freq(inv_freq: Tensor, head_dim: int, theta: float, scaling: RopeScaling) -> Tensor:
+    """YaRN's blend of extrapolated (kept) and interpolated (/ factor) frequencies; the correction
+    range is truncated to whole dimensions, as in transformers and DeepSeek's reference code."""
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(scaling.original_max_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(scaling.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(scaling.beta_slow)), head_dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)  # (D/2,)
+    keep = 1 - ramp  # 1: extrapolate (high frequency), 0: interpolate
+    return inv_freq / scaling.factor * (1 - keep) + inv_freq * keep
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention-temperature correction ``0.1 * mscale * ln(factor) + 1`` (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(scaling: Optional[RopeScaling]) -> float:
+    """The factor YaRN multiplies cos and sin by (1 for every other RoPE), transformers' rule."""
+    if scaling is None or scaling.type != "yarn":
+        return 1.0
+    if scaling.attention_factor:
+        return scaling.attention_factor
+    if scaling.mscale and scaling.mscale_all_dim:
+        return yarn_mscale(scaling.factor, scaling.mscale) / yarn_mscale(scaling.factor, scaling.mscale_all_dim)
+    return yarn_mscale(scaling.factor)
+
+
+def yarn_softmax_scale(scaling: Optional[RopeScaling]) -> float:
+    """Multiplier of MLA's softmax scale 1/sqrt(qk_head_dim): ``yarn_mscale(factor, mscale_all_dim)**2``
+    under YaRN with ``mscale_all_dim`` set (DeepSeek-V2/V3), else 1."""
+    if scaling is None or scaling.type != "yarn" or not scaling.mscale_all_dim:
+        return 1.0
+    return yarn_mscale(scaling.factor, scaling.mscale_all_dim) ** 2
+
+
 def precompute_rope_cache(
     head_dim: int, max_seq_len: int, theta: float = 10000.0, scaling: Optional[RopeScaling] = None
 ) -> Tensor:
@@ -123,7 +190,8 @@ def precompute_rope_cache(
     inv_freq = rope_inv_freq(head_dim, theta, scaling)  # (D/2,)
     positions = torch.arange(max_seq_len, dtype=torch.float64)  # (S,)
     angles = torch.outer(positions, inv_freq)  # (S, D/2)
-    return torch.cat([angles.cos(), angles.sin()], dim=-1).to(torch.float32)  # (S, D)
+    cache = torch.cat([angles.cos(), angles.sin()], dim=-1)  # (S, D)
+    return (cache * rope_attention_factor(scaling)).to(torch.float32)
 
 
 def apply_rotary_emb(xq: Tensor, xk: Tensor, rope: Tensor) -> tuple[Tensor, Tensor]:

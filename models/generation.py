@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from models.attention import KVCacheCore
+from models.attention import KVCacheCore, LatentAttentionCore, LatentKVCacheCore
 
 __all__ = ["generate", "kv_cache", "sample_next"]
 
@@ -36,11 +36,15 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: Optional[int],
 
 
 @contextlib.contextmanager
-def kv_cache(model: nn.Module, max_len: int) -> Iterator[list[KVCacheCore]]:
-    """Swap every attention core of ``model`` for a per-layer ``KVCacheCore``; restore on exit."""
+def kv_cache(model: nn.Module, max_len: int) -> Iterator[list[nn.Module]]:
+    """Swap every attention core of ``model`` for a per-layer ``KVCacheCore`` (``LatentKVCacheCore``
+    for multi-head latent attention: it caches the latents, not the expanded K/V); restore on exit."""
     attentions = [m for m in model.modules() if isinstance(getattr(m, "core", None), nn.Module)]
     saved = [m.core for m in attentions]
-    caches = [KVCacheCore(max_len) for _ in attentions]
+    caches = [
+        LatentKVCacheCore(max_len) if isinstance(m.core, LatentAttentionCore) else KVCacheCore(max_len)
+        for m in attentions
+    ]
     for m, cache in zip(attentions, caches):
         m.core = cache
     try:

@@ -18,7 +18,9 @@ class, so a new family plugs in without touching any strategy:
 - optional features, declared here rather than probed on the args: ``moe_layers`` /
   ``expert_modules`` (a mixture-of-experts family's routed layers and stacked experts, for expert
   parallel, FSDP and the planner; ``has_experts`` / ``num_experts(args)``), ``ties_embeddings(args)``
-  and ``attention_mask(args)`` (both with the dense, untied, causal answer as the default).
+  and ``attention_mask(args)`` (both with the dense, untied, causal answer as the default), and
+  ``mtp_depth(args)`` (multi-token-prediction modules, 0 by default; DeepSeek-V3), and
+  ``attention_comm(args)`` (what attention moves under CP / TP beyond the plan's kinds, for the planner).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Any, Optional, Protocol
 import torch
 from torch import nn
 
-__all__ = ["HFAdapter", "ModelArgs", "ModelSpec", "ParamCounts"]
+__all__ = ["AttentionComm", "HFAdapter", "ModelArgs", "ModelSpec", "ParamCounts"]
 
 
 @dataclass
@@ -87,6 +89,35 @@ def _causal(_args: Any) -> str:
     return "causal"
 
 
+def _no_mtp(_args: Any) -> int:
+    return 0
+
+
+@dataclass(frozen=True)
+class AttentionComm:
+    """What an attention layer communicates beyond the TP plan's kinds (for the planner).
+
+    ``cp_gather_dim``: numbers per token all-gathered over cp (Llama: K and V of the kv heads, 2 x
+    n_kv_heads x head_dim; MLA: the latent, kv_lora_rank + qk_rope_head_dim). ``tp_entry_partial``:
+    whether the gradient of the attention input comes back as partial sums over tp (a column-wise
+    projection reads it directly: reduce-scatter under SP, all-reduce without), or complete (only
+    replicated modules read it: a local slice). ``tp_backward_all_reduce_dim``: numbers per token
+    all-reduced over tp in backward inside the attention (MLA: the latents fed to the column-wise
+    up-projections and the shared RoPE key)."""
+
+    cp_gather_dim: int
+    tp_entry_partial: bool = True
+    tp_backward_all_reduce_dim: int = 0
+    # Saved-activation numbers per token of the attention's projections, when they differ from
+    # Llama's (q, k, v and the output projection's input, H each): (split by tp: per-head tensors,
+    # not split: latents computed on the whole sequence by replicated modules); None = Llama's.
+    saved: Optional[tuple[int, int]] = None
+
+
+def _gqa_comm(args: Any) -> AttentionComm:
+    return AttentionComm(cp_gather_dim=2 * args.kv_heads * args.head_dim)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A model family, as the rest of the stack sees it (see the module docstring)."""
@@ -106,6 +137,8 @@ class ModelSpec:
     expert_modules: Optional[Callable[[nn.Module], list[nn.Module]]] = None
     ties_embeddings: Callable[[Any], bool] = _untied
     attention_mask: Callable[[Any], str] = _causal
+    mtp_depth: Callable[[Any], int] = _no_mtp  # multi-token-prediction modules (0: none)
+    attention_comm: Callable[[Any], AttentionComm] = _gqa_comm  # the planner's view of attention traffic
 
     @property
     def has_experts(self) -> bool:

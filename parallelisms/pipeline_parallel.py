@@ -216,16 +216,20 @@ class Pipeline:
 
     @torch.no_grad()
     def forward_loss_sum(
-        self, inputs: Optional[Tensor], labels: Tensor, positions: Optional[Tensor] = None
+        self, inputs: Optional[Tensor], labels: Tensor, positions: Optional[Tensor] = None, *,
+        loss_fn: Optional[LossFn] = None, out_shape: tuple[int, ...] = (),
     ) -> Tensor:
         """Forward only: summed token loss of (B, S) ``labels`` on every pp rank.
 
         Runs the stages one after another with blocking send/recv (no microbatching), so any
-        batch size works and the training schedule's state is untouched.
+        batch size works and the training schedule's state is untouched. ``loss_fn`` replaces
+        the training loss (e.g. per-row evaluation statistics) and must return an fp32 tensor of
+        ``out_shape``, which every pp rank then holds.
         """
+        loss_fn = loss_fn or self.loss_fn
         part_of = {stage.stage_index: stage.submod for stage in self.stages}
         h: Optional[Tensor] = None
-        loss = torch.zeros((), device=self.device)
+        loss = torch.zeros(out_shape, device=self.device)
         with self.step_context():
             for s in range(self.num_stages):
                 if self.stage_to_rank[s] != self.pp_rank:
@@ -238,7 +242,7 @@ class Pipeline:
                     x = self._recv(self.stage_to_rank[s - 1])
                 out = part_of[s](x) if positions is None else part_of[s](x, positions=positions)
                 if s == self.num_stages - 1:
-                    loss = self.loss_fn(out, labels).float()
+                    loss = loss_fn(out, labels).float()
                 elif self.stage_to_rank[s + 1] != self.pp_rank:
                     self._send(out, self.stage_to_rank[s + 1])
                 else:

@@ -111,6 +111,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         *,
         assignment: str = "balanced",
         average_gradients: bool = False,
+        cost: Optional[Callable[[torch.Tensor, dict[str, Any]], int]] = None,
         **defaults: Any,
     ) -> None:
         if assignment not in ASSIGNMENTS:
@@ -119,6 +120,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
         self.assignment = assignment
+        self.cost = cost  # (param, its group) -> balance weight; default: bytes
         self.average_gradients = average_gradients
         self._optimizer_class = optimizer_class
         self._inner_defaults = defaults
@@ -144,7 +146,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             group["params"] = [ps] if isinstance(ps, torch.Tensor) else list(ps)
             groups[i] = group
         self._pending_owners: Optional[list[int]] = self._assign(
-            [_param_of(e) for g in groups for e in g["params"]]
+            [_param_of(e) for g in groups for e in g["params"]], [g for g in groups for _ in g["params"]]
         )
         super().__init__(groups, defaults)
         self._pending_owners = None
@@ -153,11 +155,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ ownership
 
-    def _assign(self, params: list[torch.Tensor]) -> list[int]:
+    def _assign(self, params: list[torch.Tensor], groups: list[dict[str, Any]]) -> list[int]:
         if self.assignment == "round_robin":
             start = len(self._all_params)
             return [(start + i) % self.world_size for i in range(len(params))]
         # Continues from the current loads; a later add_param_group keeps earlier owners fixed.
+        if self.cost is not None:
+            return _balanced_owners([self.cost(p, g) for p, g in zip(params, groups)], self._loads)
         return _balanced_owners([p.numel() * p.element_size() for p in params], self._loads)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -175,9 +179,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self._pending_owners[len(params) :],
             )
         else:
-            owners = self._assign(params)
+            owners = self._assign(params, [param_group] * len(params))
         inner_group = {k: v for k, v in param_group.items() if k != "params"}
         inner_group["params"] = [e for e, owner in zip(entries, owners) if owner == self.rank]
+        if isinstance(param_group.get("names"), list) and len(param_group["names"]) == len(entries):
+            # per-parameter names (Muon's) follow their parameters
+            inner_group["names"] = [n for n, owner in zip(param_group["names"], owners) if owner == self.rank]
         if self._inner is None:
             self._inner = self._optimizer_class([inner_group], **self._inner_defaults)
         else:

@@ -40,6 +40,7 @@ import warnings
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module
@@ -58,6 +59,7 @@ from parallelisms.config import ParallelismConfig
 
 __all__ = [
     "ReplicateParallel",
+    "SumGradParallel",
     "apply_tp",
     "check_tp_fits_node",
     "keep_gradients_sharded",
@@ -100,6 +102,32 @@ class ReplicateParallel(ParallelStyle):
         )
 
 
+class _AllReduceGrad(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient over the tp group (Megatron's f)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class SumGradParallel(ParallelStyle):
+    """For a parameterless pass-through module whose output every rank's heads use (MLA's shared RoPE
+    key, ``rope_key``): forward unchanged, backward sums the gradient over tp, since each rank's heads
+    contribute only their part of it."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        group = device_mesh.get_group()
+        module.register_forward_hook(lambda _m, _inputs, out: _AllReduceGrad.apply(out, group))
+        return module
+
+
 def _style(kind: str, *, sequence_parallel: bool, loss_parallel: bool) -> ParallelStyle:
     """The torch ``ParallelStyle`` for one abstract kind of a model's TP plan (``ModelSpec.tp_plan``)."""
     # Layout of the residual stream between TP regions: sequence-sharded under SP.
@@ -125,6 +153,8 @@ def _style(kind: str, *, sequence_parallel: bool, loss_parallel: bool) -> Parall
         )
     if kind == "replicate":
         return ReplicateParallel()
+    if kind == "sum_grad":  # a tensor shared by the heads of every rank: all-reduce its gradient
+        return SumGradParallel()
     if kind == "head_norm":  # per-head norm (qk-norm) on this rank's heads: weight replicated
         return SequenceParallel(sequence_dim=2, use_local_output=True)
     if kind == "moe_io":
@@ -182,6 +212,7 @@ def apply_tp(
     check_tp_fits_node(tp_mesh.size(), device_type)
     plan = tp_plan(model, spec, sequence_parallel=cfg.sequence_parallel, loss_parallel=cfg.loss_parallel)
     parallelize_module(model, tp_mesh, plan)
+    replicate_uncovered(model, tp_mesh)
     # The embedding (Rowwise) and the head (Colwise) both shard the (V, H) weight on dim 0, so
     # a tied weight keeps one placement; parallelize_module replaced each Parameter separately.
     tie = getattr(model, "tie_weights", None)
@@ -196,6 +227,21 @@ def apply_tp(
         inductor_config._micro_pipeline_tp = True
         enable_symm_mem_for_group(tp_mesh.get_group().group_name)
     return model
+
+
+def replicate_uncovered(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Make every parameter the plan left a plain tensor a ``Replicate`` DTensor on the tp mesh.
+
+    Such parameters belong to modules that run replicated inside the tp group on gathered inputs and
+    read their weights locally (the stacked experts of an MoE layer without expert parallelism,
+    ``moe_io``): every tp rank computes the same gradient, so Replicate is exact, and every parameter
+    is then a DTensor on the same mesh (the optimizer's foreach kernels and the grad norm need that).
+    Expert parallelism, applied later, replaces the expert weights with its own shards."""
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if not isinstance(param, DTensor):
+                dparam = DTensor.from_local(param.data, tp_mesh, [Replicate()], run_check=False)
+                module.register_parameter(name, nn.Parameter(dparam, param.requires_grad))
 
 
 def keep_gradients_sharded(model: nn.Module) -> None:

@@ -146,6 +146,24 @@ def validate_model(dims: ParallelDims, spec: ModelSpec, args: Any, *, seq_len: i
             f"parallelism.ep={dims.ep} needs a mixture-of-experts model; the {spec.family} family has no "
             f"experts. Set parallelism.ep=1."
         )
+    _validate_mtp(dims, spec.mtp_depth(args))
+
+
+def _validate_mtp(dims: ParallelDims, depth: int) -> None:
+    """Multi-token prediction runs with the data-parallel layouts (FSDP/HSDP, DDP, ZeRO-1, EP) only.
+    Its modules need the embedding of the input tokens AND the output head: under PP the first stage
+    owns one and the last the other, and the last stage does not receive the tokens; under CP a rank's
+    tokens are not contiguous (token i+k of its shard lives on another rank); under TP the MTP modules
+    are outside the blocks the TP plan covers. Rejected rather than half-supported."""
+    if not depth:
+        return
+    for axis, degree in (("pp", dims.pp), ("cp", dims.cp), ("tp", dims.tp)):
+        if degree > 1:
+            raise ConfigError(
+                f"model.mtp_depth={depth} with parallelism.{axis}={degree} is not supported: multi-token "
+                f"prediction needs the input embedding, the output head and contiguous sequences on one rank "
+                f"(FSDP/HSDP, DDP, ZeRO-1 and EP layouts). Set model.mtp_depth=0 or parallelism.{axis}=1."
+            )
 
 
 def validate_ddp(impl: str, bucket_mb: float) -> None:

@@ -17,6 +17,7 @@ to it, root causes first.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import signal
@@ -74,6 +75,9 @@ def _worker(
     timeout: float,
 ) -> None:
     os.setpgrp()  # its own process group: the parent can kill it together with its children
+    # A rank that aborts or segfaults (SIGABRT/SIGSEGV inside a kernel or gloo) prints its Python
+    # stack to stderr before it dies, so the test's output says where.
+    faulthandler.enable(all_threads=True)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),

@@ -23,6 +23,7 @@ from models.spec import ModelArgs
 from parallelisms.config import DDPConfig, FSDPConfig, ParallelismConfig
 from parallelisms.utils import DTYPES
 from trainer.checkpoint.hf import parse_size
+from trainer.eval.config import EvalConfig, validate_eval
 
 __all__ = [
     "CheckpointConfig",
@@ -36,6 +37,7 @@ __all__ = [
     "MetricsConfig",
     "MixtureSource",
     "ModelConfig",
+    "MuonConfig",
     "OptimizerConfig",
     "ParallelismConfig",
     "ProfilingConfig",
@@ -80,13 +82,30 @@ class DataConfig:
 
 
 @dataclass
+class MuonConfig:
+    """The Muon group of ``optimizer.name=muon`` (>=2-D hidden weights; experts per expert)."""
+
+    lr: float = 3e-4  # peak LR of the Muon group (the schedule scales it like the AdamW group's)
+    weight_decay: float = 0.1  # decoupled: p *= 1 - lr * weight_decay
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5  # Newton-Schulz iterations
+    ns_coefficients: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
+    eps: float = 1e-7  # floor of the norm the iteration divides by
+    adjust_lr_fn: str = "match_rms_adamw"  # match_rms_adamw (0.2*sqrt(max(A,B))) | original (sqrt(max(1,A/B)))
+    ns_dtype: str = "bfloat16"  # bfloat16 (torch.optim.Muon's) | float32
+
+
+@dataclass
 class OptimizerConfig:
-    name: str = "adamw"  # adamw
+    name: str = "adamw"  # adamw | muon (Muon for hidden matrices, AdamW with the keys below for the rest)
     lr: float = 3e-4
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.1
     implementation: str = "auto"  # auto | fused | foreach | for-loop
+    muon: MuonConfig = field(default_factory=MuonConfig)  # used when name=muon
+    qk_clip_tau: float = 0.0  # QK-clip: cap on each attention head's max pre-softmax logit; 0 = off
 
 
 @dataclass
@@ -181,6 +200,7 @@ class TrainConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)  # downstream tasks (trainer/eval/)
 
 
 _GROUPS: dict[str, type] = {
@@ -192,6 +212,7 @@ _GROUPS: dict[str, type] = {
     "metrics": MetricsConfig,
     "comm": CommConfig,
     "profiling": ProfilingConfig,
+    "eval": EvalConfig,
 }
 
 
@@ -251,7 +272,11 @@ def _validate_training(t: TrainingConfig, max_seq_len: int) -> None:
 
 
 def _validate_optimizer(o: OptimizerConfig, s: LRSchedulerConfig) -> None:
-    check_choice(o.name, ("adamw",), "optimizer.name")
+    check_choice(o.name, ("adamw", "muon"), "optimizer.name")
+    if o.name == "muon":
+        _validate_muon(o.muon)
+    if not (math.isfinite(o.qk_clip_tau) and o.qk_clip_tau >= 0):
+        raise ConfigError(f"optimizer.qk_clip_tau={o.qk_clip_tau} must be >= 0 (0 = off; Kimi K2 used 100).")
     check_choice(o.implementation, ("auto", "fused", "foreach", "for-loop"), "optimizer.implementation")
     for key in ("lr", "eps"):
         value = getattr(o, key)
@@ -268,6 +293,43 @@ def _validate_optimizer(o: OptimizerConfig, s: LRSchedulerConfig) -> None:
         raise ConfigError(f"lr_scheduler.warmup_steps={s.warmup_steps} must be >= 0.")
     if not 0.0 <= s.min_lr_ratio <= 1.0:
         raise ConfigError(f"lr_scheduler.min_lr_ratio={s.min_lr_ratio} must lie in [0, 1].")
+
+
+def _validate_muon(m: MuonConfig) -> None:
+    check_choice(m.adjust_lr_fn, ("match_rms_adamw", "original"), "optimizer.muon.adjust_lr_fn")
+    check_choice(m.ns_dtype, ("bfloat16", "float32"), "optimizer.muon.ns_dtype")
+    if not (math.isfinite(m.lr) and m.lr > 0):
+        raise ConfigError(f"optimizer.muon.lr={m.lr} must be a finite number > 0 (e.g. optimizer.muon.lr=3e-4).")
+    if not math.isfinite(m.weight_decay) or m.weight_decay < 0:
+        raise ConfigError(f"optimizer.muon.weight_decay={m.weight_decay} must be a finite number >= 0.")
+    if not 0.0 <= m.momentum < 1.0:
+        raise ConfigError(f"optimizer.muon.momentum={m.momentum} must lie in [0, 1) (e.g. 0.95).")
+    if not 1 <= m.ns_steps < 100:
+        raise ConfigError(f"optimizer.muon.ns_steps={m.ns_steps} must lie in [1, 99] (e.g. 5).")
+    if len(m.ns_coefficients) != 3:
+        raise ConfigError(
+            f"optimizer.muon.ns_coefficients={list(m.ns_coefficients)} must be three numbers (a, b, c), "
+            "e.g. [3.4445,-4.7750,2.0315]."
+        )
+    if not (math.isfinite(m.eps) and m.eps > 0):
+        raise ConfigError(f"optimizer.muon.eps={m.eps} must be a finite number > 0 (e.g. 1e-7).")
+
+
+def _validate_qk_clip(cfg: TrainConfig) -> None:
+    tau = cfg.optimizer.qk_clip_tau
+    if tau <= 0:
+        return
+    if cfg.parallelism.cp > 1:
+        raise ConfigError(
+            f"optimizer.qk_clip_tau={tau} with parallelism.cp={cfg.parallelism.cp}: the per-head max logit is "
+            "measured from local keys only, and a context shard does not hold all of them. Set "
+            "optimizer.qk_clip_tau=0 or parallelism.cp=1."
+        )
+    if getattr(cfg.model, "qk_norm", False):
+        raise ConfigError(
+            f"optimizer.qk_clip_tau={tau} with model.qk_norm=true: the per-head RMSNorm of q and k undoes any "
+            "scaling of their projections, so QK-clip cannot lower the logits. Set optimizer.qk_clip_tau=0."
+        )
 
 
 def _validate_checkpoint(c: CheckpointConfig) -> None:
@@ -316,6 +378,7 @@ def validate(cfg: TrainConfig) -> None:
             "collectives and their bytes are the same), or set metrics.comm_ledger=false."
         )
     _validate_optimizer(cfg.optimizer, cfg.lr_scheduler)
+    _validate_qk_clip(cfg)
     _validate_checkpoint(cfg.checkpoint)
     if cfg.checkpoint.last_save_in_hf and cfg.parallelism.pp > 1:
         raise ConfigError(
@@ -327,6 +390,7 @@ def validate(cfg: TrainConfig) -> None:
     _positive(cfg.metrics.log_freq, "metrics.log_freq")
     _validate_operations(cfg)
     _validate_data(cfg.data)
+    validate_eval(cfg.eval)
     folder = cfg.job.dump_folder
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise ConfigError(

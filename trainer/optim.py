@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.lr_scheduler import LambdaLR
@@ -28,6 +30,47 @@ def param_groups(model: nn.Module | list[nn.Module], weight_decay: float) -> lis
     return groups
 
 
+def _clean_name(name: str) -> str:
+    """A parameter's name as the model names it (without compile / checkpoint wrapper prefixes)."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+def muon_param_groups(
+    model: nn.Module | list[nn.Module], cfg: OptimizerConfig, adamw_modules: tuple[str, ...]
+) -> list[dict[str, Any]]:
+    """Muon for every >=2-D weight outside ``adamw_modules`` (the embedding and the output head,
+    e.g. ``spec.first_modules + spec.last_modules``); AdamW for those and every 1-D parameter.
+    Each group carries its own hyperparameters and the parameters' names (they key Muon's units)."""
+    parts = model if isinstance(model, list) else [model]
+    named: dict[torch.Tensor, str] = {}
+    for part in parts:
+        for name, p in part.named_parameters():
+            if p.requires_grad:
+                named.setdefault(p, _clean_name(name))
+    muon, decay, no_decay = [], [], []
+    for p, name in named.items():
+        if p.ndim < 2:
+            no_decay.append((name, p))
+        elif name.split(".", 1)[0] in adamw_modules:
+            decay.append((name, p))
+        else:
+            muon.append((name, p))
+    m = cfg.muon
+    groups = [
+        {
+            "params": [p for _, p in muon], "names": [n for n, _ in muon], "use_muon": True,
+            "lr": m.lr, "weight_decay": m.weight_decay, "momentum": m.momentum, "nesterov": m.nesterov,
+            "ns_steps": m.ns_steps, "ns_coefficients": tuple(m.ns_coefficients), "eps": m.eps,
+            "adjust_lr_fn": m.adjust_lr_fn,
+        },
+        {"params": [p for _, p in decay], "names": [n for n, _ in decay], "use_muon": False,
+         "lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps, "weight_decay": cfg.weight_decay},
+        {"params": [p for _, p in no_decay], "names": [n for n, _ in no_decay], "use_muon": False,
+         "lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps, "weight_decay": 0.0},
+    ]  # fmt: skip
+    return [g for g in groups if g["params"]]
+
+
 def _impl_kwargs(cfg: OptimizerConfig, device_type: str) -> dict[str, bool]:
     impl = cfg.implementation
     if impl == "auto":
@@ -41,8 +84,14 @@ def build_optimizer(
     *,
     device_type: str,
     shard_mesh: DeviceMesh | None = None,
+    adamw_modules: tuple[str, ...] = ("tok_embeddings", "norm", "output"),
 ) -> torch.optim.Optimizer:
-    """AdamW over ``model`` (a module or the model parts); with ``shard_mesh`` it becomes the ZeRO-1 ShardedOptimizer on that mesh."""
+    """AdamW (or ``name=muon``: Muon + AdamW, see :func:`muon_param_groups`) over ``model`` (a
+    module or the model parts); with ``shard_mesh`` it becomes the ZeRO-1 ShardedOptimizer on that
+    mesh (Muon: each owner orthogonalises its whole matrices). Without it, Muon spreads its
+    matrices over the world group's ranks (``parallelisms.muon``)."""
+    if cfg.name == "muon":
+        return _build_muon(model, cfg, device_type, shard_mesh, adamw_modules)
     kwargs: dict[str, Any] = {"lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps}
     kwargs.update(_impl_kwargs(cfg, device_type))
     groups = param_groups(model, cfg.weight_decay)
@@ -51,6 +100,59 @@ def build_optimizer(
 
         return ShardedOptimizer(groups, torch.optim.AdamW, shard_mesh.get_group(), **kwargs)
     return torch.optim.AdamW(groups, **kwargs)
+
+
+def _build_muon(
+    model: nn.Module | list[nn.Module],
+    cfg: OptimizerConfig,
+    device_type: str,
+    shard_mesh: DeviceMesh | None,
+    adamw_modules: tuple[str, ...],
+) -> torch.optim.Optimizer:
+    from parallelisms.muon import NS_DTYPES, Muon
+
+    groups = muon_param_groups(model, cfg, adamw_modules)
+    kwargs: dict[str, Any] = {"ns_dtype": NS_DTYPES[cfg.muon.ns_dtype], "adamw_kwargs": _impl_kwargs(cfg, device_type)}
+    if shard_mesh is not None:
+        from parallelisms.sharded_optimizer import ShardedOptimizer
+
+        # ns_dtype / adamw_kwargs configure the inner optimizer, they are no group hyperparameters
+        inner = functools.partial(Muon, **kwargs)
+        return ShardedOptimizer(groups, inner, shard_mesh.get_group(), cost=muon_cost)  # type: ignore[arg-type]
+    group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    return Muon(groups, group, **kwargs)
+
+
+def muon_cost(p: torch.Tensor, group: dict[str, Any]) -> int:
+    """ZeRO-1 owner balance under Muon: Newton-Schulz FLOPs for Muon matrices, bytes otherwise."""
+    from parallelisms.muon import ns_flops
+
+    if group.get("use_muon"):
+        stack = p.shape[0] if p.ndim == 3 else 1
+        return stack * ns_flops(p.shape[-2], p.shape[-1])
+    return p.numel() * p.element_size()
+
+
+def build_qk_clip(parts: list[nn.Module], spec: Any, cfg: Any, dims: Any) -> Any:
+    """QK-clip over this rank's attention modules (``parallelisms/qk_clip.py``), or None when
+    ``optimizer.qk_clip_tau`` is 0."""
+    tau = cfg.optimizer.qk_clip_tau
+    if tau <= 0:
+        return None
+    from parallelisms.qk_clip import QKClip
+
+    prefix = f"{spec.blocks}."
+    attentions = []
+    for part in parts:
+        for name, module in part.named_modules():
+            name = _clean_name(name)
+            if hasattr(module, "record_max_logit") and name.startswith(prefix):
+                attentions.append((int(name[len(prefix) :].split(".", 1)[0]), module))
+    tp_rank = dims.get_mesh("tp").get_local_rank() if dims.tp > 1 else 0
+    return QKClip(
+        attentions, num_layers=cfg.model.n_layers, n_heads=cfg.model.n_heads, n_kv_heads=cfg.model.kv_heads,
+        tau=tau, tp_rank=tp_rank, tp_size=dims.tp,
+    )  # fmt: skip
 
 
 def lr_factor(

@@ -17,7 +17,9 @@ The model, in units of bytes (decimal GB = 1e9 in the formulas, GiB in the verdi
 - activations: what each block, the head and the loss save for backward, term by term as our code
   saves them (``trainer/planner/memory.py``; checked against ``metrics.memory_ledger``), per dtype
   policy, activation checkpointing, TP/SP, CP, times the microbatches in flight per pipeline
-  schedule; full checkpointing keeps the block inputs plus one block while it is recomputed;
+  schedule; Qwen3's explicit head size and q/k norms, MLA's latents and per-head expanded K/V
+  (DeepSeek-V3) and its MTP modules included; full checkpointing keeps the block inputs plus one
+  block while it is recomputed;
 - buffers: FSDP's gathered units in ``param_dtype`` (root, head, the last block; + the backward
   prefetch on NCCL) and the largest unit's unsharded gradient in ``reduce_dtype``; the DDP buckets
   (the gradients themselves); torch's per-microbatch PP receive buffers and the stage outputs kept

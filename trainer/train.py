@@ -31,11 +31,16 @@ from trainer.checkpoint.checkpointer import (
 from trainer.config import TrainConfig, to_yaml
 from trainer.data import DataLoader, build_dataloader
 from trainer.data.tokenizer import build_tokenizer, check_vocab_size
+from trainer.eval.config import validation_sources
+from trainer.eval.evaluator import TaskEvaluator, TaskResult
+from trainer.eval.scoring import ROW_STATS, row_stats
+from trainer.eval.validation import build_validation_loaders
 from trainer.observe.comm_ledger import CommLedger, axis_names_of_groups
 from trainer.observe.memory_ledger import MemoryLedger
 from trainer.observe.metrics import MetricsLogger, setup_logging
+from trainer.observe.mtp import MTPStats
 from trainer.observe.profiling import StepProfiler
-from trainer.optim import build_lr_scheduler, build_optimizer
+from trainer.optim import build_lr_scheduler, build_optimizer, build_qk_clip
 from trainer.resilience.guards import install_test_nan_hook, non_finite_message
 from trainer.resilience.preemption import PreemptionHandler
 from trainer.resilience.watchdog import CommMonitor, configure_flight_recorder
@@ -127,6 +132,17 @@ class Trainer:
                 global_batch_size=t.micro_batch_size * self.dims.dp, dp_rank=dp_rank, dp_size=self.dims.dp,
                 seed=t.seed,
             )  # fmt: skip
+        # Named validation sets (eval.validation), each its own loss, at the same steps.
+        self.named_val_loaders = build_validation_loaders(
+            validation_sources(cfg.eval), cfg.data, self.tokenizer, seq_len=t.seq_len, batch_size=t.micro_batch_size * self.dims.dp,
+            dp_rank=dp_rank, dp_size=self.dims.dp, seed=t.seed, default_steps=t.eval_steps,
+        ) if t.eval_freq > 0 else {}  # fmt: skip
+        # Downstream tasks (eval.tasks): read and tokenized here, so a bad file fails on every rank.
+        # Rows are padded to a multiple of what context / sequence parallelism split.
+        align = (2 * self.dims.cp if self.dims.cp > 1 else 1) * self.dims.tp
+        self.task_evaluator = TaskEvaluator.build(
+            cfg.eval, self.tokenizer, max_seq_len=cfg.model.max_seq_len, align=align, default_freq=t.eval_freq
+        )
 
     def _check_memory(self) -> None:
         """Plan this layout in-process (trainer/planner/fit.py) and stop (exit 2), or warn, before any
@@ -233,6 +249,10 @@ class Trainer:
             self.model_parts, self.spec, self.dims, cfg.model, tokens_per_step=t.global_batch_size * t.seq_len,
             forwards_per_step=self.pipeline.n_microbatches if self.pipeline is not None else self.grad_accum_steps,
         )  # fmt: skip
+        # Multi-token prediction (DeepSeek-V3): its gradient weight per step and its logged mtp_loss.
+        self.mtp_stats = MTPStats.build(
+            self.model_parts, self.spec, cfg.model, self.dims, tokens_per_step=t.global_batch_size * t.seq_len
+        )
 
     def _build_optimizer(self) -> None:
         p = self.parallelism
@@ -242,9 +262,11 @@ class Trainer:
             else None
         )
         self.optimizer = build_optimizer(
-            self.model_parts, self.cfg.optimizer, device_type=self.device.type, shard_mesh=shard_mesh
-        )
+            self.model_parts, self.cfg.optimizer, device_type=self.device.type, shard_mesh=shard_mesh,
+            adamw_modules=self.spec.first_modules + self.spec.last_modules,
+        )  # fmt: skip
         self.lr_scheduler = build_lr_scheduler(self.optimizer, self.cfg.lr_scheduler, self.cfg.training.steps)
+        self.qk_clip = build_qk_clip(self.model_parts, self.spec, self.cfg, self.dims)  # None unless qk_clip_tau > 0
         self.state = TrainState()
         # test-only (trainer/resilience/guards.py): MESHWRIGHT_TEST_NAN_AT=<rank>@<step> injects a NaN
         install_test_nan_hook(self.model, self.rank, lambda: self.state.step + 1)
@@ -366,6 +388,10 @@ class Trainer:
         scale = self.dims.dp_cp / num_tokens
         if self.load_balancer is not None:
             self.load_balancer.begin_step()
+        if self.qk_clip is not None:  # the attention records its per-head max logits this step
+            self.qk_clip.begin_step()
+        if self.mtp_stats is not None:
+            self.mtp_stats.begin_step()
         if self.pipeline is not None:
             # The schedule splits the local batch into its microbatches (they replace the
             # accumulation loop), runs the loss on the last stage and reports it everywhere.
@@ -387,21 +413,25 @@ class Trainer:
         if self.memory_ledger is not None and self.memory_ledger.active:
             self.memory_ledger.measure_gradients(self.parameters)
         self.optimizer.step()
+        if self.qk_clip is not None:  # scale q/k rows of heads whose max logit exceeded tau
+            self.qk_clip.after_step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum / num_tokens, grad_norm
 
     @torch.no_grad()
-    def evaluate(self) -> tuple[float, int]:
-        """Mean token loss over ``training.eval_steps`` validation batches (same on every rank)."""
-        if self.val_loader is None:
+    def evaluate(self, loader: Optional[DataLoader] = None, steps: Optional[int] = None) -> tuple[float, int]:
+        """Mean token loss over ``steps`` (default ``training.eval_steps``) batches of ``loader``
+        (default the validation split), weighted by tokens over every rank (same on every rank)."""
+        loader = loader if loader is not None else self.val_loader
+        if loader is None:
             raise RuntimeError("evaluate() needs training.eval_freq > 0")
         self._train_mode(False)
-        self.val_loader.reset()
+        loader.reset()
         loss_sum = torch.zeros((), device=self.device)
         count = torch.zeros((), device=self.device)
-        for _ in range(self.cfg.training.eval_steps):
-            batch = self._next_batch(self.val_loader)
+        for _ in range(steps or self.cfg.training.eval_steps):
+            batch = self._next_batch(loader)
             if self.pipeline is not None:
                 loss_sum += self.pipeline.forward_loss_sum(batch.inputs, batch.labels, batch.positions)
             else:
@@ -411,6 +441,43 @@ class Trainer:
         self._train_mode(True)
         totals = self._global_sum(torch.stack([loss_sum, count]))
         return (totals[0] / totals[1].clamp(min=1)).item(), int(totals[1].item())
+
+    def _row_stats(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per-row task statistics (``trainer.eval.scoring.ROW_STATS``) of one (B, S) batch: this
+        rank's share (its context-parallel shard), on every pp rank."""
+        batch = self.step_context.shard_batch(StepBatch(inputs, labels))
+        if self.pipeline is not None:
+            return self.pipeline.forward_loss_sum(
+                batch.inputs, batch.labels, batch.positions, loss_fn=row_stats, out_shape=(len(inputs), len(ROW_STATS))
+            )
+        with self.step_context():
+            logits = self.model(batch.inputs) if batch.positions is None else self.model(batch.inputs, batch.positions)
+            return row_stats(logits, batch.labels)
+
+    @torch.no_grad()
+    def evaluate_tasks(self) -> dict[str, TaskResult]:
+        """Score ``eval.tasks`` on the model as it is sharded (collective; the same on every rank)."""
+        if self.task_evaluator is None:
+            raise RuntimeError("evaluate_tasks() needs eval.tasks")
+        self._train_mode(False)
+        try:
+            return self.task_evaluator.run(
+                self._row_stats, dp_rank=self.dims.dp_rank_of(self.rank), dp_size=self.dims.dp, device=self.device,
+                reduce_group=self.dims.loss_mesh.get_group() if self.dims.dp_cp > 1 else None,
+            )  # fmt: skip
+        finally:
+            self._train_mode(True)
+
+    def _evaluate_more(self, step: int) -> None:
+        """The named validation sets (at the validation steps) and the tasks (``eval.freq``), logged."""
+        t = self.cfg.training
+        if self.named_val_loaders and (step % t.eval_freq == 0 or step == t.steps):
+            named = {name: self.evaluate(loader, steps) for name, (loader, steps) in self.named_val_loaders.items()}
+            self.state.history.append(self.metrics.log_validation(step, named))
+        if self.task_evaluator is not None and self.task_evaluator.due(step, t.steps):
+            start = time.perf_counter()
+            results = {name: r.metrics for name, r in self.evaluate_tasks().items()}
+            self.state.history.append(self.metrics.log_tasks(step, results, time.perf_counter() - start))
 
     # -- the loop -------------------------------------------------------------------
     def _is_logged(self, step: int) -> bool:
@@ -454,6 +521,10 @@ class Trainer:
                     extra = self.train_loader.pop_metrics()  # data_wait_s (+ mixture shares)
                     if self.load_balancer is not None:
                         extra.update(self.load_balancer.log_stats(self.device))
+                    if self.qk_clip is not None:  # qk_max_logit, qk_clipped_heads of this step
+                        extra.update(self.qk_clip.last_stats)
+                    if self.mtp_stats is not None:  # mtp_loss: mean over depths and dp x cp (a collective)
+                        extra.update(self.mtp_stats.log_stats(self.device))
                     if self.comm_ledger is not None:  # every rank's collectives per step (a collective)
                         extra["comm"] = self.comm_ledger.collect(self.parameters, self.optimizer)
                     if self.memory_ledger is not None:  # saved tensors, states, buffers (a collective)
@@ -464,6 +535,7 @@ class Trainer:
                 if self.val_loader is not None and (step % t.eval_freq == 0 or step == t.steps):
                     eval_loss, eval_tokens = self.evaluate()
                     self.state.history.append(self.metrics.log_eval(step, eval_loss, eval_tokens))
+                self._evaluate_more(step)  # eval.validation sets and eval.tasks (trainer/eval/)
                 self.checkpointer.maybe_save(step, last=step == stop)
                 # Preemption: one all-reduce of a flag per step; if any rank was signalled, all
                 # checkpoint this step and raise Preempted (exit 75).

@@ -4,6 +4,7 @@ tensor-name tables, RoPE scaling in HF's spelling)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any, Optional
 
@@ -59,6 +60,13 @@ def rope_scaling_to_hf(scaling: RopeScaling, theta: float) -> Optional[dict[str,
             high_freq_factor=scaling.high_freq_factor,
             original_max_position_embeddings=scaling.original_max_seq_len,
         )
+    if scaling.type == "yarn":
+        out.update(
+            original_max_position_embeddings=scaling.original_max_seq_len,
+            beta_fast=scaling.beta_fast,
+            beta_slow=scaling.beta_slow,
+            **{k: getattr(scaling, k) for k in ("mscale", "mscale_all_dim", "attention_factor") if getattr(scaling, k)},
+        )
     return out
 
 
@@ -71,11 +79,19 @@ def rope_scaling_from_hf(cfg: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     kind = rope.get("rope_type", rope.get("type", "default")) or "default"
     if kind == "default":
         return theta, {"type": "default"}
-    if kind not in ("linear", "llama3"):
+    if kind not in ("linear", "llama3", "yarn"):
         raise ConfigError(
-            f"config.json uses rope_type={kind!r}; meshwright supports default, linear and llama3 RoPE."
+            f"config.json uses rope_type={kind!r}; meshwright supports default, linear, llama3 and yarn RoPE."
         )
     out: dict[str, Any] = {"type": kind, "factor": float(rope["factor"])}
+    if kind == "yarn":
+        if rope.get("truncate", True) is False:
+            raise ConfigError("config.json sets rope truncate=false; meshwright's YaRN truncates (as DeepSeek-V3).")
+        out.update(
+            original_max_seq_len=int(rope.get("original_max_position_embeddings") or cfg["max_position_embeddings"]),
+            beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
+            **{k: float(rope.get(k) or 0.0) for k in ("mscale", "mscale_all_dim", "attention_factor")},
+        )  # fmt: skip
     if kind == "llama3":
         out.update(
             low_freq_factor=float(rope["low_freq_factor"]),
@@ -85,7 +101,7 @@ def rope_scaling_from_hf(cfg: dict[str, Any]) -> tuple[float, dict[str, Any]]:
                 rope.get("original_max_position_embeddings") or cfg["max_position_embeddings"]
             ),
         )
-    return theta, out
+    return theta, dataclasses.asdict(RopeScaling(**out))  # every field, unset ones at their defaults
 
 
 def decoder_hf_config(
@@ -119,15 +135,25 @@ def decoder_hf_config(
 
 
 class LlamaHF:
-    """Hugging Face ``LlamaForCausalLM`` <-> meshwright Llama (config and tensor names)."""
+    """Hugging Face ``LlamaForCausalLM`` <-> meshwright Llama (config and tensor names).
+
+    Subclasses for other dense decoders (``models.qwen3.Qwen3HF``) change ``architecture``,
+    ``model_type``, ``layer_names`` and the config keys."""
 
     architecture = "LlamaForCausalLM"
     model_type = "llama"
+    family = "llama"
+    layer_names: dict[str, str] = LLAMA_HF_LAYER_NAMES  # our name in a block -> HF's (without .weight)
 
     def to_hf_config(
         self, args: LlamaArgs, *, bos_id: Optional[int], eos_id: Optional[int], dtype: str
     ) -> dict:
         """A ``LlamaConfig`` dict for ``args``."""
+        if args.qk_norm and "attention.q_norm" not in self.layer_names:
+            raise ConfigError(
+                "model.qk_norm=true has no equivalent in Hugging Face LlamaForCausalLM (no q/k head norms); "
+                "train it as model.family=qwen3 (exported as Qwen3ForCausalLM)."
+            )
         return {
             **decoder_hf_config(args, architecture=self.architecture, model_type=self.model_type, bos_id=bos_id,
                                 eos_id=eos_id, dtype=dtype),
@@ -140,21 +166,28 @@ class LlamaHF:
         """Our ``LlamaArgs`` fields from a HF ``config.json`` (refuses what we cannot represent)."""
         if cfg.get("model_type") not in (self.model_type, None):
             raise ConfigError(
-                f"config.json has model_type={cfg.get('model_type')!r}; the llama family reads 'llama'."
+                f"config.json has model_type={cfg.get('model_type')!r}; the {self.family} family reads "
+                f"{self.model_type!r}."
             )
         for key in ("attention_bias", "mlp_bias"):
             if cfg.get(key):
-                raise ConfigError(f"config.json has {key}=true; meshwright's Llama has no biases.")
+                raise ConfigError(
+                    f"config.json has {key}=true; meshwright's {self.family} model has no biases."
+                )
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ConfigError(
+                f"config.json has hidden_act={cfg['hidden_act']!r}; meshwright's FFN is SwiGLU (silu)."
+            )
         dim, n_heads = cfg["hidden_size"], cfg["num_attention_heads"]
-        if cfg.get("head_dim") not in (None, dim // n_heads):
-            raise ConfigError(f"config.json head_dim={cfg['head_dim']} != hidden_size / num_attention_heads.")
+        head_dim = cfg.get("head_dim") or dim // n_heads
         theta, scaling = rope_scaling_from_hf(cfg)
         return {
-            "family": "llama",
+            "family": self.family,
             "dim": dim,
             "n_layers": cfg["num_hidden_layers"],
             "n_heads": n_heads,
             "n_kv_heads": cfg.get("num_key_value_heads", n_heads),
+            "attn_head_dim": None if head_dim * n_heads == dim else head_dim,
             "vocab_size": cfg["vocab_size"],
             "ffn_hidden_dim": cfg["intermediate_size"],
             "norm_eps": cfg.get("rms_norm_eps", 1e-6),
@@ -171,9 +204,9 @@ class LlamaHF:
         parts = name.split(".")
         if len(parts) >= 4 and parts[0] == "layers" and parts[-1] == "weight":
             local = ".".join(parts[2:-1])
-            if local in LLAMA_HF_LAYER_NAMES:
-                return [f"model.layers.{parts[1]}.{LLAMA_HF_LAYER_NAMES[local]}.weight"]
-        raise ConfigError(f"parameter {name!r} has no Hugging Face Llama equivalent.")
+            if local in self.layer_names:
+                return [f"model.layers.{parts[1]}.{self.layer_names[local]}.weight"]
+        raise ConfigError(f"parameter {name!r} has no Hugging Face {self.architecture} equivalent.")
 
     def from_hf_name(self, hf_name: str) -> str:
         """HF tensor name -> ours."""
@@ -183,11 +216,11 @@ class LlamaHF:
         parts = hf_name.split(".")
         if len(parts) >= 5 and parts[:2] == ["model", "layers"] and parts[-1] == "weight":
             local = ".".join(parts[3:-1])
-            for ours, hf in LLAMA_HF_LAYER_NAMES.items():
+            for ours, hf in self.layer_names.items():
                 if local == hf:
                     return f"layers.{parts[2]}.{ours}.weight"
         raise ConfigError(
-            f"Hugging Face tensor {hf_name!r} is not part of a Llama model meshwright supports "
+            f"Hugging Face tensor {hf_name!r} is not part of a {self.architecture} model meshwright supports "
             "(biases and other architectures are not)."
         )
 

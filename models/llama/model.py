@@ -5,6 +5,7 @@ The module tree and parameter names match torchtitan's Llama 3 model, so tensor-
 
     tok_embeddings.weight
     layers.{i}.attention.{wq,wk,wv,wo}.weight
+    layers.{i}.attention.{q_norm,k_norm}.weight      (with qk_norm: Qwen3's per-head norms)
     layers.{i}.feed_forward.{w1,w2,w3}.weight
     layers.{i}.{attention_norm,ffn_norm}.weight
     norm.weight
@@ -42,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.attention import AttentionCore, validate_attention_mask
+from models.attention import AttentionCore, document_ids, validate_attention_mask
 from models.common import (
     CopyFn,
     ParamInit,
@@ -50,6 +51,7 @@ from models.common import (
     RopeScaling,
     apply_rotary_emb,
     precompute_rope_cache,
+    repeat_kv,
 )
 from models.errors import ConfigError
 from models.spec import ModelArgs, ParamCounts
@@ -91,12 +93,14 @@ class LlamaArgs(ModelArgs):
     tie_embeddings: bool = False
     init_std: float = 0.02
     attention_mask: str = "causal"  # causal | block_causal (no attention across packed documents)
+    attn_head_dim: Optional[int] = None  # explicit head size (Qwen3: 128); None = dim / n_heads
+    qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3, Qwen3-MoE)
 
     def validate(self) -> None:
         """Raise ``ConfigError`` naming the bad value and the fix; return None when consistent."""
         for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):
             _positive_int(getattr(self, name), f"model.{name}")
-        for name in ("n_kv_heads", "ffn_hidden_dim"):
+        for name in ("n_kv_heads", "ffn_hidden_dim", "attn_head_dim"):
             value = getattr(self, name)
             if value is not None:
                 _positive_int(value, f"model.{name}", "or null (default)")
@@ -110,15 +114,20 @@ class LlamaArgs(ModelArgs):
                 raise ConfigError(f"model.{name}={value!r} must be a positive number.")
         self.rope_scaling.validate()
         validate_attention_mask(self.attention_mask)
-        if self.dim % self.n_heads != 0:
+        if self.attn_head_dim is None and self.dim % self.n_heads != 0:
             raise ConfigError(
                 f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}; "
-                f"choose dim as a multiple of n_heads (e.g. dim={self.n_heads * max(1, round(self.dim / self.n_heads))})."
+                f"choose dim as a multiple of n_heads (e.g. dim={self.n_heads * max(1, round(self.dim / self.n_heads))})"
+                " or set model.attn_head_dim explicitly."
             )
         if self.head_dim % 2 != 0:
+            source = (
+                f"model.attn_head_dim={self.attn_head_dim}" if self.attn_head_dim is not None
+                else f"head_dim = model.dim / model.n_heads = {self.dim}/{self.n_heads} = {self.head_dim}"
+            )  # fmt: skip
             raise ConfigError(
-                f"head_dim = model.dim / model.n_heads = {self.dim}/{self.n_heads} = {self.head_dim} is odd; "
-                "rotary embeddings need an even head_dim: change dim or n_heads."
+                f"{source} is odd; rotary embeddings need an even head size: change attn_head_dim, dim or "
+                "n_heads."
             )
         if self.n_heads % self.kv_heads != 0:
             raise ConfigError(
@@ -128,8 +137,8 @@ class LlamaArgs(ModelArgs):
 
     @property
     def head_dim(self) -> int:
-        """Size of one attention head: dim // n_heads."""
-        return self.dim // self.n_heads
+        """Size of one attention head: ``attn_head_dim`` if set, else dim // n_heads."""
+        return self.attn_head_dim if self.attn_head_dim is not None else self.dim // self.n_heads
 
     @property
     def kv_heads(self) -> int:
@@ -172,7 +181,10 @@ def rope_rows(rope_cache: Tensor, seq_len: int, positions: Optional[Tensor]) -> 
 
 
 class Attention(nn.Module):
-    """Causal multi-head attention with rotary embeddings and grouped-query attention.
+    """Causal multi-head attention with rotary embeddings, grouped-query attention and, with
+    ``qk_norm``, an RMSNorm over each query and key head before RoPE (Qwen3's ``q_norm`` /
+    ``k_norm``: one gain of size head_dim shared by all heads, so tensor parallelism needs no
+    change: each rank normalises its own heads with the replicated gain).
 
     Head counts are not stored: they are read from tensor shapes in ``forward``, so that
     tensor parallelism (which shards ``wq/wk/wv`` by output features and ``wo`` by input
@@ -189,18 +201,29 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.q_norm: Optional[RMSNorm] = RMSNorm(self.head_dim, eps=args.norm_eps) if args.qk_norm else None
+        self.k_norm: Optional[RMSNorm] = RMSNorm(self.head_dim, eps=args.norm_eps) if args.qk_norm else None
         self.core = core if core is not None else AttentionCore(getattr(args, "attention_mask", "causal"))
+        # QK-clip (optimizer.qk_clip_tau): when asked, the forward keeps the largest pre-softmax
+        # logit of each (local) query head, a running max until the caller resets it.
+        self.record_max_logit = False
+        self.max_logit: Optional[Tensor] = None  # (nh,) fp32
 
     def init_weights(self, init: ParamInit, prefix: str, std: float, out_std: float) -> None:
-        """wq/wk/wv: truncated normal (std, cut at 2 std); wo: depth-scaled ``out_std``."""
+        """wq/wk/wv: truncated normal (std, cut at 2 std); wo: depth-scaled ``out_std``; q/k norms: ones."""
         for proj in ("wq", "wk", "wv"):
             init.trunc_normal(f"{prefix}.{proj}.weight", getattr(self, proj).weight, std, 2.0)
         init.trunc_normal(f"{prefix}.wo.weight", self.wo.weight, out_std, 2.0)
+        if self.q_norm is not None and self.k_norm is not None:
+            self.q_norm.init_weights(init, f"{prefix}.q_norm")
+            self.k_norm.init_weights(init, f"{prefix}.k_norm")
 
     def norm_qk(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-        """Per-head transform of q and k before RoPE: the identity here; Qwen3-style models
-        override it with RMSNorm over each head (``models.moe.QKNormAttention``)."""
-        return q, k
+        """Per-head RMSNorm of q (B, S, nh, D) and k (B, S, nkv, D) before RoPE with ``qk_norm``
+        (over the last dim, D), else the identity."""
+        if self.q_norm is None or self.k_norm is None:
+            return q, k
+        return self.q_norm(q), self.k_norm(k)
 
     def forward(self, x: Tensor, *, rope_cache: Tensor, positions: Optional[Tensor] = None) -> Tensor:
         """``x`` (B, S, H); ``rope_cache`` (max_seq_len, D); ``positions`` (S,) or (B, S) or None (0..S-1)."""
@@ -213,8 +236,25 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, S, -1, self.head_dim)  # (B, S, nkv, D)
         q, k = self.norm_qk(q, k)
         q, k = apply_rotary_emb(q, k, rope)
+        if self.record_max_logit:
+            self._record_max_logit(q, k, positions)
         out = self.core(q, k, v, positions=positions)  # (B, S, nh, D)
         return self.wo(out.reshape(B, S, -1))  # (B, S, nh*D) -> (B, S, H)
+
+    @torch.no_grad()
+    def _record_max_logit(self, q: Tensor, k: Tensor, positions: Optional[Tensor]) -> None:
+        """Per query head, the largest pre-softmax logit ``q.k / sqrt(D)`` over the pairs the mask
+        allows (causal; block-causal within documents): one extra Q K^T (B, nh, S, S) in fp32."""
+        B, S, nh, D = q.shape
+        keys = repeat_kv(k.transpose(1, 2), nh // k.size(2)).float()  # (B, nh, S, D)
+        scores = q.transpose(1, 2).float() @ keys.transpose(-1, -2) / math.sqrt(D)  # (B, nh, S, S)
+        index = torch.arange(S, device=q.device)
+        allowed = (index[None, :] <= index[:, None])[None]  # (1, S, S)
+        if getattr(self.core, "attention_mask", "causal") == "block_causal" and positions is not None:
+            doc = document_ids(index, positions.to(q.device)).expand(B, S)  # (B, S)
+            allowed = allowed & (doc[:, :, None] == doc[:, None, :])  # (B, S, S)
+        top = scores.masked_fill(~allowed[:, None], float("-inf")).amax(dim=(0, 2, 3))  # (nh,)
+        self.max_logit = top if self.max_logit is None else torch.maximum(self.max_logit, top)
 
 
 class FeedForward(nn.Module):
@@ -401,7 +441,9 @@ class Transformer(nn.Module):
 
 
 def _attention_params(args: LlamaArgs) -> int:
-    return 2 * args.dim * args.n_heads * args.head_dim + 2 * args.dim * args.kv_heads * args.head_dim
+    """wq/wk/wv/wo, plus the two per-head gains (head_dim each) with ``qk_norm``."""
+    projections = 2 * args.dim * args.n_heads * args.head_dim + 2 * args.dim * args.kv_heads * args.head_dim
+    return projections + (2 * args.head_dim if args.qk_norm else 0)
 
 
 def param_counts(args: LlamaArgs) -> ParamCounts:
@@ -463,6 +505,8 @@ TP_PLAN: dict[str, str] = {
     "layers.*.attention.wk": "colwise",
     "layers.*.attention.wv": "colwise",
     "layers.*.attention.wo": "rowwise",
+    "layers.*.attention.q_norm": "head_norm",  # with qk_norm: this rank's heads, gain replicated
+    "layers.*.attention.k_norm": "head_norm",
     "layers.*.ffn_norm": "norm",
     "layers.*.feed_forward": "gather_input",
     "layers.*.feed_forward.w1": "colwise",

@@ -62,6 +62,8 @@ class MoEHF:
             problems.append("sigmoid router scores")
         if args.route_scale != 1.0:
             problems.append(f"route_scale={args.route_scale}")
+        if args.n_group > 1:
+            problems.append(f"group-limited routing (n_group={args.n_group})")
         if fmt == "mixtral" and (not args.route_norm or len(args.moe_layer_ids) != args.n_layers):
             problems.append("Mixtral needs route_norm=true and every layer MoE")
         if fmt == "mixtral" and args.top_k == 1:

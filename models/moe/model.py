@@ -78,7 +78,6 @@ __all__ = [
     "MoEArgs",
     "MoEBlock",
     "MoETransformer",
-    "QKNormAttention",
     "TopKRouter",
     "expert_modules",
     "moe_layers",
@@ -100,8 +99,6 @@ class MoEArgs(LlamaArgs):
     """A Llama decoder plus the mixture-of-experts hyper-parameters."""
 
     family: str = "moe"
-    attn_head_dim: Optional[int] = None  # explicit head size (Qwen3: 128); None = dim / n_heads
-    qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3)
     num_experts: int = 8  # routed experts E per MoE layer
     top_k: int = 2  # experts per token
     moe_hidden_dim: int = 256  # SwiGLU hidden size F of one routed expert
@@ -110,7 +107,9 @@ class MoEArgs(LlamaArgs):
     num_shared_experts: int = 0  # always-on experts, fused into one SwiGLU of hidden num_shared * F
     score_func: str = "softmax"  # softmax | sigmoid (router scores, in fp32)
     route_norm: bool = True  # renormalise the top-k scores to sum 1
-    route_scale: float = 1.0  # multiply the routing weights
+    route_scale: float = 1.0  # multiply the routing weights (DeepSeek-V3's routed_scaling_factor)
+    n_group: int = 1  # experts form n_group equal groups; a token picks experts only inside ...
+    topk_group: int = 1  # ... its topk_group best groups (group score: sum of its top-2 biased scores)
     bias_update_coeff: float = 0.0  # aux-loss-free balancing step (DeepSeek-V3: 1e-3); 0 = off
     aux_loss_coeff: float = 0.0  # auxiliary load-balancing loss weight; 0 = off
     aux_loss_type: str = "global"  # global (over a forward's tokens) | sequence (per sequence, averaged)
@@ -124,12 +123,22 @@ class MoEArgs(LlamaArgs):
         super().validate()
         for name in ("num_experts", "top_k", "moe_hidden_dim", "moe_layer_freq"):
             _positive_int(getattr(self, name), f"model.{name}")
-        if self.attn_head_dim is not None:
-            _positive_int(self.attn_head_dim, "model.attn_head_dim", "or null (dim / n_heads)")
         for name in ("first_k_dense", "num_shared_experts"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"model.{name}={value!r} must be an integer >= 0.")
+        for name in ("n_group", "topk_group"):
+            _positive_int(getattr(self, name), f"model.{name}")
+        if self.num_experts % self.n_group != 0 or self.topk_group > self.n_group:
+            raise ConfigError(
+                f"model.n_group={self.n_group} must divide model.num_experts={self.num_experts} and be >= "
+                f"model.topk_group={self.topk_group}; n_group=1 turns group-limited routing off."
+            )
+        if self.n_group > 1 and self.top_k > self.topk_group * (self.num_experts // self.n_group):
+            raise ConfigError(
+                f"model.top_k={self.top_k} exceeds the {self.topk_group * (self.num_experts // self.n_group)} experts "
+                f"of the topk_group={self.topk_group} groups a token may use; raise topk_group or lower top_k."
+            )
         if self.top_k > self.num_experts:
             raise ConfigError(
                 f"model.top_k={self.top_k} exceeds model.num_experts={self.num_experts}: a token cannot pick more "
@@ -153,11 +162,6 @@ class MoEArgs(LlamaArgs):
                 f"moe_layer_freq={self.moe_layer_freq}); lower first_k_dense or use the llama family."
             )
 
-    @property
-    def head_dim(self) -> int:
-        """Size of one attention head: ``attn_head_dim`` if set, else dim // n_heads."""
-        return self.attn_head_dim if self.attn_head_dim is not None else self.dim // self.n_heads
-
     def is_moe_layer(self, layer_id: int) -> bool:
         """Whether block ``layer_id`` has an MoE feed-forward (else Llama's dense one)."""
         return layer_id >= self.first_k_dense and layer_id % self.moe_layer_freq == 0
@@ -172,23 +176,6 @@ class MoEArgs(LlamaArgs):
 # --------------------------------------------------------------------------------------------
 
 
-class QKNormAttention(Attention):
-    """Llama attention with an RMSNorm over each query and key head before RoPE (Qwen3)."""
-
-    def __init__(self, args: MoEArgs) -> None:
-        super().__init__(args)
-        self.q_norm = RMSNorm(args.head_dim, eps=args.norm_eps)
-        self.k_norm = RMSNorm(args.head_dim, eps=args.norm_eps)
-
-    def init_weights(self, init: ParamInit, prefix: str, std: float, out_std: float) -> None:
-        super().init_weights(init, prefix, std, out_std)
-        self.q_norm.init_weights(init, f"{prefix}.q_norm")
-        self.k_norm.init_weights(init, f"{prefix}.k_norm")
-
-    def norm_qk(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-        return self.q_norm(q), self.k_norm(k)  # (B, S, nh, D), (B, S, nkv, D)
-
-
 class TopKRouter(nn.Module):
     """Scores in fp32, top-k choice on ``scores + bias``, weights from the unbiased scores."""
 
@@ -199,9 +186,21 @@ class TopKRouter(nn.Module):
         self.score_func = args.score_func
         self.route_norm = args.route_norm
         self.route_scale = args.route_scale
+        self.n_group = args.n_group
+        self.topk_group = args.topk_group
 
     def init_weights(self, init: ParamInit, prefix: str, std: float) -> None:
         init.trunc_normal(f"{prefix}.gate.weight", self.gate.weight, std, 2.0)
+
+    def limit_groups(self, choice: Tensor) -> Tensor:
+        """Group-limited routing (DeepSeek-V3): keep the experts of each token's ``topk_group`` best
+        groups (group score = sum of its two best biased scores), -inf elsewhere. (T, E) -> (T, E)."""
+        T, E = choice.shape
+        groups = choice.view(T, self.n_group, E // self.n_group)  # (T, G, E/G)
+        group_scores = groups.topk(min(2, E // self.n_group), dim=-1).values.sum(-1)  # (T, G)
+        best = group_scores.topk(self.topk_group, dim=-1).indices  # (T, topk_group)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)  # (T, G)
+        return groups.masked_fill(~keep[:, :, None], float("-inf")).view(T, E)
 
     def forward(self, x: Tensor, bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
         """``x`` (T, H) -> (weights (T, k) fp32, expert ids (T, k), scores (T, E) fp32)."""
@@ -209,6 +208,8 @@ class TopKRouter(nn.Module):
         scores = logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()
         with torch.no_grad():
             choice = scores if bias is None else scores + bias  # the bias only steers the choice
+            if self.n_group > 1:
+                choice = self.limit_groups(choice)
             indices = torch.topk(choice, self.top_k, dim=-1).indices  # (T, k)
         weights = scores.gather(1, indices)  # (T, k)
         if self.route_norm and self.top_k > 1:
@@ -420,7 +421,9 @@ class MoE(nn.Module):
         else:
             out_rows = self.experts(rows, counts)  # (N, H)
         w = weights.reshape(-1)[order].unsqueeze(-1).to(out_rows.dtype)  # (N, 1)
-        return tokens.new_zeros(T, tokens.shape[1]).index_add(0, token, out_rows * w)  # (T, H)
+        # Under autocast the experts return bf16 copies of fp32 tokens: the k copies of a token are
+        # summed in the tokens' dtype (the residual stream's), as a dense MLP's output joins it.
+        return tokens.new_zeros(T, tokens.shape[1]).index_add(0, token, (out_rows * w).to(tokens.dtype))  # (T, H)
 
     def _drop_over_capacity(
         self, flat: Tensor, order: Tensor, counts: Tensor, T: int
@@ -459,13 +462,17 @@ class MoEBlock(nn.Module):
     def __init__(self, layer_id: int, args: MoEArgs) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.attention = QKNormAttention(args) if args.qk_norm else Attention(args)
+        self.attention = self.build_attention(args)
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.moe: Optional[MoE] = MoE(args) if args.is_moe_layer(layer_id) else None
         self.feed_forward: Optional[FeedForward] = (
             None if self.moe is not None else FeedForward(args.dim, args.hidden_dim)
         )
+
+    def build_attention(self, args: MoEArgs) -> nn.Module:
+        """The block's attention; families with another attention (MLA) override this."""
+        return Attention(args)  # with q/k head norms when args.qk_norm (Qwen3-MoE)
 
     def init_weights(self, init: ParamInit, prefix: str, init_std: float) -> None:
         """Llama's scheme; experts like FFN weights (output projections depth-scaled)."""
@@ -516,7 +523,7 @@ def expert_modules(model: nn.Module) -> list[GroupedExperts]:
 def param_counts(args: MoEArgs) -> ParamCounts:
     """Parameters of ``MoETransformer(args)``; ``active`` counts the top-k routed experts only."""
     dim, E, Fe = args.dim, args.num_experts, args.moe_hidden_dim
-    attention = _attention_params(args) + 2 * dim + (2 * args.head_dim if args.qk_norm else 0)
+    attention = _attention_params(args) + 2 * dim  # + the two block norms
     dense_ffn = 3 * dim * args.hidden_dim
     expert = 3 * dim * Fe
     shared = 3 * dim * args.num_shared_experts * Fe
@@ -552,11 +559,9 @@ def tp_divisible(args: MoEArgs) -> dict[str, int]:
 # Attention and dense FFN layers are tensor-parallel as in Llama. The MoE layer runs replicated
 # inside the tp group ("moe_io": its input tokens are gathered, its output keeps this rank's share
 # of the residual stream): the experts are expert-parallel over the data axes, the router and the
-# shared experts are replicated DTensors, and q/k head norms see this rank's heads ("head_norm").
+# shared experts are replicated DTensors (q/k head norms: Llama's plan, "head_norm").
 TP_PLAN: dict[str, str] = {
     **LLAMA_TP_PLAN,
-    "layers.*.attention.q_norm": "head_norm",
-    "layers.*.attention.k_norm": "head_norm",
     "layers.*.moe": "moe_io",
     "layers.*.moe.router.gate": "replicate",
     "layers.*.moe.shared_experts": "replicate",

@@ -81,6 +81,22 @@ def test_matches_a_per_token_loop() -> None:
     torch.testing.assert_close(out.reshape(-1, 32), want, rtol=1e-5, atol=1e-5)
 
 
+
+def test_bf16_autocast_matches_fp32_within_bf16_tolerance() -> None:
+    """Under bf16 autocast the experts return bf16 rows for fp32 tokens (``training.mixed_precision=bf16``):
+    the combine must accept them (it crashed in ``index_add``) and stay close to the fp32 layer."""
+    layer = _layer(num_shared_experts=1)
+    x = torch.randn(2, 7, 32)
+    want = layer(x)
+    xi = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(xi)
+    out.float().pow(2).sum().backward()
+    assert out.dtype == torch.float32 and xi.grad is not None and torch.isfinite(xi.grad).all()
+    err = ((out - want).abs().max() / want.abs().max()).item()
+    print(f"MoE layer bf16 autocast vs fp32: max error {err:.2e} of the output's range")
+    assert err < 3e-2, err
+
 @pytest.mark.parametrize("kind", ["global", "sequence"])
 def test_aux_loss_changes_gradients_not_outputs(kind: str) -> None:
     x = torch.randn(2, 8, 32)

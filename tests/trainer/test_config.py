@@ -33,7 +33,7 @@ def test_saved_config_yaml_reloads_with_its_family() -> None:
         (("optimizer.lr=inf",), "optimizer.lr=inf must be a finite number > 0"),
         (("optimizer.eps=0",), "optimizer.eps=0.0 must be a finite number > 0"),
         (("model.family=nope",), "model.family='nope' is not a known model family"),
-        (("model.rope_scaling.type=yarn",), "model.rope_scaling.type='yarn' is not one of"),
+        (("model.rope_scaling.type=longrope",), "model.rope_scaling.type='longrope' is not one of"),
         (("metrics.comm_ledger=true", "training.compile=true"), "cannot run with training.compile=true"),
         (("metrics.memory_ledger=true", "training.compile=true"), "memory_ledger=true cannot run with training.compile"),
         (("metrics.memory_check=maybe",), "metrics.memory_check='maybe' is not one of"),

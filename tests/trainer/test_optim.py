@@ -48,3 +48,221 @@ def test_scheduler_drives_optimizer_and_no_decay_on_norms() -> None:
     sched.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(1e-3)
     assert isinstance(opt, torch.optim.AdamW)
+
+
+# -- Muon -------------------------------------------------------------------------------------
+
+
+def _tiny_llama() -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(LlamaArgs(dim=32, n_layers=2, n_heads=2, vocab_size=64, ffn_hidden_dim=64))
+
+
+def test_newton_schulz_and_lr_adjustment_are_torchs() -> None:
+    """bf16 (torch's dtype): bitwise torch.optim._muon's iteration, wide, tall and square."""
+    from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+    from parallelisms.muon import DEFAULT_NS_COEFFICIENTS, adjusted_lr, zeropower_via_newtonschulz
+
+    gen = torch.Generator().manual_seed(0)
+    for shape in [(32, 64), (64, 32), (17, 17), (3, 40)]:
+        g = torch.randn(shape, generator=gen)
+        ours = zeropower_via_newtonschulz(g, DEFAULT_NS_COEFFICIENTS, 5, 1e-7)
+        assert torch.equal(ours, _zeropower_via_newtonschulz(g, DEFAULT_NS_COEFFICIENTS, 5, 1e-7)), shape
+        fp32 = zeropower_via_newtonschulz(g, DEFAULT_NS_COEFFICIENTS, 5, 1e-7, torch.float32)
+        assert fp32.dtype == torch.float32 and (fp32 - ours.float()).abs().max() < 0.05  # bf16 rounding only
+        for fn in ("original", "match_rms_adamw"):
+            assert adjusted_lr(0.02, fn, shape) == _adjust_lr(0.02, fn, torch.Size(shape))
+
+
+def test_muon_groups_split_hidden_matrices_from_the_rest() -> None:
+    from trainer.optim import muon_param_groups
+
+    model = _tiny_llama()
+    groups = muon_param_groups(model, OptimizerConfig(name="muon"), ("tok_embeddings", "norm", "output"))
+    muon, decay, no_decay = groups
+    assert muon["use_muon"] and not decay["use_muon"] and not no_decay["use_muon"]
+    assert set(decay["names"]) == {"tok_embeddings.weight", "output.weight"} and decay["weight_decay"] == 0.1
+    assert all(p.ndim == 1 for p in no_decay["params"]) and no_decay["weight_decay"] == 0.0
+    assert len(muon["names"]) == 2 * 7 and all(".attention." in n or ".feed_forward." in n for n in muon["names"])
+
+
+@pytest.mark.parametrize("adjust_lr_fn", ["original", "match_rms_adamw"])
+def test_muon_one_process_is_torch_muon_plus_adamw_bitwise(adjust_lr_fn: str) -> None:
+    """optimizer=muon on one process = torch.optim.Muon (hidden matrices) + torch.optim.AdamW (the
+    rest) with the same hyperparameters, bitwise over 3 steps (NS in torch's bf16)."""
+    import copy
+
+    from trainer.config import MuonConfig
+
+    ours_model = _tiny_llama()
+    ref_model = copy.deepcopy(ours_model)
+    cfg = OptimizerConfig(
+        name="muon", lr=1e-2, muon=MuonConfig(lr=2e-2, weight_decay=0.05, adjust_lr_fn=adjust_lr_fn)
+    )
+    ours = build_optimizer(ours_model, cfg, device_type="cpu")
+    hidden = [p for n, p in ref_model.named_parameters() if p.ndim == 2 and not n.startswith(("tok_", "output"))]
+    head = [p for n, p in ref_model.named_parameters() if p.ndim == 2 and n.startswith(("tok_", "output"))]
+    vectors = [p for p in ref_model.parameters() if p.ndim == 1]
+    ref = [
+        torch.optim.Muon(hidden, lr=2e-2, weight_decay=0.05, adjust_lr_fn=adjust_lr_fn),
+        torch.optim.AdamW(
+            [{"params": head, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}],
+            lr=1e-2, betas=cfg.betas, eps=cfg.eps, foreach=True,
+        ),
+    ]  # fmt: skip
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        for model, opts in ((ours_model, [ours]), (ref_model, ref)):
+            model(tokens).logsumexp(-1).mean().backward()
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+        for (name, a), b in zip(ours_model.named_parameters(), ref_model.parameters()):
+            assert torch.equal(a, b), name
+    assert len(ours.state) == sum(1 for _ in ours_model.parameters())
+
+
+def test_owners_balance_newton_schulz_flops_within_candidates() -> None:
+    from parallelisms.muon import assign_owners
+
+    costs = [8, 7, 6, 5, 4, 3, 2, 1]
+    owners = assign_owners(costs, [[0, 1, 2]] * 6 + [[1], [1]], 3)
+    assert owners[6] == 1 and owners[7] == 1  # a unit goes only to a rank that holds it (a PP stage)
+    loads = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(3)]
+    assert loads == [11, 11 + 3, 11], loads  # the six shared units split evenly (11 each), then 2 + 1 on rank 1
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("optimizer.muon.adjust_lr_fn=rms", "optimizer.muon.adjust_lr_fn"),
+        ("optimizer.muon.ns_steps=0", "optimizer.muon.ns_steps=0"),
+        ("optimizer.muon.momentum=1.0", "optimizer.muon.momentum=1.0"),
+        ("optimizer.muon.ns_dtype=float16", "optimizer.muon.ns_dtype"),
+    ],
+)
+def test_muon_config_errors_name_the_key(override: str, match: str) -> None:
+    from models.errors import ConfigError
+    from tests.configs import make_config
+
+    with pytest.raises(ConfigError, match=match):
+        make_config("optimizer=muon", override)
+
+
+# -- QK-clip --------------------------------------------------------------------------------------
+
+
+def _qk_model(mask: str) -> Transformer:
+    torch.manual_seed(0)
+    model = Transformer(LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_hidden_dim=64,
+                                  attention_mask=mask))  # fmt: skip
+    model.init_weights(seed=0)
+    with torch.no_grad():  # larger q/k weights: logits well above 1
+        for layer in model.layers.values():
+            layer.attention.wq.weight.mul_(30)
+            layer.attention.wk.weight.mul_(10)
+    return model
+
+
+@torch.no_grad()
+def _naive_max_logits(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """(layers, heads) max of q.k/sqrt(D) over allowed pairs, head by head and pair by pair."""
+    from models.common import apply_rotary_emb
+
+    inputs: dict[int, torch.Tensor] = {}
+    hooks = [layer.attention.register_forward_pre_hook(lambda m, a, i=i: inputs.__setitem__(i, a[0]))
+             for i, layer in enumerate(model.layers.values())]  # fmt: skip
+    model(tokens, positions=positions)
+    for h in hooks:
+        h.remove()
+    out = torch.full((len(inputs), 4), float("-inf"))
+    B, S = tokens.shape
+    for i, layer in enumerate(model.layers.values()):
+        attn = layer.attention
+        D = attn.head_dim
+        q = (inputs[i] @ attn.wq.weight.T).view(B, S, 4, D)
+        k = (inputs[i] @ attn.wk.weight.T).view(B, S, 2, D)
+        q, k = apply_rotary_emb(q, k, model.rope_cache[positions])
+        for b in range(B):
+            for h in range(4):
+                for qi in range(S):
+                    for kj in range(qi + 1):  # causal; same document: no restart of positions in (kj, qi]
+                        if attn.core.attention_mask == "block_causal" and (positions[b, kj + 1 : qi + 1] == 0).any():
+                            continue
+                        logit = float(q[b, qi, h] @ k[b, kj, h // 2]) / D**0.5
+                        out[i, h] = max(out[i, h], logit)
+    return out
+
+
+@pytest.mark.parametrize("mask", ["causal", "block_causal"])
+def test_recorded_max_logit_equals_naive_attention(mask: str) -> None:
+    from parallelisms.qk_clip import QKClip
+
+    model = _qk_model(mask)
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(2))
+    positions = torch.tensor([list(range(12)), [0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3]])  # 1 and 3 documents
+    clip = QKClip(list(enumerate(layer.attention for layer in model.layers.values())), num_layers=2, n_heads=4,
+                  n_kv_heads=2, tau=1e9)  # fmt: skip
+    clip.begin_step()
+    model(tokens, positions=positions)
+    measured = clip.measured_max()
+    naive = _naive_max_logits(model, tokens, positions)
+    print(f"qk-clip {mask}: max |measured - naive| {(measured - naive).abs().max().item():.2e} (max logit {naive.max():.2f})")
+    assert torch.allclose(measured, naive, rtol=1e-5, atol=1e-5)
+
+
+def test_qk_clip_scales_the_head_above_tau_to_tau() -> None:
+    """One head above tau: its q (and shared k) rows are scaled, the next forward's max of that head
+    is tau, every other head's max is unchanged (GQA: the kv head's other query head compensates)."""
+    from parallelisms.qk_clip import QKClip
+
+    model = _qk_model("causal")
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(12).expand(2, 12)
+    clip = QKClip(list(enumerate(layer.attention for layer in model.layers.values())), num_layers=2, n_heads=4,
+                  n_kv_heads=2, tau=0.0)  # fmt: skip
+    clip.begin_step()
+    model(tokens, positions=positions)
+    before = clip.measured_max()
+    top2 = before.flatten().topk(2).values
+    clip.tau = float(top2.mean())  # between the largest and the second largest: exactly one head clipped
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    clip.begin_step()
+    model(tokens, positions=positions)
+    stats = clip.after_step()
+    assert stats["clipped_heads"] == 1
+    layer, head = divmod(int(before.flatten().argmax()), 4)
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, weights[n])}
+    assert changed == {f"layers.{layer}.attention.wq.weight", f"layers.{layer}.attention.wk.weight"}, changed
+    D = 8
+    wq_rows_changed = {r // D for r in range(32) if not torch.equal(model.layers[str(layer)].attention.wq.weight[r],
+                                                                     weights[f"layers.{layer}.attention.wq.weight"][r])}  # fmt: skip
+    assert wq_rows_changed == {head, head ^ 1}  # the head and its kv group's other query head
+    clip.begin_step()
+    model(tokens, positions=positions)
+    after = clip.measured_max()
+    expected = before.clone()
+    expected[layer, head] = clip.tau
+    print(f"qk-clip probe: head ({layer}, {head}) {before[layer, head]:.4f} -> {after[layer, head]:.6f}, "
+          f"tau {clip.tau:.6f}; other heads max change {(after - expected).abs().max():.2e}")
+    assert torch.allclose(after, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_planner_counts_muon_newton_schulz_and_exchange() -> None:
+    """The plan of optimizer=muon: NS FLOPs per rank = every hidden matrix's 5 iterations
+    (4 m^2 n + 2 m^3 each, m <= n) over the ranks, counted here from the model's own parameters;
+    the two all_to_all rows carry 4 B per held Muon element (FSDP x 2: half of them)."""
+    from tests.configs import tiny_config
+    from trainer.planner.cluster import compose_cluster
+    from trainer.planner.plan import build_plan
+
+    cfg = tiny_config("unused", "optimizer=muon", "parallelism.dp_shard=2")
+    plan = build_plan(cfg, compose_cluster(["cluster=cpu"]))
+    model = Transformer(cfg.model)
+    hidden = [p for n, p in model.named_parameters() if p.ndim == 2 and n.startswith("layers.")]
+    flops = sum(5 * (4 * min(p.shape) ** 2 * max(p.shape) + 2 * min(p.shape) ** 3) for p in hidden)
+    assert plan.compute["ns_flops_per_rank"] == flops / 2
+    muon_rows = [x for x in plan.collectives if x.name.startswith("Muon")]
+    assert [x.logical_bytes for x in muon_rows] == [4 * sum(p.numel() for p in hidden) / 2] * 2
+    assert plan.verdict["step_s"] > plan.compute["compute_with_bubble_s"] + plan.compute["optimizer_s"] * 0.999

@@ -66,6 +66,44 @@ def test_article_activation_rule() -> None:
     assert activation_bytes_per_token_layer(8192, 64, 8) == (34 - 4 * 7 / 8) * 8192
 
 
+def test_qk_norm_and_head_dim_activations_match_what_autograd_saves() -> None:
+    """Qwen3's attention in the activation rule: an explicit head size scales Q, K, V and the
+    attention output (Qwen3-8B: 32 x 128 = dim, so unchanged; Qwen3-0.6B: 16 x 128 = 2 dim), and the
+    q/k norms' extra saved bytes equal what autograd really saves for them (one block, fp32 and bf16,
+    saved-tensor hooks: the norms' fp32 input and their output, per q/k element)."""
+    import torch
+
+    from models.common import precompute_rope_cache
+    from models.llama.model import LlamaArgs, TransformerBlock
+
+    assert activation_bytes_per_token_layer(4096, 32, 8, head_dim=128) == activation_bytes_per_token_layer(4096, 32, 8)
+    wide = activation_bytes_per_token_layer(1024, 16, 8, head_dim=128)  # Q, out: 2 H -> 4 H; K, V: H -> 2 H
+    assert wide == activation_bytes_per_token_layer(1024, 16, 8) + (4 + 4 * 0.5) * 1024
+
+    def saved_per_token(args: LlamaArgs, dtype: torch.dtype) -> float:
+        block = TransformerBlock(0, args).to(dtype)
+        rope = precompute_rope_cache(args.head_dim, 64, 1e6)
+        x = torch.randn(2, 64, args.dim, dtype=dtype, requires_grad=True)
+        storages: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            block(x, rope_cache=rope)
+        skip = {p.untyped_storage().data_ptr() for p in block.parameters()} | {rope.untyped_storage().data_ptr()}
+        return sum(n for ptr, n in storages.items() if ptr not in skip) / (2 * 64)
+
+    shape = dict(dim=256, n_heads=4, n_kv_heads=2, attn_head_dim=96, ffn_hidden_dim=512)
+    for dtype, act_bytes in ((torch.float32, 4), (torch.bfloat16, 2)):
+        measured = saved_per_token(LlamaArgs(**shape, qk_norm=True), dtype) - saved_per_token(LlamaArgs(**shape), dtype)
+        planned = (activation_bytes_per_token_layer(256, 4, 2, head_dim=96, qk_norm=True, act_bytes=act_bytes)
+                   - activation_bytes_per_token_layer(256, 4, 2, head_dim=96, act_bytes=act_bytes))  # fmt: skip
+        print(f"q/k norm activations per token ({dtype}): planned {planned:.0f} B, saved by autograd {measured:.0f} B")
+        assert abs(measured / planned - 1) < 0.02  # the per-head rsqrt statistics are the rest
+
+
 def test_article_pp_bubble() -> None:
     assert round(pp_bubble("1F1B", 4, 4, 1), 2) == 0.43  # article: "M=4,K=4 → 43%"
     assert round(pp_bubble("GPipe", 4, 32, 1), 2) == 0.09  # article: "M=32,K=4 → 9%"

@@ -33,6 +33,8 @@ pytestmark = pytest.mark.slow
 TOLERANCE = 0.05
 LEDGER = ("metrics.comm_ledger=true", "metrics.memory_ledger=true", "training.steps=2", "checkpoint.enable=false")
 MOE = ("model=moe_debug", "model.moe_hidden_dim=64", "model.first_k_dense=1", "model.num_shared_experts=1")
+MLA = ("model=deepseek_v3_debug", "model.n_kv_heads=null", "model.q_lora_rank=32", "model.kv_lora_rank=16",
+       "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8", "model.v_head_dim=12", "model.moe_hidden_dim=64")  # fmt: skip
 LAYOUTS: dict[str, tuple[int, tuple[str, ...]]] = {
     "ddp": (2, ("parallelism.dp_replicate=2", "parallelism.dp_shard=1")),
     "zero1": (2, ("parallelism.dp_replicate=2", "parallelism.dp_shard=1", "parallelism.ddp.sharded_optimizer=true")),
@@ -48,6 +50,18 @@ LAYOUTS: dict[str, tuple[int, tuple[str, ...]]] = {
     "cp_ddp": (4, ("parallelism.cp=2", "parallelism.dp_shard=1", "parallelism.dp_replicate=2")),
     "cp": (2, ("parallelism.cp=2", "parallelism.dp_shard=1")),
     "ep": (2, (*MOE, "parallelism.ep=2", "parallelism.dp_shard=2")),
+    # Qwen3: q/k norm gains (TP-replicated, gradients all-reduced over tp), head_dim 32 != 64 / 4, tied head
+    "qwen3_tp_sp": (2, ("model=qwen3_debug", "model.attn_head_dim=32", "parallelism.tp=2", "parallelism.dp_shard=1")),
+    # optimizer=muon: the Newton-Schulz exchange (two all_to_all per step) and the momentum placement
+    "muon_ddp": (2, ("optimizer=muon", "parallelism.dp_replicate=2", "parallelism.dp_shard=1")),
+    "muon_zero1": (2, ("optimizer=muon", "parallelism.dp_replicate=2", "parallelism.dp_shard=1",
+                       "parallelism.ddp.sharded_optimizer=true")),
+    "muon_fsdp": (2, ("optimizer=muon", "parallelism.dp_shard=2")),
+    "muon_tp": (2, ("optimizer=muon", "parallelism.tp=2", "parallelism.dp_shard=1")),
+    # DeepSeek-V3 (MLA): heads split with replicated down-projections, latents gathered over cp, EP + MTP
+    "mla_tp_sp": (2, (*MLA, "parallelism.tp=2", "parallelism.dp_shard=1")),
+    "mla_cp_ddp": (4, (*MLA, "parallelism.cp=2", "parallelism.dp_shard=1", "parallelism.dp_replicate=2")),
+    "mla_ep_mtp": (2, (*MLA, "model.mtp_depth=1", "parallelism.ep=2", "parallelism.dp_shard=2")),
 }
 # Memory only (same launches): dtype policies, activation checkpointing, one more pipeline schedule.
 MEMORY_ONLY: dict[str, tuple[int, tuple[str, ...]]] = {
@@ -64,6 +78,7 @@ MEMORY_ONLY: dict[str, tuple[int, tuple[str, ...]]] = {
                         "training.activation_checkpoint=full")),
 }
 ALL = {**LAYOUTS, **MEMORY_ONLY}
+ROUTED = ("ep", "mla_ep_mtp")  # layouts whose all_to_all bytes follow the routing (EP dispatch), not the plan
 
 
 @pytest.fixture(scope="module")
@@ -97,13 +112,13 @@ def test_measured_matches_plan(layout: str, runs: dict) -> None:
     assert "total" in planned_ops and len(planned_ops) >= 2, f"{layout}: the plan has no collectives:\n{table}"
     for r in rows:
         total = next(x["planned"] for x in rows if x["rank"] == r["rank"] and x["what"] == "total")
-        if r["what"] == "all_to_all":  # EP: what a rank's experts send back depends on the routing
+        if r["what"] == "all_to_all" and layout in ROUTED:  # EP: what a rank's experts send back depends on the routing
             assert abs(r["ratio"] - 1) <= 2 * TOLERANCE, f"{layout}: all_to_all beyond the load's spread:\n{table}"
         elif r["kind"] == "memory" or r["planned"] >= 0.01 * total:  # the total, every op that matters
             assert abs(r["ratio"] - 1) <= TOLERANCE, f"{layout}: {r['what']} off by more than 5%:\n{table}"
         else:  # small ops and unplanned scalars (token counts, loss, norm pieces): < 0.1% of the step
             assert abs(r["measured"] - r["planned"]) < 1e-3 * total, f"{layout}: {r['what']}:\n{table}"
-    a2a = [r["ratio"] for r in rows if r["what"] == "all_to_all"]
+    a2a = [r["ratio"] for r in rows if r["what"] == "all_to_all" and layout in ROUTED]
     if a2a:  # ... but every token copy a rank dispatches comes back to it: the mean is the plan's
         assert sum(a2a) / len(a2a) == pytest.approx(1, abs=0.01), table
     kinds = {r["what"] for r in rows if r["kind"] == "memory"}

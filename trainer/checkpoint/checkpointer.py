@@ -570,6 +570,7 @@ class Checkpointer:
         """
         from trainer.checkpoint.export import hf_sidecar
         from trainer.checkpoint.hf import parse_size, save_hf_distributed
+        from trainer.checkpoint.hf_tokenizer import write_tokenizer_files
 
         start = time.perf_counter()
         final = hf_step_dir(self.folder, step)
@@ -578,15 +579,14 @@ class Checkpointer:
             make_dir(self.folder)
             make_dir(tmp)
         source = os.path.abspath(step_dir(self.folder, step) if self.cfg.enable else self.folder)
-        extra, bos, eos, tokenizer_file = hf_sidecar(self.info, step, source)
+        extra, bos, eos, tokenizer = hf_sidecar(self.info, step, source)
         spec, args = self.hf_target
         files = save_hf_distributed(
             self.module, spec, args, tmp, is_writer=self.rank == 0, max_shard_bytes=parse_size(self.cfg.hf_max_shard_size),
             dtype=DTYPES[self.cfg.hf_dtype], extra=extra, bos_id=bos, eos_id=eos,
         )  # fmt: skip
         if self.rank == 0:
-            if tokenizer_file is not None:
-                shutil.copyfile(tokenizer_file, os.path.join(tmp, "tokenizer.json"))
+            files += write_tokenizer_files(tmp, tokenizer, max_len=args.max_seq_len)
             for name in os.listdir(tmp):
                 with open(os.path.join(tmp, name), "rb") as f:
                     os.fsync(f.fileno())

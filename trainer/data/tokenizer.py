@@ -110,6 +110,10 @@ class HFTokenizer:
             f"add one of them as a special token to the tokenizer.json or use data.tokenizer=byte"
         )
 
+    def id_to_token(self, token_id: int) -> str:
+        """The token string of ``token_id`` (e.g. the BOS/EOS names an exported folder declares)."""
+        return self._tok.id_to_token(token_id)
+
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; the file's post-processor (which may add BOS) is skipped."""
         return self._tok.encode(text, add_special_tokens=False).ids

@@ -4,7 +4,8 @@ rank, measured on the logged steps -- the numbers the planner's memory model is 
 - **Saved for backward** (``saved``): every tensor autograd saves, seen through
   ``torch.autograd.graph.saved_tensors_hooks`` while the step runs, deduplicated by storage (a
   view saved by three ops counts once, as the storage it keeps alive), per scope -- the
-  embedding, each block (``block.<i>``), the head (final norm + output) and the loss -- and
+  embedding, each block (``block.<i>``), the head (final norm + output), the loss and the
+  multi-token-prediction modules (``mtp``, with their calls of the shared head and loss) -- and
   per kind and dtype: ``activations``; ``weight_copies`` (the casts of parameters that bf16
   autocast makes and autograd saves: one bf16 copy of each matrix per forward); ``ac_inputs``
   (the inputs a checkpointed block keeps for its recompute: torch's checkpoint holds them in
@@ -139,6 +140,7 @@ class MemoryLedger:
         self.device = device or torch.device("cpu")
         self.active = False
         self.scope = "other"
+        self._in_mtp = False  # inside the MTP modules (their head calls keep the "mtp" scope)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._live: dict[tuple[int, int], list[int]] = {}  # storage -> [references, bytes]
         self._ac_held: dict[int, list[_Saved]] = {}
@@ -163,6 +165,13 @@ class MemoryLedger:
         for part in self.parts:
             first = [getattr(part, n, None) for n in self.spec.first_modules]
             last = [m for m in (getattr(part, n, None) for n in self.spec.last_modules) if m is not None]
+            # multi-token prediction (DeepSeek-V3): its modules run after the blocks and call the
+            # shared head themselves; one scope of their own, nothing inside it switches scope
+            mtp = getattr(part, "mtp", None)
+            if mtp is not None and mtp in last:
+                last.remove(mtp)
+                mtp.register_forward_pre_hook(self._enter_mtp)
+                mtp.register_forward_hook(self._leave_mtp)
             for m in first:
                 if m is not None:
                     m.register_forward_pre_hook(enter("embedding"))
@@ -177,13 +186,21 @@ class MemoryLedger:
                 last[0].register_forward_pre_hook(enter("head"))
                 last[-1].register_forward_hook(lambda *a: self._set_scope("loss"))
 
+    def _enter_mtp(self, module: nn.Module, args: tuple) -> None:
+        self._enter_scope(module, "mtp", args, None)
+        self._in_mtp = self.active
+
+    def _leave_mtp(self, module: nn.Module, args: tuple, out: Any) -> None:
+        self._in_mtp = False
+        self._set_scope("other")
+
     def _set_scope(self, scope: str) -> None:
-        if self.active:
+        if self.active and not self._in_mtp:
             self.scope = scope
             self._sample_buffers()
 
     def _enter_scope(self, module: nn.Module, scope: str, args: tuple, kwargs: Optional[dict]) -> None:
-        if not self.active:
+        if not self.active or self._in_mtp:
             return
         self.scope = scope
         self._forwards[scope] = self._forwards.get(scope, 0) + 1

@@ -180,6 +180,24 @@ class MetricsLogger:
         self._write(record, step)
         return record
 
+    def log_validation(self, step: int, sets: dict[str, tuple[float, int]]) -> dict[str, Any]:
+        """Log the named validation sets (``eval.validation``): ``validation/<name>/{loss,perplexity,tokens}``."""
+        import math
+
+        values = {name: {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens}
+                  for name, (loss, tokens) in sets.items()}  # fmt: skip
+        for name, v in values.items():
+            logger.info(f"eval  step {step:>6}  {name}: loss {v['loss']:8.4f}  ppl {v['perplexity']:.2f}")
+        record = {"step": step, "validation": values}
+        self._write(record, step)
+        return record
+
+    def log_tasks(self, step: int, tasks: dict[str, dict[str, float]], seconds: float) -> dict[str, Any]:
+        """Log downstream task scores (``eval.tasks``): ``tasks/<name>/<metric>`` in the trackers."""
+        record = {"step": step, "tasks": tasks, "tasks_time_s": seconds}
+        self._write(record, step)
+        return record
+
     def _write(self, record: dict[str, Any], step: int) -> None:
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record) + "\n")

@@ -58,8 +58,11 @@ def _fsdp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
     m = 1 if per_step else c.accum
     syncs = 1 if dims.pp > 1 else c.accum
     again = c.reshard_after_forward  # backward gathers every block but the last, and the root, again
+    # MTP modules share the head's unit and call the head again: backward passes through the unit
+    # twice, and FSDP reshards it after the first, so it is gathered again.
+    mtp = [head] if c.spec.mtp_depth(c.cfg.model) > 0 else []
     units = [
-        ("", "dp_shard_cp", ("dp_shard", "cp"), [*dense, head, root], [*dense[:-1], root] if again else []),
+        ("", "dp_shard_cp", ("dp_shard", "cp"), [*dense, head, root], ([*dense[:-1], root] if again else []) + mtp),
         (" (experts)", "dp_shard_mod_ep", ("dp_shard_mod_ep",), experts, experts[:-1] if again else []),
     ]
     for label, axis, axes, fwd, bwd in units:
@@ -67,7 +70,7 @@ def _fsdp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
         if not fwd:
             continue
         calls = len(fwd) + len(bwd)
-        rows.add(f"FSDP all_gather{label} (params, fwd" + (" + bwd)" if again else ")"), "all_gather", axis, axes,
+        rows.add(f"FSDP all_gather{label} (params, fwd" + (" + bwd)" if bwd else ")"), "all_gather", axis, axes,
                  m * calls, (sum(fwd) + sum(bwd)) / calls * c.param_gather_bytes, "forward+backward", "compute_s")  # fmt: skip
         rows.add(f"FSDP reduce_scatter{label} (grads)", "reduce_scatter", axis, axes, syncs * len(fwd),
                  sum(fwd) / len(fwd) * c.sync_bytes, "backward", "backward_s")  # fmt: skip
@@ -116,13 +119,15 @@ def _tp_counts(c: PlanContext, pp_rank: int) -> dict[str, float]:
             elif kind in ("rowwise", "embedding"):
                 counts["reduce_scatter" if sp else "all_reduce"] += repeat
                 counts["all_gather"] += 1 if sp else 0
-            elif kind == "moe_io" and sp:
-                counts["all_gather"] += repeat + 1
-                counts["reduce_scatter"] += 1
+            elif kind == "moe_io" and sp:  # gather fwd, gather the output's gradient bwd; the
+                counts["all_gather"] += repeat + 1  # input's gradient is complete: a slice
 
+    attn = c.spec.attention_comm(c.cfg.model)
     for st in c.ranks[pp_rank]:
         for b in st.blocks:
             count(c.table.block_kinds[b], fwd_repeat)
+            if not attn.tp_entry_partial:  # the attention's gather_input gets its gradient back complete
+                counts["reduce_scatter" if sp else "all_reduce"] -= 1
         count(c.table.first_kinds if st.first else [], 1)
         count(c.table.last_kinds if st.last else [], 1)
     return counts
@@ -134,6 +139,11 @@ def _tp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
     overlap = ("matmuls (async TP)", "compute_s") if p.async_tp else ("none: critical path", "")
     for op, calls in _tp_counts(c, pp_rank).items():
         rows.add(f"TP {op} (block activations)", op, "tp", ("tp",), calls * c.accum, size, *overlap)
+    extra = c.spec.attention_comm(args).tp_backward_all_reduce_dim
+    blocks = sum(len(st.blocks) for st in c.ranks[pp_rank])
+    if extra and blocks:  # MLA: latents into the column-wise up-projections, the shared RoPE key
+        rows.add("TP all_reduce (attention latents, bwd)", "all_reduce", "tp", ("tp",), blocks * c.accum,
+                 c.micro_tokens * extra * c.act_bytes, "none: critical path", "")  # fmt: skip
     last = any(st.last for st in c.ranks[pp_rank])
     if last and not p.loss_parallel:  # replicated logits: the head's output is gathered over the vocab
         rows.add("TP all_gather (logits)", "all_gather", "tp", ("tp",), c.accum,
@@ -146,6 +156,10 @@ def _tp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
         norms += [n for st in c.ranks[pp_rank] if st.last for n in c.table.last.norms]
         rows.add("TP all_reduce (SP norm weight grads)", "all_reduce", "tp", ("tp",), len(norms) * c.accum,
                  4 * sum(norms) / max(len(norms), 1), "backward", "backward_s")  # fmt: skip
+    head_norms = [n for st in c.ranks[pp_rank] for b in st.blocks for n in c.table.blocks[b].head_norms]
+    if head_norms:  # q/k norms (Qwen3): each rank's heads give a partial sum of the replicated gain's gradient
+        rows.add("TP all_reduce (q/k norm weight grads)", "all_reduce", "tp", ("tp",), len(head_norms) * c.accum,
+                 4 * sum(head_norms) / len(head_norms), "backward", "backward_s")  # fmt: skip
 
 
 def _cp_ep_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
@@ -155,11 +169,12 @@ def _cp_ep_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
     blocks = [b for st in c.ranks[pp_rank] for b in st.blocks]
     fwd_repeat = 2 if c.recompute else 1
     if dims.cp > 1:
-        kv = c.micro_tokens * dims.cp * 2 * args.kv_heads * args.head_dim * c.act_bytes  # (b, S, 2 kv_dim)
+        # (b, S, 2 kv_dim) of K and V; MLA: (b, S, C + R) of latents
+        kv = c.micro_tokens * dims.cp * c.spec.attention_comm(args).cp_gather_dim * c.act_bytes
         ring = p.cp_impl == "ring"
         overlap = ("attention (ring)", "compute_s") if ring else ("none: critical path", "")
-        rows.add("CP all_gather (K, V)", "all_gather", "cp", ("cp",), fwd_repeat * len(blocks) * c.accum, kv, *overlap)
-        rows.add("CP reduce_scatter (dK, dV)", "reduce_scatter", "cp", ("cp",), len(blocks) * c.accum, kv, *overlap)
+        rows.add("CP all_gather (K, V or latents)", "all_gather", "cp", ("cp",), fwd_repeat * len(blocks) * c.accum, kv, *overlap)
+        rows.add("CP reduce_scatter (dK, dV or d latents)", "reduce_scatter", "cp", ("cp",), len(blocks) * c.accum, kv, *overlap)
     moe = [b for b in blocks if b in c.table.moe_layers]
     if dims.ep > 1 and moe:
         routed = c.micro_tokens * args.top_k * args.dim * c.act_bytes  # this rank's token copies (mean)
@@ -183,8 +198,28 @@ def _pp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
                  "forward+backward (async p2p)", "compute_s")  # fmt: skip
 
 
+def _muon_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
+    """optimizer=muon (``parallelisms/muon.py``), after the first step: one all_to_all over the world
+    group of the primaries' fp32 update pieces to their owners (each piece once: 1/replicas of what a
+    rank holds, on average), one of the owners' orthogonalised pieces back to every holder (what a
+    rank holds). Per rank the bytes follow the owners (balanced by Newton-Schulz FLOPs): the plan
+    is the mean. ZeRO-1 runs Muon inside each owner: no exchange (its broadcast re-replicates)."""
+    from trainer.planner.memory import muon_held
+
+    if c.dims.ddp_enabled and c.cfg.parallelism.ddp.sharded_optimizer:
+        return
+    held, replicas = muon_held(c, pp_rank)
+    world = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+    rows.add("Muon all_to_all (update pieces -> owners)", "all_to_all", "world", world, 1, 4 * held / replicas,
+             "none: in the optimizer step", "")  # fmt: skip
+    rows.add("Muon all_to_all (orthogonalised -> holders)", "all_to_all", "world", world, 1, 4 * held,
+             "none: in the optimizer step", "")  # fmt: skip
+
+
 def rank_collectives(c: PlanContext, pp_rank: int, comp: dict[str, float]) -> list[Collective]:
     rows = _Rows(c, comp)
+    if c.cfg.optimizer.name == "muon":
+        _muon_rows(rows, c, pp_rank)
     if c.dims.ddp_enabled:
         _ddp_rows(rows, c, pp_rank)
     if c.dims.fsdp_enabled:

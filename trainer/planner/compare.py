@@ -61,7 +61,8 @@ def measured_memory_terms(rank_record: dict[str, Any]) -> dict[str, float]:
     """One rank's memory-ledger record summed into the planner's terms: saved bytes per step of the
     blocks (``activations`` in ``block.*`` scopes), ``ac_inputs``, ``weight_copies``, the embedding,
     head and loss scopes (anything else under ``other``), and the peak of live saved bytes."""
-    out = {"blocks": 0.0, "ac_inputs": 0.0, "weight_copies": 0.0, "embedding": 0.0, "head": 0.0, "loss": 0.0}
+    out = {"blocks": 0.0, "ac_inputs": 0.0, "weight_copies": 0.0, "embedding": 0.0, "head": 0.0, "loss": 0.0,
+           "mtp": 0.0}
     for scope, kinds in rank_record["saved"].items():
         for kind, by_dtype in kinds.items():
             nbytes = sum(by_dtype.values())

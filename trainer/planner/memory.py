@@ -15,6 +15,7 @@ weight (``weight_copies``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Optional
 
 from trainer.planner.cluster import ADAM_BYTES, DTYPE_BYTES
 from trainer.planner.context import PlanContext, PlannedStage, StageMemory
@@ -40,22 +41,51 @@ def dtype_policy(c: PlanContext) -> DtypePolicy:
 
 
 def activation_bytes_per_token_layer(
-    dim: int,
-    n_heads: int,
-    n_kv_heads: int,
-    *,
-    tp: int = 1,
-    sequence_parallel: bool = False,
-    act_bytes: int = 2,
+    dim: int, n_heads: int, n_kv_heads: int, *, tp: int = 1, sequence_parallel: bool = False, act_bytes: int = 2,
+    head_dim: Optional[int] = None, qk_norm: bool = False,
 ) -> float:
-    """The seed article's GPT rule, ``34 H`` bytes per token and layer in bf16 (10 H outside the
-    TP regions, 24 H inside; GQA shrinks K/V; TP divides the inside, SP the outside too). Kept for
-    the article's worked figures (tests/trainer/test_plan.py); the plan itself uses
-    :func:`block_terms`, which our measured Llama exceeds by 1.4x (fp32) to 1.8x (bf16 autocast)."""
-    inside = 24 - 4 * (1 - n_kv_heads / n_heads)
+    """Activation bytes one layer saves for backward per token (no checkpointing, SDPA), by the
+    seed article's GPT rule -- kept for the article's worked figures (tests/trainer/test_plan.py);
+    the plan itself uses :func:`block_terms`, read off what our code saves and checked against the
+    memory ledger (our measured Llama exceeds this rule by 1.4x in fp32 to 1.8x under bf16 autocast).
+
+    The article's ``34 H`` (bf16): 10 H outside the TP regions, 24 H inside; with GQA the K and
+    V parts (2 H each) scale by ``n_kv_heads / n_heads``; TP divides the inside part, SP the
+    outside part as well. ``act_bytes=4`` (fp32 training) doubles everything.
+
+    An explicit ``head_dim`` (Qwen3: n_heads x head_dim != dim) scales the attention's share of
+    the inside part (Q and the attention output 2 H each, K and V) by the projections' true
+    widths. ``qk_norm`` adds what the per-head RMSNorms save: their input in fp32 (the norm's
+    statistics are fp32) and their output (for the gain's gradient), over q and k, inside TP.
+    """
+    hd = head_dim if head_dim is not None else dim // n_heads
+    q, kv = n_heads * hd / dim, n_kv_heads * hd / dim  # widths of Q and of K (or V), in units of H
+    inside = 16 + 4 * q + 4 * kv  # MLP 16 H; Q and attention output 2 H each; K and V 2 H x kv each
+    if qk_norm:
+        inside += (q + kv) * (max(act_bytes, 4) + act_bytes) * 2 / act_bytes
     outside = 10.0
     coeff = (outside + inside) / tp if (tp > 1 and sequence_parallel) else outside + inside / tp
     return coeff * dim * act_bytes / 2
+
+
+def layer_activation_bytes(spec: Any, args: Any, *, tp: int, sequence_parallel: bool, act_bytes: int) -> float:
+    """``activation_bytes_per_token_layer`` (the article's rule, not the plan's model) for the family: Llama's rule (head size and q/k norm
+    included), with the attention's projections replaced by the family's own saved tensors when it declares them
+    (``AttentionComm.saved``, MLA): Llama's q, k, v and output-projection input (4 H at full heads,
+    split by tp) out, the per-head tensors (split by tp) and the latents (never split: replicated
+    modules compute them on the whole sequence) in."""
+    saved = spec.attention_comm(args).saved
+    if saved is None:  # Llama's attention: its projections' true widths (explicit head_dim) and q/k norms
+        return activation_bytes_per_token_layer(
+            args.dim, args.n_heads, args.kv_heads, tp=tp, sequence_parallel=sequence_parallel, act_bytes=act_bytes,
+            head_dim=args.head_dim, qk_norm=bool(getattr(args, "qk_norm", False)),
+        )  # fmt: skip
+    base = activation_bytes_per_token_layer(
+        args.dim, args.n_heads, args.kv_heads, tp=tp, sequence_parallel=sequence_parallel, act_bytes=act_bytes
+    )
+    per_head, latents = saved
+    return base + (per_head / tp + latents - 4 * args.dim / tp) * act_bytes
+
 
 
 # -- what one block saves, per local token ----------------------------------------------------
@@ -84,6 +114,8 @@ def attention_terms(c: PlanContext, pol: DtypePolicy) -> dict[str, float]:
     fp32 log-sum-exp per head; its output (also the input of ``wo``); the rotary rows gathered per
     token when positions are passed (CP, packed documents)."""
     a, tp, cp = c.cfg.model, c.dims.tp, c.dims.cp
+    if hasattr(a, "kv_lora_rank"):
+        return mla_terms(c, pol)
     D = a.dim // a.n_heads if getattr(a, "attn_head_dim", None) is None else a.attn_head_dim
     nh, nkv = a.n_heads / tp, a.kv_heads / tp
     kv_width = nkv * D if nh == nkv else (D if nkv == 1 else nh * D)
@@ -95,8 +127,47 @@ def attention_terms(c: PlanContext, pol: DtypePolicy) -> dict[str, float]:
         "attention_lse": 4 * nh,
         "attention_out": cb * nh * D,
     })  # fmt: skip
+    if getattr(a, "qk_norm", False):
+        # Qwen3's per-head q/k RMSNorms (before RoPE, on the local heads and tokens): the fp32 input
+        # (the projection's output itself when fp32), the rsqrt per head, the normalised head saved
+        # by the gain multiply (compute dtype)
+        terms["qk_norm"] = (nh + nkv) * ((4 + cb) * D + 4)
     if cp > 1 or getattr(a, "attention_mask", "causal") == "block_causal":
         terms["rope_rows"] = (2 if pol.fsdp_bf16 else 4) * D
+    return terms
+
+
+def _latent_norm(pol: DtypePolicy, width: float, source_width: float) -> float:
+    """A latent RMSNorm (MLA's ``q_norm`` / ``kv_norm``, ``width`` wide) over a projection's output:
+    its fp32 input (the projection's output storage itself, ``source_width`` wide, when that is
+    fp32; a fresh fp32 copy otherwise), the rsqrt, the normalised latent (compute dtype)."""
+    source = 4 * source_width if pol.compute == 4 else 4 * width
+    return source + 4 + pol.compute * width
+
+
+def mla_terms(c: PlanContext, pol: DtypePolicy) -> dict[str, float]:
+    """Multi-head latent attention (``models/deepseek_v3/model.py`` ``MLAttention``): the norm feeds
+    two replicated down-projections (``wq``/``wq_a``, ``wkv_a``); the query latent's norm and the
+    up-projection's input (q_lora_rank); q after RoPE (nh x Dqk, split by tp); the KV latent's norm;
+    the latent [c | k_rope] that ``wkv_b`` keeps (under CP gathered over the whole sequence; under
+    autocast over an fp32 latent, the bf16 cast of c); per head the expanded keys (a new
+    [k_nope | k_rope] tensor) and the values (a view of ``wkv_b``'s whole output, nh x (Dn + Dv));
+    SDPA's log-sum-exp and output (nh x Dv)."""
+    a, tp, cp = c.cfg.model, c.dims.tp, c.dims.cp
+    nh, cb = a.n_heads / tp, pol.compute
+    Dn, R, Dv, C, Cq = a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.kv_lora_rank, a.q_lora_rank
+    terms = _norm_terms(c, pol, "attention_norm", 2)
+    if Cq:  # query latent: its norm, and wq_b's input (the gain's output, cast by autocast)
+        terms["q_latent"] = _latent_norm(pol, Cq, Cq) + cb * Cq
+    terms["q"] = cb * nh * (Dn + R)
+    terms["kv_latent_norm"] = _latent_norm(pol, C, C + R)
+    terms["kv_latent"] = (2 * C if pol.cast_each else cb * (C + R)) * cp
+    terms["k_expanded"] = cb * nh * (Dn + R) * cp
+    terms["v_expanded"] = cb * nh * (Dn + Dv) * cp
+    terms["attention_lse"] = 4 * nh
+    terms["attention_out"] = cb * nh * Dv
+    if cp > 1 or getattr(a, "attention_mask", "causal") == "block_causal":
+        terms["rope_rows"] = (2 if pol.fsdp_bf16 else 4) * R
     return terms
 
 
@@ -140,8 +211,7 @@ def block_constant(c: PlanContext) -> float:
     """Per block and microbatch, independent of tokens: FSDP's bf16 cast of the block's inputs
     includes the whole rotary table (max_seq_len x head_dim), which RoPE then saves."""
     a = c.cfg.model
-    D = a.dim // a.n_heads if getattr(a, "attn_head_dim", None) is None else a.attn_head_dim
-    return 2.0 * a.max_seq_len * D if dtype_policy(c).fsdp_bf16 else 0.0
+    return 2.0 * a.max_seq_len * a.head_dim if dtype_policy(c).fsdp_bf16 else 0.0  # MLA: the RoPE size
 
 
 def weight_copy_bytes(c: PlanContext, block: int) -> float:
@@ -224,7 +294,31 @@ def stage_saved(c: PlanContext, stage: PlannedStage, *, receives: bool) -> dict[
         out["head"] = T * sum(h.values())
         if pol.weight_copies:
             out["weight_copies"] += 2.0 * c.table.last.tp_sharded / c.dims.tp
+        out["mtp"] = mtp_bytes(c)
     return out
+
+
+def mtp_bytes(c: PlanContext) -> float:
+    """Multi-token prediction (DeepSeek-V3, ``mtp_depth`` modules on the last stage; no TP/CP): module
+    k runs on S - k positions of each sequence: hnorm and enorm (their rsqrt and normalised outputs;
+    their inputs are the stream's own storages, saved already), ``proj``'s input [h; e] (2 H), one
+    dense block (MLA + SwiGLU of ``hidden_dim``), then the shared head on S - k - 1 positions (final
+    norm, fp32 log-softmax over the vocabulary, the int64 targets)."""
+    a = c.cfg.model
+    depth = getattr(a, "mtp_depth", 0) or 0
+    if not depth:
+        return 0.0
+    pol = dtype_policy(c)
+    H = a.dim
+    dense = block_bytes_per_token(c, -1)  # -1: never an MoE layer
+    head = sum(head_terms(c).values())
+    proj_in = 2 * H * (pol.compute if pol.cast_each else pol.stream)
+    B, S = c.micro_batch, c.cfg.training.seq_len
+    total = 0.0
+    for k in range(1, depth + 1):
+        n = B * (S - k)
+        total += n * (2 * (4 + pol.stream * H) + proj_in + dense) + B * (S - k - 1) * (head + INT64)
+    return total
 
 
 def ids_bytes(c: PlanContext) -> float:
@@ -362,6 +456,32 @@ def buffer_bytes(c: PlanContext, pp_rank: int) -> dict[str, float]:
     return out
 
 
+def muon_held(c: PlanContext, pp_rank: int) -> tuple[float, float]:
+    """(Muon elements this rank holds a piece of, replicas of each piece) under optimizer=muon:
+    FSDP shards them over dp_shard x cp (experts: over what is left of it after ep), TP and EP split
+    them; the pieces are identical across dp_replicate (and cp without FSDP)."""
+    dims = c.dims
+    group = c.group(pp_rank)
+    held = group.muon_local(dims.tp, dims.ep)
+    if dims.fsdp_enabled:
+        experts = group.muon_experts / dims.ep
+        held = (held - experts) / (dims.dp_shard * dims.cp) + experts / (dims.dp_shard * dims.cp // dims.ep)
+    replicas = dims.dp_replicate * (1 if dims.fsdp_enabled else dims.cp)
+    return held, replicas
+
+
+def _muon_optimizer_bytes(c: PlanContext, pp_rank: int, local: float, held: float) -> float:
+    """Muon's momentum (fp32, 4 B) only on the primary of each piece (``parallelisms/muon.py``), on
+    average 1/replicas of the held pieces; AdamW's two moments (8 B) for the rest, sharded like the
+    parameters (ZeRO-1: everything on its owner, 1/dp_replicate on average)."""
+    dims = c.dims
+    muon, replicas = muon_held(c, pp_rank)
+    if dims.ddp_enabled and c.cfg.parallelism.ddp.sharded_optimizer:
+        muon_all = c.group(pp_rank).muon_local(dims.tp, dims.ep)
+        return (4 * muon_all + ADAM_BYTES * (local - muon_all)) / dims.dp_replicate
+    return 4 * muon / replicas + ADAM_BYTES * (held - muon)
+
+
 def stage_memory_of(c: PlanContext, pp_rank: int) -> StageMemory:
     """Model states, saved activations and buffers of ``pp_rank``: parameters after TP (1/tp of the
     sharded kinds) and EP (1/ep of the experts); FSDP divides all by dp_shard x cp (experts: their
@@ -377,6 +497,8 @@ def stage_memory_of(c: PlanContext, pp_rank: int) -> StageMemory:
     params_b, grads_b, opt_b = 4 * held, 4 * held, ADAM_BYTES * held
     if dims.ddp_enabled and p.ddp.sharded_optimizer:
         opt_b = ADAM_BYTES * local / dims.dp_replicate
+    if c.cfg.optimizer.name == "muon":
+        opt_b = _muon_optimizer_bytes(c, pp_rank, local, held)
     saved = saved_plan(c, pp_rank)
     buffers = buffer_bytes(c, pp_rank)
     acts = saved.peak + saved.recompute + saved.sac_cache

@@ -39,6 +39,16 @@ class ModuleParams:
     replicated: int = 0  # whole on every tp rank (norms, routers, ...)
     experts: int = 0  # divided by ep
     norms: list[int] = field(default_factory=list)  # numel of each SP ``norm`` weight (grads all-reduced)
+    head_norms: list[int] = field(default_factory=list)  # numel of each ``head_norm`` (q/k norm) weight
+    # optimizer=muon: the >=2-D block weights Muon steps (a subset of the counts above, same split)
+    muon_sharded: int = 0
+    muon_replicated: int = 0
+    muon_experts: int = 0
+    muon_shapes: list[tuple[int, int, int]] = field(default_factory=list)  # (stack, rows, cols) per weight
+
+    def muon_local(self, tp: int = 1, ep: int = 1) -> float:
+        """Muon-stepped parameters one rank holds of this group under tp and ep."""
+        return self.muon_sharded / tp + self.muon_replicated + self.muon_experts / ep
 
     def local(self, tp: int = 1, ep: int = 1) -> float:
         """Parameters one rank holds of this group under tp and ep."""
@@ -50,7 +60,9 @@ class ModuleParams:
     def add(self, other: ModuleParams) -> ModuleParams:
         return ModuleParams(
             self.tp_sharded + other.tp_sharded, self.replicated + other.replicated,
-            self.experts + other.experts, self.norms + other.norms,
+            self.experts + other.experts, self.norms + other.norms, self.head_norms + other.head_norms,
+            self.muon_sharded + other.muon_sharded, self.muon_replicated + other.muon_replicated,
+            self.muon_experts + other.muon_experts, self.muon_shapes + other.muon_shapes,
         )  # fmt: skip
 
 
@@ -97,21 +109,30 @@ def param_table(spec: ModelSpec, args: Any) -> ParamTable:
     expert_ids = {id(p) for m in (spec.expert_modules(model) if spec.expert_modules else []) for p in m.parameters()}
     groups = [ModuleParams() for _ in blocks]
     first, last = ModuleParams(), ModuleParams()
-    first_ids = {id(p) for n in spec.first_modules if hasattr(model, n) for p in getattr(model, n).parameters()}
-    tied = any(id(p) in first_ids for n in spec.last_modules if hasattr(model, n) for p in getattr(model, n).parameters())
+    present = lambda names: [m for m in (getattr(model, n, None) for n in names) if m is not None]  # noqa: E731
+    first_ids = {id(p) for m in present(spec.first_modules) for p in m.parameters()}
+    tied = any(id(p) in first_ids for m in present(spec.last_modules) for p in m.parameters())
     for name, p in model.named_parameters():  # tied weights once, under the first module
         module_name = name.rpartition(".")[0]
         block = next((i for pre, i in prefix_of.items() if name.startswith(pre)), None)
         group = groups[block] if block is not None else (first if id(p) in first_ids else last)
         kind = kinds.get(module_name)
+        muon = block is not None and p.ndim >= 2  # optimizer=muon's split (trainer/optim.py)
+        if muon:
+            group.muon_shapes.append((p.shape[0] if p.ndim == 3 else 1, p.shape[-2], p.shape[-1]))
         if id(p) in expert_ids:
             group.experts += p.numel()
+            group.muon_experts += p.numel() if muon else 0
         elif kind in TP_SHARDED_KINDS:
             group.tp_sharded += p.numel()
+            group.muon_sharded += p.numel() if muon else 0
         else:
+            group.muon_replicated += p.numel() if muon else 0
             group.replicated += p.numel()
             if kind == "norm":
                 group.norms.append(p.numel())
+            elif kind == "head_norm":
+                group.head_norms.append(p.numel())
 
     def kinds_under(prefixes: tuple[str, ...]) -> list[str]:
         return [k for n, k in sorted(kinds.items()) if n.startswith(prefixes) or n in prefixes]

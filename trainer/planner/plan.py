@@ -23,11 +23,30 @@ def compute_seconds(c: PlanContext) -> dict[str, float]:
     recompute = 4 / 3 if c.recompute else 1.0
     seconds = flops * recompute / (c.cluster.peak_tflops * 1e12 * c.cluster.mfu)
     bubble = pp_bubble(c.schedule, dims.pp, c.accum, c.stages_per_rank)
-    return {
+    out = {
         "tokens_per_step": float(tokens), "flops_per_rank": flops * recompute, "compute_s": seconds,
         "forward_s": seconds * (1 / 3 if recompute == 1 else 1 / 2), "backward_s": seconds * (2 / 3 if recompute == 1 else 1 / 2),
         "pp_bubble": bubble, "compute_with_bubble_s": seconds / (1 - bubble),
     }  # fmt: skip
+    if c.cfg.optimizer.name == "muon":
+        out["ns_flops_per_rank"] = _muon_ns_flops(c)
+        out["optimizer_s"] = out["ns_flops_per_rank"] / (c.cluster.peak_tflops * 1e12 * c.cluster.mfu)
+    return out
+
+
+def _muon_ns_flops(c: PlanContext) -> float:
+    """Newton-Schulz FLOPs per rank and step under optimizer=muon: every matrix (each expert) of a
+    pipeline rank's stages once, spread over that stage's ranks by the owner balance (the mean;
+    the slowest pipeline rank counts). Not overlapped: it runs in the optimizer step."""
+    from parallelisms.muon import ns_step_flops
+
+    steps = c.cfg.optimizer.muon.ns_steps
+    ranks_per_stage = c.dims.world_size // c.dims.pp
+    per_pp_rank = [
+        steps * sum(stack * ns_step_flops(rows, cols) for stack, rows, cols in c.group(r).muon_shapes)
+        for r in range(c.dims.pp)
+    ]
+    return max(per_pp_rank) / ranks_per_stage
 
 
 
@@ -44,7 +63,7 @@ def _verdict(plan: Plan) -> dict[str, Any]:
 
     # the slowest pipeline rank sets the pace
     exposed, overlappable = max(exposed_of(rows) for rows in (plan.pp_rank_collectives or [plan.collectives]))
-    step = comp["compute_with_bubble_s"] + exposed
+    step = comp["compute_with_bubble_s"] + exposed + comp.get("optimizer_s", 0.0)  # Muon's Newton-Schulz
     comm_share = exposed / step if step > 0 else 0.0
     memory = (f"fits with {free / GIB:.1f} GiB free" if free >= 0 else f"does not fit by {-free / GIB:.1f} GiB") + (
         f" (peak {peak / GIB:.1f} of {cl.memory_gib:.1f} GiB, incl. {cl.workspace_gib:g} GiB workspace)"

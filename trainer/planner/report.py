@@ -62,7 +62,9 @@ def render(plan: Plan) -> str:
         f"compute: {comp['flops_per_rank'] / 1e12:.1f} TFLOP per rank per step -> {comp['compute_s'] * 1e3:.0f} ms at "
         f"{cl.mfu:.0%} of {cl.peak_tflops:g} TFLOP/s"
         + (f"; PP bubble {comp['pp_bubble']:.1%} ({lay['pp_schedule']}, M={lay['microbatches']}, "
-           f"v={lay['pp_stages_per_rank']})" if lay["pp"] > 1 else ""),  # fmt: skip
+           f"v={lay['pp_stages_per_rank']})" if lay["pp"] > 1 else "")
+        + (f"; Muon Newton-Schulz {comp['ns_flops_per_rank'] / 1e12:.1f} TFLOP per rank -> "
+           f"{comp['optimizer_s'] * 1e3:.0f} ms in the optimizer step" if "optimizer_s" in comp else ""),  # fmt: skip
         f"verdict: {v['memory']}",
         f"         {v['communication']}; predicted step {v['step_s'] * 1e3:.0f} ms, {v['tokens_per_s']:,.0f} tokens/s",
     ]

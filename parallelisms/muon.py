@@ -1,0 +1,551 @@
+"""Muon in every layout: each weight matrix is orthogonalised whole, once per step, by one owner rank.
+
+Muon (momentum, then a Newton-Schulz orthogonalisation of the update) needs the *whole*
+matrix, while FSDP (Shard(0) slices), TP (row/column slices), EP (expert stacks) and PP
+(stages) leave each rank a piece of it. ``Muon`` below keeps torch.optim.Muon's arithmetic
+(``torch/optim/_muon.py``: momentum ``lerp``, Nesterov, ``_zeropower_via_newtonschulz``,
+``_adjust_lr``, decoupled weight decay) and adds the distribution:
+
+* **Units.** Every Muon parameter is split into matrices: a 2-D weight is one unit, a 3-D
+  expert stack ``(E, m, n)`` is E units (Muon per expert).
+* **Pieces.** What a rank holds of a unit is found once, from the parameter itself: a plain
+  tensor holds everything; a DTensor holds exactly what ``distribute_tensor`` of an ``arange``
+  over the same mesh and placements keeps locally (any placement: Shard, Replicate, the
+  strided shards of FSDP over TP), recorded as a slice when contiguous, else as an index.
+* **Owners.** One rank per unit, among the ranks holding a piece of it (so PP stages own their
+  own units), chosen largest-first onto the least-loaded rank by Newton-Schulz FLOPs
+  ``m * n * min(m, n)``; every rank computes the same answer from one metadata all-gather.
+* **Primaries.** Identical pieces (replicas: DDP, HSDP's replicate axis, the dp axis of TP)
+  form a group; one member, the *primary* (the unit's owner when it holds the piece, else the
+  lowest rank), keeps the momentum of that piece and sends the Nesterov update. So under DDP
+  the owner keeps the whole momentum and receives nothing; under FSDP/TP the momentum is
+  sharded like the parameter.
+* **Exchange.** One ``all_to_all_single`` carries every primary's pieces to their owners, the
+  owners run Newton-Schulz, and one more ``all_to_all_single`` returns to every holder (all
+  replicas included) its piece of the orthogonalised update; each holder then applies weight
+  decay and the update to its own piece. Two collectives per step, whatever the number of
+  matrices.
+
+Parameters without Muon (``use_muon=False`` groups: embeddings, output head, norms, biases) are
+stepped by an inner ``torch.optim.AdamW`` that shares this optimizer's ``state``; AdamW is
+elementwise, so it runs on the local pieces of any layout.
+
+The state is per parameter, under the parameter (``momentum_buffer``; AdamW's ``exp_avg``,
+``exp_avg_sq``, ``step``), shaped like the parameter (a DTensor when it is one), so the
+flattened DCP names ``state.<fqn>.momentum_buffer`` are the same in every layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from models.errors import ConfigError
+
+DEFAULT_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan's) quintic
+ADJUST_LR_FNS = ("original", "match_rms_adamw")
+NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+_ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+Positions = Union[slice, Tensor]  # a contiguous range, or int64 indices
+
+
+def zeropower_via_newtonschulz(
+    grad: Tensor,
+    ns_coefficients: Sequence[float],
+    ns_steps: int,
+    eps: float,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Tensor:
+    """torch.optim.Muon's Newton-Schulz iteration (``torch.optim._muon._zeropower_via_newtonschulz``,
+    the same operations in the same order) in ``dtype``: bfloat16 is torch's (bitwise equal to it);
+    float32 is the same iteration without the bf16 rounding (used by the parity tests)."""
+    a, b, c = ns_coefficients
+    ortho = grad.to(dtype)
+    tall = grad.size(0) > grad.size(1)
+    if tall:
+        ortho = ortho.T
+    ortho.div_(ortho.norm().clamp(min=eps))  # spectral norm <= Frobenius norm <= 1
+    for _ in range(ns_steps):
+        gram = ortho @ ortho.T
+        gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        ortho = torch.addmm(ortho, gram_update, ortho, beta=a)
+    return ortho.T if tall else ortho
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: str, shape: Sequence[int]) -> float:
+    """torch.optim.Muon's per-matrix LR: ``original`` = lr * sqrt(max(1, A/B)); ``match_rms_adamw``
+    = lr * 0.2 * sqrt(max(A, B)) (Moonlight: the update's RMS matches AdamW's)."""
+    rows, cols = shape[-2:]
+    if adjust_lr_fn == "match_rms_adamw":
+        return lr * (0.2 * math.sqrt(max(rows, cols)))  # torch's order of operations (bitwise)
+    return lr * math.sqrt(max(1, rows / cols))
+
+
+def ns_step_flops(rows: int, cols: int) -> int:
+    """FLOPs of one Newton-Schulz iteration on an (rows, cols) matrix (m = min, n = max dim):
+    X X^T (2 m^2 n), gram @ gram (2 m^3), update @ X (2 m^2 n)."""
+    m, n = min(rows, cols), max(rows, cols)
+    return 4 * m * m * n + 2 * m**3
+
+
+def ns_flops(rows: int, cols: int) -> int:
+    """Cost proxy of one Newton-Schulz orthogonalisation of an (rows, cols) matrix."""
+    return rows * cols * min(rows, cols)
+
+
+# --------------------------------------------------------------------------------------------
+# Pieces, units and owners (computed once, identically on every rank)
+# --------------------------------------------------------------------------------------------
+
+
+def _local_positions(p: Tensor) -> Positions:
+    """Flat indices into the full parameter of this rank's local elements, in local order."""
+    if not hasattr(p, "placements"):
+        return slice(0, p.numel())
+    from torch.distributed.tensor import distribute_tensor
+
+    full = torch.arange(math.prod(p.shape), dtype=torch.int64, device=p.to_local().device).view(p.shape)
+    idx = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local().reshape(-1)
+    return _compress(idx.cpu())
+
+
+def _compress(idx: Tensor) -> Positions:
+    if idx.numel() == 0:
+        return slice(0, 0)
+    start = int(idx[0])
+    if torch.equal(idx, torch.arange(start, start + idx.numel(), dtype=idx.dtype)):
+        return slice(start, start + idx.numel())
+    return idx
+
+
+def _signature(pos: Positions) -> str:
+    if isinstance(pos, slice):
+        return f"{pos.start}:{pos.stop}"
+    return hashlib.sha1(pos.numpy().tobytes()).hexdigest()
+
+
+def _split_by_unit(pos: Positions, unit_size: int, num_units: int) -> list[tuple[int, Positions, Positions]]:
+    """(unit, local positions, positions within the unit) of each unit the piece touches."""
+    out = []
+    if isinstance(pos, slice):
+        for u in range(pos.start // unit_size, -(-pos.stop // unit_size) if pos.stop else 0):
+            lo, hi = max(pos.start, u * unit_size), min(pos.stop, (u + 1) * unit_size)
+            if lo < hi:
+                out.append(
+                    (u, slice(lo - pos.start, hi - pos.start), slice(lo - u * unit_size, hi - u * unit_size))
+                )
+        return out
+    unit_of = pos // unit_size
+    for u in torch.unique(unit_of).tolist():
+        local = (unit_of == u).nonzero().reshape(-1)
+        out.append((u, _compress(local), _compress(pos[local] - u * unit_size)))
+    return out
+
+
+def _count(pos: Positions) -> int:
+    return pos.stop - pos.start if isinstance(pos, slice) else pos.numel()
+
+
+@dataclass
+class _Unit:
+    """One matrix: ``key`` = (parameter name, expert index or 0); its owner and holders."""
+
+    key: tuple[str, int]
+    rows: int
+    cols: int
+    owner: int = -1
+    holders: dict[int, str] = field(default_factory=dict)  # rank -> signature of its piece
+    counts: dict[str, int] = field(default_factory=dict)  # signature -> elements in the unit
+    primaries: dict[str, int] = field(default_factory=dict)  # signature -> the rank that sends it
+
+
+def assign_owners(costs: Sequence[int], candidates: Sequence[Sequence[int]], world_size: int) -> list[int]:
+    """Owner of each unit: largest cost first, onto its least-loaded candidate rank (ties: lowest rank)."""
+    loads = [0] * world_size
+    owners = [-1] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
+        rank = min(candidates[i], key=lambda r: (loads[r], r))
+        owners[i] = rank
+        loads[rank] += costs[i]
+    return owners
+
+
+@dataclass
+class _LocalParam:
+    """This rank's view of one Muon parameter."""
+
+    param: Tensor
+    name: str
+    units: list[tuple[int, Positions, Positions]]  # (unit index, local positions, unit positions)
+    signature: str
+    primary: bool = False  # keeps the momentum and sends the update pieces
+
+
+class _Plan:
+    """Units, owners, primaries and the exchange layout of every Muon parameter, for all ranks."""
+
+    def __init__(self, named: Sequence[tuple[str, Tensor]], group: Optional[dist.ProcessGroup]) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.world = dist.get_world_size(group) if group is not None else 1
+        self.local: list[_LocalParam] = []
+        mine = []  # (name, shape, signature, [(unit, count)])
+        for name, p in named:
+            shape = tuple(p.shape)
+            if len(shape) not in (2, 3):
+                raise ConfigError(f"Muon takes 2-D matrices and 3-D expert stacks; {name} has shape {shape}")
+            rows, cols = shape[-2:]
+            pos = _local_positions(p)
+            units = _split_by_unit(pos, rows * cols, shape[0] if len(shape) == 3 else 1)
+            sig = _signature(pos)
+            self.local.append(_LocalParam(p, name, units, sig))
+            mine.append((name, shape, sig, [(u, _count(up)) for u, _, up in units]))
+        everyone = [mine]
+        if self.world > 1:
+            everyone = [None] * self.world
+            dist.all_gather_object(everyone, mine, group=group)
+        self._build_units(everyone)
+
+    def _build_units(self, everyone: list[list]) -> None:
+        units: dict[tuple[str, int], _Unit] = {}
+        for rank, entries in enumerate(everyone):
+            for name, shape, sig, unit_counts in entries:
+                for u, count in unit_counts:
+                    unit = units.setdefault((name, u), _Unit((name, u), shape[-2], shape[-1]))
+                    unit.holders[rank] = sig
+                    unit.counts[sig] = count
+        self.units = [units[k] for k in sorted(units)]  # the canonical order, the same on every rank
+        self.index = {u.key: i for i, u in enumerate(self.units)}
+        owners = assign_owners(
+            [ns_flops(u.rows, u.cols) for u in self.units],
+            [sorted(u.holders) for u in self.units],
+            self.world,
+        )
+        for unit, owner in zip(self.units, owners):
+            unit.owner = owner
+        # The primary of a piece (per parameter, so one rank keeps its whole momentum): the owner of
+        # the parameter's first unit it touches when that rank holds the piece, else the lowest holder.
+        for name in {u.key[0] for u in self.units}:
+            param_units = [u for u in self.units if u.key[0] == name]
+            for sig in {s for u in param_units for s in u.holders.values()}:
+                holders = sorted({r for u in param_units for r, s in u.holders.items() if s == sig})
+                first = next(u for u in param_units if sig in u.counts)
+                primary = first.owner if first.owner in holders else holders[0]
+                for u in param_units:
+                    if sig in u.counts:
+                        u.primaries[sig] = primary
+        for lp in self.local:
+            lp.primary = (
+                bool(lp.units) and self.unit(lp.name, lp.units[0][0]).primaries[lp.signature] == self.rank
+            )
+        # This rank's pieces in the canonical unit order: the order of every packed buffer.
+        self.pieces = sorted(
+            (
+                (self.index[(lp.name, u)], lp, local_pos, unit_pos)
+                for lp in self.local
+                for u, local_pos, unit_pos in lp.units
+            ),
+            key=lambda piece: piece[0],
+        )
+        self.flops_per_rank = [0] * self.world
+        for u in self.units:
+            self.flops_per_rank[u.owner] += ns_flops(u.rows, u.cols)
+
+    def unit(self, name: str, u: int) -> _Unit:
+        return self.units[self.index[(name, u)]]
+
+    # -- what moves where (element counts per peer, in the canonical order) --------------------
+
+    def send_counts(self) -> list[int]:
+        """Elements this rank sends to each owner (its primary pieces)."""
+        counts = [0] * self.world
+        for i, lp, _, unit_pos in self.pieces:
+            if lp.primary:
+                counts[self.units[i].owner] += _count(unit_pos)
+        return counts
+
+    def recv_counts(self) -> list[int]:
+        """Elements this rank (as owner) receives from each primary."""
+        counts = [0] * self.world
+        for unit in self.owned():
+            for sig, primary in unit.primaries.items():
+                counts[primary] += unit.counts[sig]
+        return counts
+
+    def owned(self) -> list[_Unit]:
+        return [u for u in self.units if u.owner == self.rank]
+
+    def return_counts(self) -> list[int]:
+        """Elements of the orthogonalised update this rank (as owner) sends to each holder."""
+        counts = [0] * self.world
+        for unit in self.owned():
+            for rank, sig in unit.holders.items():
+                counts[rank] += unit.counts[sig]
+        return counts
+
+    def update_counts(self) -> list[int]:
+        """Elements of the orthogonalised update this rank receives from each owner."""
+        counts = [0] * self.world
+        for i, _, _, unit_pos in self.pieces:
+            counts[self.units[i].owner] += _count(unit_pos)
+        return counts
+
+
+def _exchange(
+    send: Tensor, send_counts: list[int], recv_counts: list[int], group: Optional[dist.ProcessGroup]
+) -> Tensor:
+    """One all_to_all_single (the identity on one rank)."""
+    if group is None or len(send_counts) == 1:
+        return send
+    recv = send.new_empty(sum(recv_counts))
+    dist.all_to_all_single(recv, send, recv_counts, send_counts, group=group)
+    return recv
+
+
+def _take(t: Tensor, pos: Positions) -> Tensor:
+    return t[pos] if isinstance(pos, slice) else t.index_select(0, pos.to(t.device))
+
+
+def _put(t: Tensor, pos: Positions, values: Tensor) -> None:
+    if isinstance(pos, slice):
+        t[pos] = values
+    else:
+        t.index_copy_(0, pos.to(t.device), values)
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+# --------------------------------------------------------------------------------------------
+# The optimizer
+# --------------------------------------------------------------------------------------------
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon for the ``use_muon=True`` groups, AdamW for the others, over any parallel layout.
+
+    Args:
+        params: param-group dicts; each has ``use_muon`` and ``names`` (the parameters' names,
+            the same on every rank: they key the units) besides the hyperparameters.
+        process_group: the group over which Muon parameters are split or replicated (the world
+            group; None = everything is local, as on one process or inside ZeRO-1's owners).
+        ns_dtype: the dtype of the Newton-Schulz iteration (torch's is bfloat16).
+        adamw_kwargs: AdamW implementation switches (``foreach`` / ``fused``).
+        **defaults: Muon hyperparameters (lr, weight_decay, momentum, nesterov, ns_coefficients,
+            ns_steps, eps, adjust_lr_fn) and AdamW's (betas, eps) for groups that lack them.
+
+    ``step`` is collective over ``process_group``: every rank calls it.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[dict[str, Any]],
+        process_group: Optional[dist.ProcessGroup] = None,
+        *,
+        ns_dtype: torch.dtype = torch.bfloat16,
+        adamw_kwargs: Optional[dict[str, Any]] = None,
+        **defaults: Any,
+    ) -> None:
+        defaults.setdefault("use_muon", False)
+        self.process_group = (
+            process_group if process_group is not None and dist.get_world_size(process_group) > 1 else None
+        )
+        self.ns_dtype = ns_dtype
+        self._adamw_kwargs = adamw_kwargs or {}
+        self._adamw: Optional[torch.optim.AdamW] = None
+        self._plan: Optional[_Plan] = None
+        self.ns_calls = 0  # Newton-Schulz orthogonalisations run on this rank (all steps)
+        self._names: dict[int, str] = {}  # id(param) -> name; kept out of param_groups (and checkpoints)
+        super().__init__(list(params), defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As torch's; a Muon group's ``names`` key the units (kept here, not in the group: they
+        describe the layout, not a hyperparameter); non-Muon groups also go to the inner AdamW."""
+        param_group = dict(param_group)
+        names = param_group.pop("names", None)
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if group["use_muon"]:
+            if names is None or len(names) != len(group["params"]):
+                raise ValueError("a Muon group needs 'names': one name per parameter, the same on every rank")
+            self._names.update({id(p): n for p, n in zip(group["params"], names)})
+            self._plan = None
+            return
+        inner = {"params": group["params"], **{k: group[k] for k in _ADAMW_KEYS if k in group}}
+        if self._adamw is None:
+            self._adamw = torch.optim.AdamW([inner], **self._adamw_kwargs)
+        else:
+            self._adamw.add_param_group(inner)
+
+    # -- plan -----------------------------------------------------------------------------------
+
+    def plan(self) -> _Plan:
+        """Units, owners and exchange sizes (collective the first time: one all_gather_object)."""
+        if self._plan is None:
+            named = [(self._names[id(p)], p) for g in self.param_groups if g["use_muon"] for p in g["params"]]
+            self._plan = _Plan(named, self.process_group)
+        return self._plan
+
+    def owner_balance(self) -> float:
+        """max / mean Newton-Schulz FLOPs over the ranks (1.0 = perfectly balanced)."""
+        flops = self.plan().flops_per_rank
+        mean = sum(flops) / len(flops)
+        return max(flops) / mean if mean else 1.0
+
+    # -- step -----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._adamw is not None:
+            self._step_adamw()
+        if any(g["use_muon"] for g in self.param_groups):
+            self._step_muon()
+        return loss
+
+    def _step_adamw(self) -> None:
+        assert self._adamw is not None
+        self._adamw.state = self.state  # one state dict (load_state_dict replaces ours)
+        inner = iter(self._adamw.param_groups)
+        for g in self.param_groups:
+            if not g["use_muon"]:
+                target = next(inner)
+                for k in _ADAMW_KEYS:
+                    target[k] = g[k]
+        self._adamw.step()
+
+    @property
+    def _param_ids(self) -> dict[str, int]:
+        return {name: pid for pid, name in self._names.items()}
+
+    def _group_of(self) -> dict[int, dict[str, Any]]:
+        return {id(p): g for g in self.param_groups if g["use_muon"] for p in g["params"]}
+
+    def _step_muon(self) -> None:
+        plan = self.plan()
+        groups = self._group_of()
+        # 1. primaries: momentum and the Nesterov update of their pieces, packed by owner.
+        updates = {
+            id(lp.param): self._nesterov_update(lp.param, groups[id(lp.param)]).reshape(-1)
+            for lp in plan.local
+            if lp.primary
+        }
+        outgoing: list[list[Tensor]] = [[] for _ in range(plan.world)]
+        for i, lp, local_pos, _ in plan.pieces:
+            if lp.primary:
+                outgoing[plan.units[i].owner].append(_take(updates[id(lp.param)], local_pos))
+        send = self._cat(outgoing)
+        received = _exchange(send, plan.send_counts(), plan.recv_counts(), self.process_group)
+        # 2. owners: assemble each unit whole, orthogonalise, cut it into every holder's piece.
+        ortho = self._orthogonalise(received, plan, groups)
+        back = _exchange(self._cat(ortho), plan.return_counts(), plan.update_counts(), self.process_group)
+        # 3. every holder: weight decay and its piece of the update.
+        self._apply(back, plan, groups)
+
+    def _nesterov_update(self, p: Tensor, g: dict[str, Any]) -> Tensor:
+        grad = p.grad
+        if grad is None:
+            grad = torch.zeros_like(p)
+        elif hasattr(grad, "placements") and grad.placements != p.placements:
+            grad = grad.redistribute(p.device_mesh, p.placements)
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p)
+        buf, grad = _local(state["momentum_buffer"]), _local(grad)
+        buf.lerp_(grad, 1 - g["momentum"])
+        return grad.lerp(buf, g["momentum"]) if g["nesterov"] else buf
+
+    def _cat(self, per_rank: list[list[Tensor]]) -> Tensor:
+        flat = [t for ts in per_rank for t in ts]
+        if not flat:
+            return torch.empty(0, dtype=self._dtype(), device=self._device())
+        return torch.cat(flat)
+
+    def _dtype(self) -> torch.dtype:
+        return next((p.dtype for g in self.param_groups for p in g["params"]), torch.float32)
+
+    def _device(self) -> torch.device:
+        return next((_local(p).device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
+
+    def _orthogonalise(
+        self, received: Tensor, plan: _Plan, groups: dict[int, dict[str, Any]]
+    ) -> list[list[Tensor]]:
+        # ``received`` is ordered by sending rank, then by unit (canonical order) within it.
+        offsets = [0] * plan.world
+        for r, n in enumerate(plan.recv_counts()[:-1]):
+            offsets[r + 1] = offsets[r] + n
+        positions = self._unit_positions(plan)
+        out: list[list[Tensor]] = [[] for _ in range(plan.world)]
+        ids = self._param_ids
+        for unit in plan.owned():
+            g = groups[ids[unit.key[0]]]
+            full = received.new_zeros(unit.rows * unit.cols)
+            for sig, primary in sorted(unit.primaries.items(), key=lambda kv: kv[1]):
+                n = unit.counts[sig]
+                _put(full, positions[(unit.key, sig)], received[offsets[primary] : offsets[primary] + n])
+                offsets[primary] += n
+            self.ns_calls += 1
+            ortho = zeropower_via_newtonschulz(
+                full.view(unit.rows, unit.cols), g["ns_coefficients"], g["ns_steps"], g["eps"], self.ns_dtype
+            ).reshape(-1)
+            for rank, sig in sorted(unit.holders.items()):
+                out[rank].append(_take(ortho, positions[(unit.key, sig)]).to(received.dtype))
+        return out
+
+    def _unit_positions(self, plan: _Plan) -> dict[tuple[tuple[str, int], str], Positions]:
+        """Owner side: where each piece sits in its unit. Contiguous pieces are known from their
+        counts' order only when the piece is a range, so the positions travel once, at the first
+        step, with the same exchange as the updates (int64)."""
+        if not hasattr(plan, "positions"):
+            outgoing: list[list[Tensor]] = [[] for _ in range(plan.world)]
+            for i, lp, _, up in plan.pieces:
+                if lp.primary:
+                    idx = torch.arange(up.start, up.stop) if isinstance(up, slice) else up
+                    outgoing[plan.units[i].owner].append(idx.to(torch.int64))
+            flat = [t for ts in outgoing for t in ts]
+            send = torch.cat(flat) if flat else torch.empty(0, dtype=torch.int64)
+            received = _exchange(send, plan.send_counts(), plan.recv_counts(), self.process_group)
+            offsets = [0] * plan.world
+            for r, n in enumerate(plan.recv_counts()[:-1]):
+                offsets[r + 1] = offsets[r] + n
+            positions = {}
+            for unit in plan.owned():
+                for sig, primary in sorted(unit.primaries.items(), key=lambda kv: kv[1]):
+                    n = unit.counts[sig]
+                    positions[(unit.key, sig)] = _compress(received[offsets[primary] : offsets[primary] + n])
+                    offsets[primary] += n
+            plan.positions = positions  # type: ignore[attr-defined]
+        return plan.positions  # type: ignore[attr-defined]
+
+    def _apply(self, back: Tensor, plan: _Plan, groups: dict[int, dict[str, Any]]) -> None:
+        offsets = [0] * plan.world
+        for r, n in enumerate(plan.update_counts()[:-1]):
+            offsets[r + 1] = offsets[r] + n
+        flat_updates = {
+            id(lp.param): torch.empty(_local(lp.param).numel(), dtype=back.dtype, device=back.device)
+            for lp in plan.local
+        }
+        for i, lp, local_pos, unit_pos in plan.pieces:
+            owner, n = plan.units[i].owner, _count(unit_pos)
+            _put(flat_updates[id(lp.param)], local_pos, back[offsets[owner] : offsets[owner] + n])
+            offsets[owner] += n
+        for lp in plan.local:
+            g = groups[id(lp.param)]
+            local = _local(lp.param)
+            flat_update = flat_updates[id(lp.param)]
+            local.mul_(1 - g["lr"] * g["weight_decay"])
+            local.add_(
+                flat_update.view_as(local), alpha=-adjusted_lr(g["lr"], g["adjust_lr_fn"], lp.param.shape)
+            )

@@ -1,0 +1,102 @@
+"""QK-clip (MuonClip, Kimi K2): keep every attention head's largest pre-softmax logit at or below tau.
+
+The model side (``models/llama/model.py`` ``Attention``, also used by the MoE family) only records,
+when asked, the per-local-head max logit of each forward. This file adds what needs the layout:
+
+* ``begin_step`` turns recording on and resets the maxima;
+* ``after_step`` (after the optimizer step) places each rank's per-local-head maxima into one
+  ``(layers, heads)`` table (under TP a rank's heads are its ``tp`` coordinate's slice; a PP stage
+  fills its own layers), takes the MAX over the world group (dp, cp, tp, pp at once: one
+  all-reduce of layers x heads floats), and for every head with ``max > tau`` scales its query
+  and key projection rows so the head's logits shrink by ``gamma = tau / max``: MHA: q and k
+  rows by ``sqrt(gamma)`` each; GQA: the shared key head by ``sqrt(min gamma of its query
+  heads)``, each query head by the rest, so every query head's logits scale by its own gamma.
+  The rows are found from each weight's own layout (plain, FSDP / TP DTensor shards).
+
+A module takes part if it has ``record_max_logit``, ``max_logit``, ``head_dim``, ``wq`` and ``wk``
+(Llama/MoE attention). DeepSeek's MLA (other projections, only the non-RoPE parts clipped) needs
+its own ``scale_heads``: the seam is :meth:`QKClip.scale_heads`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from parallelisms.muon import _local_positions
+
+
+class QKClip:
+    """Args: ``attentions``: (global layer index, attention module) of this rank; ``num_layers``,
+    ``n_heads``, ``n_kv_heads``: of the whole model; ``tau``: the logit cap; ``tp_rank`` /
+    ``tp_size``: this rank's tensor-parallel coordinate (its query heads are that slice)."""
+
+    def __init__(self, attentions: list[tuple[int, nn.Module]], *, num_layers: int, n_heads: int, n_kv_heads: int,
+                 tau: float, tp_rank: int = 0, tp_size: int = 1) -> None:  # fmt: skip
+        self.attentions, self.num_layers, self.tau = attentions, num_layers, tau
+        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self._rows: dict[int, Tensor] = {}  # id(weight) -> global row of each local element
+        self.last_max: Optional[Tensor] = None  # (layers, heads): the step's measured maxima
+        self.last_stats: dict[str, float] = {}  # the last step's qk_max_logit and qk_clipped_heads
+
+    def begin_step(self) -> None:
+        for _, attn in self.attentions:
+            attn.record_max_logit, attn.max_logit = True, None
+
+    @torch.no_grad()
+    def measured_max(self) -> Tensor:
+        """(layers, heads) max logits of this step over the whole world (collective)."""
+        device = next(iter(self.attentions))[1].wq.weight.device if self.attentions else torch.device("cpu")
+        table = torch.full((self.num_layers, self.n_heads), float("-inf"), device=_local_device(device))
+        local_heads = self.n_heads // self.tp_size
+        for layer, attn in self.attentions:
+            attn.record_max_logit = False
+            if attn.max_logit is not None:
+                start = self.tp_rank * local_heads
+                table[layer, start : start + local_heads] = attn.max_logit.to(table.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(table, op=dist.ReduceOp.MAX)
+        self.last_max = table
+        return table
+
+    @torch.no_grad()
+    def after_step(self) -> dict[str, float]:
+        """Measure (all-reduce) and clip; returns the step's largest logit and the heads clipped."""
+        table = self.measured_max()
+        gamma = torch.where(table > self.tau, self.tau / table, torch.ones_like(table))  # (layers, heads)
+        for layer, attn in self.attentions:
+            if bool((gamma[layer] < 1).any()):
+                self.scale_heads(attn, gamma[layer])
+        self.last_stats = {"qk_max_logit": float(table.max()), "qk_clipped_heads": int((gamma < 1).sum())}
+        return {"max_logit": self.last_stats["qk_max_logit"], "clipped_heads": self.last_stats["qk_clipped_heads"]}
+
+    def scale_heads(self, attn: nn.Module, gamma: Tensor) -> None:
+        """Scale ``attn``'s q and k rows so query head h's logits scale by ``gamma[h]`` (heads,)."""
+        n_rep = self.n_heads // self.n_kv_heads
+        kv_gamma = gamma.view(self.n_kv_heads, n_rep).amin(dim=1)  # (n_kv,)
+        k_scale = kv_gamma.sqrt()
+        q_scale = gamma / k_scale.repeat_interleave(n_rep)  # (heads,)
+        self._scale_rows(attn.wq.weight, q_scale, attn.head_dim)
+        self._scale_rows(attn.wk.weight, k_scale, attn.head_dim)
+
+    def _scale_rows(self, weight: Tensor, head_scale: Tensor, head_dim: int) -> None:
+        local = weight.to_local() if hasattr(weight, "to_local") else weight
+        rows = self._global_rows(weight)
+        factor = head_scale.to(local.device, local.dtype)[rows.to(local.device) // head_dim]
+        local.view(-1).mul_(factor)
+
+    def _global_rows(self, weight: Tensor) -> Tensor:
+        key = id(weight)
+        if key not in self._rows:
+            pos = _local_positions(weight)
+            idx = torch.arange(pos.start, pos.stop) if isinstance(pos, slice) else pos
+            self._rows[key] = idx // weight.shape[1]
+        return self._rows[key]
+
+
+def _local_device(device: torch.device) -> torch.device:
+    return device if device.type != "meta" else torch.device("cpu")

@@ -1,0 +1,56 @@
+"""Multi-token prediction (MTP) per step: the weight of its gradient and its logged loss.
+
+A model with ``ModelSpec.mtp_depth(args) > 0`` (DeepSeek-V3) adds its MTP loss to backward itself
+(the reported ``loss`` stays next-token) and records each forward's (D,) MTP losses in
+``mtp_records``. This hook gives it the per-token weight that makes the step's objective
+``LM mean + mtp_loss_weight * mean over depths of the token-weighted mean MTP loss`` under any data
+parallelism (``mtp_grad_scale = dp_cp / tokens per step``, as the MoE auxiliary loss), and logs
+``mtp_loss``: the mean MTP cross-entropy over depths, microbatches and data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from models.spec import ModelSpec
+from parallelisms.parallel_dims import ParallelDims
+
+__all__ = ["MTPStats"]
+
+
+class MTPStats:
+    """``begin_step`` before the first forward of a step; ``log_stats`` on logging steps (collective over dp x cp)."""
+
+    def __init__(self, parts: list[nn.Module], dims: ParallelDims, *, tokens_per_step: int) -> None:
+        self.parts = parts
+        self.grad_scale = dims.dp_cp / tokens_per_step
+        self.group = dims.loss_mesh.get_group() if dims.dp_cp > 1 else None
+        self.dp_cp = dims.dp_cp
+
+    @classmethod
+    def build(
+        cls, parts: list[nn.Module], spec: ModelSpec, args: Any, dims: ParallelDims, *, tokens_per_step: int
+    ) -> Optional[MTPStats]:
+        """A hook for models with MTP modules, None otherwise."""
+        if spec.mtp_depth(args) < 1:
+            return None
+        return cls(parts, dims, tokens_per_step=tokens_per_step)
+
+    def begin_step(self) -> None:
+        for part in self.parts:
+            part.reset_mtp_stats()
+            part.mtp_grad_scale = self.grad_scale
+
+    @torch.no_grad()
+    def log_stats(self, device: torch.device) -> dict[str, Any]:
+        records = [r for part in self.parts for r in part.mtp_records]
+        local = torch.stack(records).mean() if records else torch.zeros((), device=device)
+        local = local.to(device, torch.float32)
+        if self.group is not None:
+            dist.all_reduce(local, group=self.group)
+            local = local / self.dp_cp
+        return {"mtp_loss": local.item()}
