@@ -41,8 +41,15 @@ def dtype_policy(c: PlanContext) -> DtypePolicy:
 
 
 def activation_bytes_per_token_layer(
-    dim: int, n_heads: int, n_kv_heads: int, *, tp: int = 1, sequence_parallel: bool = False, act_bytes: int = 2,
-    head_dim: Optional[int] = None, qk_norm: bool = False,
+    dim: int,
+    n_heads: int,
+    n_kv_heads: int,
+    *,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    act_bytes: int = 2,
+    head_dim: Optional[int] = None,
+    qk_norm: bool = False,
 ) -> float:
     """Activation bytes one layer saves for backward per token (no checkpointing, SDPA), by the
     seed article's GPT rule -- kept for the article's worked figures (tests/trainer/test_plan.py);
@@ -68,9 +75,12 @@ def activation_bytes_per_token_layer(
     return coeff * dim * act_bytes / 2
 
 
-def layer_activation_bytes(spec: Any, args: Any, *, tp: int, sequence_parallel: bool, act_bytes: int) -> float:
-    """``activation_bytes_per_token_layer`` (the article's rule, not the plan's model) for the family: Llama's rule (head size and q/k norm
-    included), with the attention's projections replaced by the family's own saved tensors when it declares them
+def layer_activation_bytes(
+    spec: Any, args: Any, *, tp: int, sequence_parallel: bool, act_bytes: int
+) -> float:
+    """``activation_bytes_per_token_layer`` (the article's rule, not the plan's model: that is
+    :func:`block_terms`) for the family: Llama's rule (head size and q/k norm included), with the
+    attention's projections replaced by the family's own saved tensors when it declares them
     (``AttentionComm.saved``, MLA): Llama's q, k, v and output-projection input (4 H at full heads,
     split by tp) out, the per-head tensors (split by tp) and the latents (never split: replicated
     modules compute them on the whole sequence) in."""
@@ -85,7 +95,6 @@ def layer_activation_bytes(spec: Any, args: Any, *, tp: int, sequence_parallel: 
     )
     per_head, latents = saved
     return base + (per_head / tp + latents - 4 * args.dim / tp) * act_bytes
-
 
 
 # -- what one block saves, per local token ----------------------------------------------------
@@ -107,7 +116,7 @@ def _norm_terms(c: PlanContext, pol: DtypePolicy, name: str, consumers: int) -> 
     }
 
 
-def attention_terms(c: PlanContext, pol: DtypePolicy) -> dict[str, float]:
+def attention_terms(c: PlanContext, pol: DtypePolicy, keys: Optional[int] = None) -> dict[str, float]:
     """Attention (``models/llama/model.py`` ``Attention`` + ``models/attention.py`` ``attend``):
     q after RoPE; K and V after the grouped-query repeat (a copy to n_heads, or a free view when one
     KV head is local), gathered over the whole sequence under CP (all-gather implementation); SDPA's
@@ -115,7 +124,7 @@ def attention_terms(c: PlanContext, pol: DtypePolicy) -> dict[str, float]:
     token when positions are passed (CP, packed documents)."""
     a, tp, cp = c.cfg.model, c.dims.tp, c.dims.cp
     if hasattr(a, "kv_lora_rank"):
-        return mla_terms(c, pol)
+        return mla_terms(c, pol, keys)
     D = a.dim // a.n_heads if getattr(a, "attn_head_dim", None) is None else a.attn_head_dim
     nh, nkv = a.n_heads / tp, a.kv_heads / tp
     kv_width = nkv * D if nh == nkv else (D if nkv == 1 else nh * D)
@@ -145,26 +154,36 @@ def _latent_norm(pol: DtypePolicy, width: float, source_width: float) -> float:
     return source + 4 + pol.compute * width
 
 
-def mla_terms(c: PlanContext, pol: DtypePolicy) -> dict[str, float]:
+def mla_terms(c: PlanContext, pol: DtypePolicy, keys: Optional[int] = None) -> dict[str, float]:
     """Multi-head latent attention (``models/deepseek_v3/model.py`` ``MLAttention``): the norm feeds
     two replicated down-projections (``wq``/``wq_a``, ``wkv_a``); the query latent's norm and the
-    up-projection's input (q_lora_rank); q after RoPE (nh x Dqk, split by tp); the KV latent's norm;
-    the latent [c | k_rope] that ``wkv_b`` keeps (under CP gathered over the whole sequence; under
-    autocast over an fp32 latent, the bf16 cast of c); per head the expanded keys (a new
-    [k_nope | k_rope] tensor) and the values (a view of ``wkv_b``'s whole output, nh x (Dn + Dv));
-    SDPA's log-sum-exp and output (nh x Dv)."""
+    up-projection's input (q_lora_rank); the KV latent's norm; the latent [c | k_rope] that ``wkv_b``
+    keeps (under CP gathered over the whole sequence; under autocast over an fp32 latent, the bf16
+    cast of c); then what SDPA keeps of q (nh x Dqk, split by tp), of the per-head expanded keys and
+    values and of its result, which depends on the kernel: q/k and v head sizes differ (Dqk != Dv,
+    every DeepSeek shape), which torch's fused CPU kernel does not take, so on CPU (``cluster.backend``
+    gloo) SDPA runs its math path (measured): copies of the scaled q, of K and of V, the softmax
+    probabilities (nh x ``keys`` per query token: the whole sequence, S^2 per head), no log-sum-exp; a
+    fused kernel (CUDA's memory-efficient attention, or Dqk == Dv) keeps q, K, V as given -- V a view
+    of ``wkv_b``'s whole output, nh x (Dn + Dv) -- and the fp32 log-sum-exp per head (planned, not
+    measured here). The output (nh x Dv) is ``wo``'s input."""
     a, tp, cp = c.cfg.model, c.dims.tp, c.dims.cp
     nh, cb = a.n_heads / tp, pol.compute
     Dn, R, Dv, C, Cq = a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.kv_lora_rank, a.q_lora_rank
+    keys = c.cfg.training.seq_len if keys is None else keys  # key positions per query (CP: all)
     terms = _norm_terms(c, pol, "attention_norm", 2)
     if Cq:  # query latent: its norm, and wq_b's input (the gain's output, cast by autocast)
         terms["q_latent"] = _latent_norm(pol, Cq, Cq) + cb * Cq
-    terms["q"] = cb * nh * (Dn + R)
     terms["kv_latent_norm"] = _latent_norm(pol, C, C + R)
     terms["kv_latent"] = (2 * C if pol.cast_each else cb * (C + R)) * cp
+    terms["q"] = cb * nh * (Dn + R)
     terms["k_expanded"] = cb * nh * (Dn + R) * cp
-    terms["v_expanded"] = cb * nh * (Dn + Dv) * cp
-    terms["attention_lse"] = 4 * nh
+    if Dn + R != Dv and c.cluster.backend == "gloo":  # SDPA's math path
+        terms["v_expanded"] = cb * nh * Dv * cp
+        terms["attention_probs"] = cb * nh * keys
+    else:  # a fused kernel
+        terms["v_expanded"] = cb * nh * (Dn + Dv) * cp
+        terms["attention_lse"] = 4 * nh
     terms["attention_out"] = cb * nh * Dv
     if cp > 1 or getattr(a, "attention_mask", "causal") == "block_causal":
         terms["rope_rows"] = (2 if pol.fsdp_bf16 else 4) * R
@@ -197,14 +216,15 @@ def mlp_terms(c: PlanContext, pol: DtypePolicy, block: int) -> dict[str, float]:
     return terms
 
 
-def block_terms(c: PlanContext, block: int = 0) -> dict[str, float]:
-    """Bytes block ``block`` saves for backward per local token, by term (no checkpointing)."""
+def block_terms(c: PlanContext, block: int = 0, keys: Optional[int] = None) -> dict[str, float]:
+    """Bytes block ``block`` saves for backward per local token, by term (no checkpointing);
+    ``keys``: the sequence length attention sees when it is not the training's (MTP)."""
     pol = dtype_policy(c)
-    return {**attention_terms(c, pol), **mlp_terms(c, pol, block)}
+    return {**attention_terms(c, pol, keys), **mlp_terms(c, pol, block)}
 
 
-def block_bytes_per_token(c: PlanContext, block: int = 0) -> float:
-    return sum(block_terms(c, block).values())
+def block_bytes_per_token(c: PlanContext, block: int = 0, keys: Optional[int] = None) -> float:
+    return sum(block_terms(c, block, keys).values())
 
 
 def block_constant(c: PlanContext) -> float:
@@ -291,6 +311,8 @@ def stage_saved(c: PlanContext, stage: PlannedStage, *, receives: bool) -> dict[
     if stage.last:
         h = head_terms(c)
         out["loss"] = T * h.pop("log_softmax")
+        if getattr(c.cfg.model, "mtp_depth", 0) and pol.stream == 4:  # the final norm's fp32 input is the
+            h.pop("final_norm_input")  # last block's output, saved first by MTP's hnorm (the mtp term)
         out["head"] = T * sum(h.values())
         if pol.weight_copies:
             out["weight_copies"] += 2.0 * c.table.last.tp_sharded / c.dims.tp
@@ -299,25 +321,36 @@ def stage_saved(c: PlanContext, stage: PlannedStage, *, receives: bool) -> dict[
 
 
 def mtp_bytes(c: PlanContext) -> float:
-    """Multi-token prediction (DeepSeek-V3, ``mtp_depth`` modules on the last stage; no TP/CP): module
-    k runs on S - k positions of each sequence: hnorm and enorm (their rsqrt and normalised outputs;
-    their inputs are the stream's own storages, saved already), ``proj``'s input [h; e] (2 H), one
-    dense block (MLA + SwiGLU of ``hidden_dim``), then the shared head on S - k - 1 positions (final
-    norm, fp32 log-softmax over the vocabulary, the int64 targets)."""
+    """Multi-token prediction (DeepSeek-V3's ``mtp_depth`` modules, on the last stage; no TP/CP), the
+    ledger's ``mtp`` scope: module k runs on n = S - k positions of each sequence: the inputs of
+    hnorm and enorm (the stream's own storages when it is fp32 -- the whole last-block output for
+    k = 1, the previous module's output, saved already by its head, after; the embedding output, saved
+    by block 0 -- else fresh fp32 copies), the norms' rsqrt and normalised outputs, ``proj``'s input
+    [h; e] (2 H), one dense block (MLA over n keys + SwiGLU of ``hidden_dim``), then the shared head
+    on n - 1 positions (its norm's input is the module's whole output when fp32), the fp32
+    log-softmax over the vocabulary and the int64 targets."""
     a = c.cfg.model
     depth = getattr(a, "mtp_depth", 0) or 0
     if not depth:
         return 0.0
     pol = dtype_policy(c)
     H = a.dim
-    dense = block_bytes_per_token(c, -1)  # -1: never an MoE layer
-    head = sum(head_terms(c).values())
+    head = head_terms(c)
+    head_rest = sum(head.values()) - head["final_norm_input"]  # rsqrt, normed, output's input, log-softmax
     proj_in = 2 * H * (pol.compute if pol.cast_each else pol.stream)
     B, S = c.micro_batch, c.cfg.training.seq_len
     total = 0.0
     for k in range(1, depth + 1):
-        n = B * (S - k)
-        total += n * (2 * (4 + pol.stream * H) + proj_in + dense) + B * (S - k - 1) * (head + INT64)
+        n = S - k
+        if pol.stream == 4:
+            inputs = S * 4 * H if k == 1 else 0.0
+            head_input = n * 4 * H
+        else:
+            inputs = 2 * n * 4 * H
+            head_input = (n - 1) * 4 * H
+        norms = 2 * n * (4 + pol.stream * H)
+        block = n * block_bytes_per_token(c, -1, keys=n)  # -1: never an MoE layer
+        total += B * (inputs + norms + n * proj_in + block + head_input + (n - 1) * (head_rest + INT64))
     return total
 
 
