@@ -6,7 +6,8 @@ memory terms within 5%: bytes saved for backward per step (blocks, checkpointed 
 weight copies, embedding, head, loss), the peak of live saved bytes, and the buffers (FSDP's gathered
 parameters and reduce-scatter input, pipeline receive buffers). The memory side adds activation
 checkpointing (full, every other layer), bf16 autocast, bf16 FSDP parameters and the GPipe schedule
-to the same launches (``MEMORY_ONLY``).
+to the same launches (``MEMORY_ONLY``); the families' own terms are held the same way: Qwen3's q/k
+norms and explicit head size, Muon's momentum placement, DeepSeek-V3's MLA and MTP modules.
 
 One launch per world size runs every layout of that size (tests/parity.py ``GroupedRuns``). The
 tiny model makes the comparison strict: with 4 blocks, the embedding and the head are a large share
