@@ -1,4 +1,5 @@
-"""Cost of the communication ledger (``metrics.comm_ledger=true``): step time with it on vs off, in one run.
+"""Cost of the communication ledger (``metrics.comm_ledger=true``) or, with ``--ledger memory``, of the
+memory ledger (``metrics.memory_ledger=true``): step time with it on vs off, in one run.
 
 Two gloo ranks train the same model under one layout (default FSDP x2, the debug model). One
 Trainer per rank; rounds alternate between the ledger off (``Trainer.comm_ledger = None``: no mode,
@@ -7,7 +8,10 @@ step -- every ``--log-freq`` steps -- and its counts gathered there), so drift o
 both. The median over rounds of each setting's mean step time is compared. ``--log-freq 1``
 measures every step: the cost of one measured step.
 
-    python benchmarks/bench_ledger.py [--model debug] [--layout parallelism.dp_shard=2] [--steps 10] [--rounds 5] [--log-freq 10]
+    python benchmarks/bench_ledger.py [--ledger comm|memory] [--model debug] [--layout parallelism.dp_shard=2] [--steps 10] [--rounds 5] [--log-freq 10]
+
+(The memory ledger's scope hooks stay registered in the "off" rounds, inactive: one attribute test
+per block call; what ``memory_ledger=false`` builds has none.)
 
 Prints JSON with both step times and ``overhead = on / off - 1`` (target < 3%).
 """
@@ -28,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests.spawn import run_distributed  # noqa: E402
 
 
-def _rank(rank: int, world: int, overrides: list[str], steps: int, rounds: int) -> dict:
+def _rank(rank: int, world: int, overrides: list[str], steps: int, rounds: int, which: str = "comm") -> dict:
     import torch
 
     from trainer.config import compose_config
@@ -41,10 +45,17 @@ def _rank(rank: int, world: int, overrides: list[str], steps: int, rounds: int) 
     logging.getLogger("meshwright").setLevel(logging.WARNING)
     dims = trainer.dims
     names = (*dims.mesh_dim_names, *dims.flat_views, "dp_replicate_cp")
-    ledger = CommLedger(axis_names_of_groups(dims.mesh, names))
+    if which == "memory":
+        from trainer.observe.memory_ledger import MemoryLedger
+
+        ledger = MemoryLedger(trainer.model_parts, trainer.spec, model=trainer.model, optimizer=trainer.optimizer,
+                              device=trainer.device)  # fmt: skip
+    else:
+        ledger = CommLedger(axis_names_of_groups(dims.mesh, names))
+    attr = f"{which}_ledger"
 
     def timed(with_ledger: bool) -> float:
-        trainer.comm_ledger = ledger if with_ledger else None
+        setattr(trainer, attr, ledger if with_ledger else None)
         trainer.cfg.training.steps = trainer.state.step + steps
         start = time.perf_counter()
         trainer.train()
@@ -62,6 +73,7 @@ def _rank(rank: int, world: int, overrides: list[str], steps: int, rounds: int) 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--ledger", choices=("comm", "memory"), default="comm")
     ap.add_argument("--model", default="debug")
     ap.add_argument("--layout", nargs="*", default=["parallelism.dp_shard=2"])
     ap.add_argument("--steps", type=int, default=10)
@@ -75,11 +87,11 @@ def main() -> None:
         f"job.dump_folder={folder}", *args.layout,
     ]  # fmt: skip
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    per_rank = run_distributed(_rank, 2, overrides, args.steps, args.rounds, timeout=3600)
+    per_rank = run_distributed(_rank, 2, overrides, args.steps, args.rounds, args.ledger, timeout=3600)
     off = statistics.median(max(r["off"][i] for r in per_rank) for i in range(args.rounds))
     on = statistics.median(max(r["on"][i] for r in per_rank) for i in range(args.rounds))
     print(json.dumps({
-        "model": args.model, "layout": args.layout, "steps_per_round": args.steps, "rounds": args.rounds,
+        "ledger": args.ledger, "model": args.model, "layout": args.layout, "steps_per_round": args.steps, "rounds": args.rounds,
         "log_freq": args.log_freq,
         "step_s_off": round(off, 4), "step_s_on": round(on, 4), "overhead": round(on / off - 1, 4),
         "target": "< 0.03",

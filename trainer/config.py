@@ -143,6 +143,8 @@ class MetricsConfig:
     wandb_entity: Optional[str] = None  # W&B team or user; None = the account's default
     wandb_mode: Optional[str] = None  # online | offline | disabled; None = W&B's default (WANDB_MODE)
     comm_ledger: bool = False  # bytes/calls of every collective of each logged step, per rank (trainer/observe/comm_ledger.py)
+    memory_ledger: bool = False  # bytes saved for backward, model states and buffers of each logged step, per rank (trainer/observe/memory_ledger.py)
+    memory_check: str = "error"  # error | warn | off: plan this rank's memory at start-up and stop (or warn) when it exceeds the device / host RAM
 
 
 @dataclass
@@ -368,6 +370,13 @@ def validate(cfg: TrainConfig) -> None:
     option is checked by ``parallelisms.validate.validated_dims`` (one place, before any process group)."""
     validate_model(cfg.model)
     _validate_training(cfg.training, cfg.model.max_seq_len)
+    check_choice(cfg.metrics.memory_check, ("error", "warn", "off"), "metrics.memory_check")
+    if cfg.metrics.memory_ledger and cfg.training.compile:
+        raise ConfigError(
+            "metrics.memory_ledger=true cannot run with training.compile=true: compiled regions save their own "
+            "tensors, out of sight of autograd's saved-tensor hooks. Measure with training.compile=false, or set "
+            "metrics.memory_ledger=false."
+        )
     if cfg.metrics.comm_ledger and cfg.training.compile:
         raise ConfigError(
             "metrics.comm_ledger=true cannot run with training.compile=true: the ledger is a Python dispatch "

@@ -14,17 +14,16 @@ The model, in units of bytes (decimal GB = 1e9 in the formulas, GiB in the verdi
   every matrix, norms replicated): fp32 parameters (4 B), gradients (4 B, or the DDP bucket
   dtype), AdamW's two fp32 moments (8 B) -- 16 B per parameter replicated (DDP); ZeRO-1
   divides the moments by the DDP degree; FSDP/HSDP divides all 16 B by dp_shard x cp;
-- activations per layer and token (bf16): ``34 H`` bytes without checkpointing with SDPA (no
-  S^2 scores stored): 10 H outside the TP regions (norm inputs, block inputs, dropout-style
-  masks) and 24 H inside (Q/K/V, attention output, MLP intermediates); GQA shrinks K and V by
-  ``n_kv_heads / n_heads``; an explicit head size (Qwen3) scales Q, K, V and the attention output
-  by their true widths, and q/k norms add their fp32 input and their output per q/k element
-  (inside TP); TP divides the inside part by tp, sequence parallel the outside
-  part too; CP divides the tokens by cp. Full checkpointing keeps the block input (2 H per
-  token) plus one layer's full activations while it is recomputed;
-- buffers: FSDP's two unsharded blocks in ``param_dtype`` (prefetch) and one block's unsharded
-  gradient in ``reduce_dtype``; the DDP buckets (the whole flattened gradient, held until
-  ``finish_gradient_sync``); PP in-flight microbatches per schedule; the last stage's logits;
+- activations: what each block, the head and the loss save for backward, term by term as our code
+  saves them (``trainer/planner/memory.py``; checked against ``metrics.memory_ledger``), per dtype
+  policy, activation checkpointing, TP/SP, CP, times the microbatches in flight per pipeline
+  schedule; Qwen3's explicit head size and q/k norms, MLA's latents and per-head expanded K/V
+  (DeepSeek-V3) and its MTP modules included; full checkpointing keeps the block inputs plus one
+  block while it is recomputed;
+- buffers: FSDP's gathered units in ``param_dtype`` (root, head, the last block; + the backward
+  prefetch on NCCL) and the largest unit's unsharded gradient in ``reduce_dtype``; the DDP buckets
+  (the gradients themselves); torch's per-microbatch PP receive buffers and the stage outputs kept
+  per in-flight microbatch;
 - communication with the alpha-beta ring model: a collective over n ranks moves, per rank,
   ``2 (n-1)/n x size`` (all-reduce) or ``(n-1)/n x size`` (all-gather, reduce-scatter; size
   = the full tensor) and takes ``steps x alpha + bytes / bus_bandwidth``; a group that spans
@@ -50,7 +49,7 @@ if TYPE_CHECKING:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """``python -m trainer.plan +experiment=NAME [cluster=... cluster.key=...] [key=value ...] [--json]``;
-    ``python -m trainer.plan --run=RUN_FOLDER`` compares a run's plan with its communication ledger;
+    ``python -m trainer.plan --run=RUN_FOLDER`` compares a run's plan with its communication and memory ledgers;
     ``--recommend`` proposes a layout for the config's model on the cluster."""
     from trainer.config import compose_config
 

@@ -36,6 +36,7 @@ from trainer.eval.evaluator import TaskEvaluator, TaskResult
 from trainer.eval.scoring import ROW_STATS, row_stats
 from trainer.eval.validation import build_validation_loaders
 from trainer.observe.comm_ledger import CommLedger, axis_names_of_groups
+from trainer.observe.memory_ledger import MemoryLedger
 from trainer.observe.metrics import MetricsLogger, setup_logging
 from trainer.observe.mtp import MTPStats
 from trainer.observe.profiling import StepProfiler
@@ -130,6 +131,8 @@ class Trainer:
         )  # fmt: skip
         self.grad_accum_steps = self.dims.grad_accum_steps(self.batch_size, t.micro_batch_size)
         self.local_batch_size = self.dims.local_batch_size(self.batch_size)
+        if not cfg.checkpoint.create_seed:  # metrics.memory_check: will this layout fit on this host?
+            self._check_memory()
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
         check_vocab_size(self.tokenizer, cfg.model.vocab_size)
         dp_rank = self.dims.dp_rank_of(self.rank)  # the mesh confirms it once built
@@ -155,6 +158,18 @@ class Trainer:
         self.task_evaluator = TaskEvaluator.build(
             cfg.eval, self.tokenizer, max_seq_len=cfg.model.max_seq_len, align=align, default_freq=t.eval_freq
         )
+
+    def _check_memory(self) -> None:
+        """Plan this layout in-process (trainer/planner/fit.py) and stop (exit 2), or warn, before any
+        collective when a rank needs more than its GPU or its share of the host RAM."""
+        import dataclasses
+
+        from trainer.planner.fit import run_check
+
+        resolved = dataclasses.replace(self.parallelism, dp_shard=self.dims.dp_shard)  # dp_shard=-1 resolved
+        result = run_check(dataclasses.replace(self.cfg, parallelism=resolved), self.device, logger.warning)
+        if result is not None and result.fits:
+            logger.info(f"memory check: the plan needs {result.need_bytes / 2**30:.2f} GiB per rank (fits)")
 
     def _init_process_group(self) -> None:
         cfg = self.cfg
@@ -300,6 +315,11 @@ class Trainer:
         if cfg.metrics.comm_ledger:
             names = (*self.dims.mesh_dim_names, *self.dims.flat_views, DP_REPLICATE_CP)
             self.comm_ledger = CommLedger(axis_names_of_groups(self.dims.mesh, names))
+        self.memory_ledger: Optional[MemoryLedger] = None
+        if cfg.metrics.memory_ledger:
+            self.memory_ledger = MemoryLedger(
+                self.model_parts, self.spec, model=self.model, optimizer=self.optimizer, device=self.device
+            )
 
     def _log_summary(self) -> None:
         cfg, t, d = self.cfg, self.cfg.training, self.dims
@@ -424,6 +444,8 @@ class Trainer:
             self.load_balancer.end_step()
         if self.comm_ledger is not None and self.comm_ledger.active:  # the gradients exist only now
             self.comm_ledger.measure_gradients(self.parameters)
+        if self.memory_ledger is not None and self.memory_ledger.active:
+            self.memory_ledger.measure_gradients(self.parameters)
         self.optimizer.step()
         if self.qk_clip is not None:  # scale q/k rows of heads whose max logit exceeded tau
             self.qk_clip.after_step()
@@ -496,11 +518,15 @@ class Trainer:
         return step % self.cfg.metrics.log_freq == 0 or step == self.cfg.training.steps or step == 1
 
     def _ledger_for(self, step: int) -> contextlib.AbstractContextManager:
-        """The communication ledger around ``step`` if that step is logged (it measures the steps it
-        reports: every step of a run issues the same collectives), else nothing."""
-        if self.comm_ledger is None or not self._is_logged(step):
+        """The communication and memory ledgers around ``step`` if that step is logged (they measure
+        the steps they report: every step of a run issues the same collectives), else nothing."""
+        ledgers = [x for x in (self.comm_ledger, self.memory_ledger) if x is not None and self._is_logged(step)]
+        if not ledgers:
             return contextlib.nullcontext()
-        return self.comm_ledger
+        stack = contextlib.ExitStack()
+        for ledger in ledgers:
+            stack.enter_context(ledger)
+        return stack
 
     def train(self, until_step: Optional[int] = None) -> list[dict[str, Any]]:
         """Run until ``training.steps`` (or stop early after ``until_step``, saving a checkpoint
@@ -516,7 +542,7 @@ class Trainer:
             while self.state.step < stop:
                 self.comm.begin_step(self.state.step + 1)  # a hang report names this step
                 self.profiler.begin(self.state.step + 1)
-                with self._ledger_for(self.state.step + 1):  # metrics.comm_ledger: the logged steps
+                with self._ledger_for(self.state.step + 1):  # metrics.comm_ledger/memory_ledger: logged steps
                     result = self.train_step()
                 if result is None:  # fault tolerance: discarded, retried with the next quorum
                     continue
@@ -540,6 +566,8 @@ class Trainer:
                         extra["comm"] = self.comm_ledger.collect(self.parameters, self.optimizer)
                     if self.ft is not None:  # participants, discarded steps, heal time, replica digest
                         extra.update(self.ft.metrics())
+                    if self.memory_ledger is not None:  # saved tensors, states, buffers (a collective)
+                        extra["memory"] = self.memory_ledger.collect(self.parameters)
                     lr = self.lr_scheduler.get_last_lr()[0]
                     record = self.metrics.log_step(step, global_loss.item(), grad_norm.item(), lr, extra=extra)
                     self.state.history.append(record)

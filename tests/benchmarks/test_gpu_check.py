@@ -207,7 +207,7 @@ def test_trainer_overrides_compose_and_plan() -> None:
     assert "training.global_batch_size=48" in gc.parity_overrides("parity_tp2", "o", True, 3)[1]  # lcm(16, 6)
     planned = gc.planned_memory_gib(gc.train_overrides("train_1b_eager", "o", True, 4))
     print(f"planned per-GPU memory, 1B bf16 seq 2048 micro 4: {planned:.2f} GiB")
-    assert 20 < planned < 40
+    assert 30 < planned < 50  # the measured activation model: 40.8 GiB (the `34 H` rule gave 30.1)
 
 
 def test_metrics_of_a_real_run(tmp_path) -> None:

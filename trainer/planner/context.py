@@ -56,6 +56,10 @@ class StageMemory:
     activations_bytes: float
     buffers: dict[str, float]
     total_bytes: float
+    saved_per_step: dict[str, float] = field(default_factory=dict)  # saved for backward per step, by scope
+    peak_saved: float = 0.0  # live saved bytes at the rank's peak (in-flight microbatches)
+    recompute_bytes: float = 0.0  # full AC: one block recomputed in backward (transient)
+    sac_cache_bytes: float = 0.0  # op-level AC: matmul outputs cached by torch's checkpoint
 
 
 @dataclass
@@ -129,6 +133,7 @@ class PlanContext:
     table: ParamTable  # parameters per block / first / last modules, TP kinds
     ranks: list[list[PlannedStage]]  # per pp rank, its virtual stages
     micro_batch: int  # sequences of one microbatch on one rank
+    local_batch: int  # sequences per step on one dp rank
     micro_tokens: int  # tokens of one microbatch on one rank (after CP)
     accum: int  # microbatches per step on a dp rank (PP: pipeline microbatches)
     schedule: str
@@ -212,7 +217,7 @@ def build_context(cfg: TrainConfig, cluster: ClusterConfig) -> PlanContext:
     per_rank = stages_per_rank(p) if dims.pp > 1 else 1
     return PlanContext(
         cfg=cfg, spec=spec, dims=dims, cluster=cluster, table=param_table(spec, cfg.model),
-        ranks=stages_of(spec, cfg.model, p, dims, per_rank), micro_batch=micro_batch,
+        ranks=stages_of(spec, cfg.model, p, dims, per_rank), micro_batch=micro_batch, local_batch=local_batch,
         micro_tokens=micro_batch * t.seq_len // dims.cp, accum=accum, schedule=p.pp_schedule,
         stages_per_rank=per_rank, act_bytes=2 if t.mixed_precision == "bf16" else 4,
         sync_bytes=DTYPE_BYTES[sync_dtype], param_gather_bytes=DTYPE_BYTES[p.fsdp.param_dtype],

@@ -1,19 +1,60 @@
-"""Per-rank memory: activations per layer and token, and the model states, activations and
-buffers each pipeline rank holds."""
+"""Per-rank memory: what each rank keeps for backward, its model states and its buffers.
+
+The activation model is read off what our code saves, term by term, and checked against the
+memory ledger (``metrics.memory_ledger=true``, ``trainer/observe/memory_ledger.py``) by
+``tests/trainer/test_memory_measured.py``. Units: bytes per *local token* of one microbatch
+(after CP, before SP: sequence-parallel terms are divided here), per block.
+
+Dtype policy (``DtypePolicy``): the residual stream (``stream``) is fp32 unless FSDP gathers
+bf16 parameters (FSDP then casts every unit's inputs, the embedding's output is bf16); matmul
+outputs (``compute``) are bf16 under autocast or bf16 parameters; with bf16 autocast over an
+fp32 stream each matmul casts its fp32 input anew (``cast_each``) and keeps a bf16 copy of its
+weight (``weight_copies``).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
-from trainer.planner.cluster import ADAM_BYTES, DTYPE_BYTES, pp_in_flight
-from trainer.planner.context import PlanContext, StageMemory
+from trainer.planner.cluster import ADAM_BYTES, DTYPE_BYTES
+from trainer.planner.context import PlanContext, PlannedStage, StageMemory
+
+INT64 = 8
+
+
+@dataclass(frozen=True)
+class DtypePolicy:
+    stream: int  # bytes of the residual stream between blocks
+    compute: int  # bytes of matmul / attention outputs
+    cast_each: bool  # autocast casts each matmul's fp32 input: one saved bf16 copy per consumer
+    weight_copies: bool  # autocast saves a bf16 copy of every weight matrix per forward
+    fsdp_bf16: bool  # FSDP gathers bf16 parameters (and casts the units' inputs)
+
+
+def dtype_policy(c: PlanContext) -> DtypePolicy:
+    fsdp_bf16 = c.dims.fsdp_enabled and c.param_gather_bytes == 2
+    autocast = c.cfg.training.mixed_precision == "bf16"
+    stream = 2 if fsdp_bf16 else 4
+    compute = 2 if (autocast or fsdp_bf16) else 4
+    return DtypePolicy(stream, compute, autocast and stream == 4, autocast and not fsdp_bf16, fsdp_bf16)
 
 
 def activation_bytes_per_token_layer(
-    dim: int, n_heads: int, n_kv_heads: int, *, tp: int = 1, sequence_parallel: bool = False, act_bytes: int = 2,
-    head_dim: Optional[int] = None, qk_norm: bool = False,
+    dim: int,
+    n_heads: int,
+    n_kv_heads: int,
+    *,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    act_bytes: int = 2,
+    head_dim: Optional[int] = None,
+    qk_norm: bool = False,
 ) -> float:
-    """Activation bytes one layer saves for backward per token (no checkpointing, SDPA).
+    """Activation bytes one layer saves for backward per token (no checkpointing, SDPA), by the
+    seed article's GPT rule -- kept for the article's worked figures (tests/trainer/test_plan.py);
+    the plan itself uses :func:`block_terms`, read off what our code saves and checked against the
+    memory ledger (our measured Llama exceeds this rule by 1.4x in fp32 to 1.8x under bf16 autocast).
 
     The article's ``34 H`` (bf16): 10 H outside the TP regions, 24 H inside; with GQA the K and
     V parts (2 H each) scale by ``n_kv_heads / n_heads``; TP divides the inside part, SP the
@@ -34,9 +75,12 @@ def activation_bytes_per_token_layer(
     return coeff * dim * act_bytes / 2
 
 
-def layer_activation_bytes(spec: Any, args: Any, *, tp: int, sequence_parallel: bool, act_bytes: int) -> float:
-    """``activation_bytes_per_token_layer`` for the family: Llama's rule (head size and q/k norm
-    included), with the attention's projections replaced by the family's own saved tensors when it declares them
+def layer_activation_bytes(
+    spec: Any, args: Any, *, tp: int, sequence_parallel: bool, act_bytes: int
+) -> float:
+    """``activation_bytes_per_token_layer`` (the article's rule, not the plan's model: that is
+    :func:`block_terms`) for the family: Llama's rule (head size and q/k norm included), with the
+    attention's projections replaced by the family's own saved tensors when it declares them
     (``AttentionComm.saved``, MLA): Llama's q, k, v and output-projection input (4 H at full heads,
     split by tp) out, the per-head tensors (split by tp) and the latents (never split: replicated
     modules compute them on the whole sequence) in."""
@@ -53,26 +97,396 @@ def layer_activation_bytes(spec: Any, args: Any, *, tp: int, sequence_parallel: 
     return base + (per_head / tp + latents - 4 * args.dim / tp) * act_bytes
 
 
-def activation_memory(c: PlanContext, layers: int, has_head: bool, pp_rank: int) -> float:
-    """Activation bytes of ``layers`` blocks on one rank at its peak (in-flight microbatches)."""
-    args, t = c.cfg.model, c.cfg.training
-    tp, sp = c.tp_sp
-    per_tok = layer_activation_bytes(c.spec, args, tp=tp, sequence_parallel=sp, act_bytes=c.act_bytes)
-    block_input = 2 * args.dim * c.act_bytes / 2 / (tp if sp else 1)
-    in_flight = pp_in_flight(c.schedule, c.dims.pp, c.accum, c.stages_per_rank, pp_rank)
-    tokens = c.micro_tokens
+# -- what one block saves, per local token ----------------------------------------------------
+
+
+def _norm_terms(c: PlanContext, pol: DtypePolicy, name: str, consumers: int) -> dict[str, float]:
+    """RMSNorm (``models/common.py``) feeding ``consumers`` matmuls: its fp32 input ``x.float()``
+    (x itself when the stream is fp32), the rsqrt statistic, the normalised ``x`` saved by the gain
+    multiply, and what the matmuls save of its output. The first three run on S/tp tokens under
+    SP; the output is whole under TP (replicated) and SP (all-gathered before the matmuls)."""
+    H = c.cfg.model.dim
+    sp = c.dims.tp if c.tp_sp[1] else 1
+    linear_in = consumers * pol.compute * H if pol.cast_each else pol.stream * H  # one tensor, shared
+    return {
+        f"{name}_input": 4 * H / sp,
+        f"{name}_rsqrt": 4 / sp,
+        f"{name}_normed": pol.stream * H / sp,
+        f"{name}_out": linear_in,
+    }
+
+
+def attention_terms(c: PlanContext, pol: DtypePolicy, keys: Optional[int] = None) -> dict[str, float]:
+    """Attention (``models/llama/model.py`` ``Attention`` + ``models/attention.py`` ``attend``):
+    q after RoPE; K and V after the grouped-query repeat (a copy to n_heads, or a free view when one
+    KV head is local), gathered over the whole sequence under CP (all-gather implementation); SDPA's
+    fp32 log-sum-exp per head; its output (also the input of ``wo``); the rotary rows gathered per
+    token when positions are passed (CP, packed documents)."""
+    a, tp, cp = c.cfg.model, c.dims.tp, c.dims.cp
+    if hasattr(a, "kv_lora_rank"):
+        return mla_terms(c, pol, keys)
+    D = a.dim // a.n_heads if getattr(a, "attn_head_dim", None) is None else a.attn_head_dim
+    nh, nkv = a.n_heads / tp, a.kv_heads / tp
+    kv_width = nkv * D if nh == nkv else (D if nkv == 1 else nh * D)
+    cb = pol.compute
+    terms = _norm_terms(c, pol, "attention_norm", 3)
+    terms.update({
+        "q": cb * nh * D,
+        "kv": 2 * cb * kv_width * cp,
+        "attention_lse": 4 * nh,
+        "attention_out": cb * nh * D,
+    })  # fmt: skip
+    if getattr(a, "qk_norm", False):
+        # Qwen3's per-head q/k RMSNorms (before RoPE, on the local heads and tokens): the fp32 input
+        # (the projection's output itself when fp32), the rsqrt per head, the normalised head saved
+        # by the gain multiply (compute dtype)
+        terms["qk_norm"] = (nh + nkv) * ((4 + cb) * D + 4)
+    if cp > 1 or getattr(a, "attention_mask", "causal") == "block_causal":
+        terms["rope_rows"] = (2 if pol.fsdp_bf16 else 4) * D
+    return terms
+
+
+def _latent_norm(pol: DtypePolicy, width: float, source_width: float) -> float:
+    """A latent RMSNorm (MLA's ``q_norm`` / ``kv_norm``, ``width`` wide) over a projection's output:
+    its fp32 input (the projection's output storage itself, ``source_width`` wide, when that is
+    fp32; a fresh fp32 copy otherwise), the rsqrt, the normalised latent (compute dtype)."""
+    source = 4 * source_width if pol.compute == 4 else 4 * width
+    return source + 4 + pol.compute * width
+
+
+def mla_terms(c: PlanContext, pol: DtypePolicy, keys: Optional[int] = None) -> dict[str, float]:
+    """Multi-head latent attention (``models/deepseek_v3/model.py`` ``MLAttention``): the norm feeds
+    two replicated down-projections (``wq``/``wq_a``, ``wkv_a``); the query latent's norm and the
+    up-projection's input (q_lora_rank); the KV latent's norm; the latent [c | k_rope] that ``wkv_b``
+    keeps (under CP gathered over the whole sequence; under autocast over an fp32 latent, the bf16
+    cast of c); then what SDPA keeps of q (nh x Dqk, split by tp), of the per-head expanded keys and
+    values and of its result, which depends on the kernel: q/k and v head sizes differ (Dqk != Dv,
+    every DeepSeek shape), which torch's fused CPU kernel does not take, so on CPU (``cluster.backend``
+    gloo) SDPA runs its math path (measured): copies of the scaled q, of K and of V, the softmax
+    probabilities (nh x ``keys`` per query token: the whole sequence, S^2 per head), no log-sum-exp; a
+    fused kernel (CUDA's memory-efficient attention, or Dqk == Dv) keeps q, K, V as given -- V a view
+    of ``wkv_b``'s whole output, nh x (Dn + Dv) -- and the fp32 log-sum-exp per head (planned, not
+    measured here). The output (nh x Dv) is ``wo``'s input."""
+    a, tp, cp = c.cfg.model, c.dims.tp, c.dims.cp
+    nh, cb = a.n_heads / tp, pol.compute
+    Dn, R, Dv, C, Cq = a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.kv_lora_rank, a.q_lora_rank
+    keys = c.cfg.training.seq_len if keys is None else keys  # key positions per query (CP: all)
+    terms = _norm_terms(c, pol, "attention_norm", 2)
+    if Cq:  # query latent: its norm, and wq_b's input (the gain's output, cast by autocast)
+        terms["q_latent"] = _latent_norm(pol, Cq, Cq) + cb * Cq
+    terms["kv_latent_norm"] = _latent_norm(pol, C, C + R)
+    terms["kv_latent"] = (2 * C if pol.cast_each else cb * (C + R)) * cp
+    terms["q"] = cb * nh * (Dn + R)
+    terms["k_expanded"] = cb * nh * (Dn + R) * cp
+    if Dn + R != Dv and c.cluster.backend == "gloo":  # SDPA's math path
+        terms["v_expanded"] = cb * nh * Dv * cp
+        terms["attention_probs"] = cb * nh * keys
+    else:  # a fused kernel
+        terms["v_expanded"] = cb * nh * (Dn + Dv) * cp
+        terms["attention_lse"] = 4 * nh
+    terms["attention_out"] = cb * nh * Dv
+    if cp > 1 or getattr(a, "attention_mask", "causal") == "block_causal":
+        terms["rope_rows"] = (2 if pol.fsdp_bf16 else 4) * R
+    return terms
+
+
+def mlp_terms(c: PlanContext, pol: DtypePolicy, block: int) -> dict[str, float]:
+    """SwiGLU (``FeedForward``): w1 and w3 outputs, silu(w1 x), and their product (the input of
+    w2), all F/tp wide. MoE blocks: the routed experts see top_k copies of each token (balanced
+    routing): the gathered rows, the same four SwiGLU tensors per copy, the expert outputs; the
+    router keeps fp32 logits/scores over all experts; shared experts are a dense SwiGLU."""
+    a, tp = c.cfg.model, c.dims.tp
+    cb = pol.compute
+    terms = _norm_terms(c, pol, "ffn_norm", 2)
+    if block not in c.table.moe_layers:
+        hidden = a.hidden_dim if hasattr(a, "hidden_dim") else a.ffn_hidden_dim
+        terms["mlp"] = 4 * cb * hidden / tp
+        return terms
+    H, k, E, F = a.dim, a.top_k, a.num_experts, a.moe_hidden_dim
+    # router (fp32): softmax scores over all experts, top-k weights (+ their sum under route_norm)
+    terms["router"] = 4 * E + 4 * k + (4 if getattr(a, "route_norm", False) and k > 1 else 0)
+    # int64 bookkeeping: top-k ids, the sorted order and source token of each copy, the received
+    # copies' expert / row / position indices
+    terms["routing_ids"] = INT64 * k * 6
+    terms["expert_rows"] = cb * k * H  # the rows the local experts receive (balanced routing)
+    terms["experts"] = 4 * cb * k * F  # w1, w3 outputs, silu, product per routed copy
+    terms["expert_combine"] = 2 * cb * k * H  # the copies back at their tokens, and weighted
+    if getattr(a, "num_shared_experts", 0):
+        terms["shared_experts"] = 4 * cb * a.num_shared_experts * F / tp
+    return terms
+
+
+def block_terms(c: PlanContext, block: int = 0, keys: Optional[int] = None) -> dict[str, float]:
+    """Bytes block ``block`` saves for backward per local token, by term (no checkpointing);
+    ``keys``: the sequence length attention sees when it is not the training's (MTP)."""
+    pol = dtype_policy(c)
+    return {**attention_terms(c, pol, keys), **mlp_terms(c, pol, block)}
+
+
+def block_bytes_per_token(c: PlanContext, block: int = 0, keys: Optional[int] = None) -> float:
+    return sum(block_terms(c, block, keys).values())
+
+
+def block_constant(c: PlanContext) -> float:
+    """Per block and microbatch, independent of tokens: FSDP's bf16 cast of the block's inputs
+    includes the whole rotary table (max_seq_len x head_dim), which RoPE then saves."""
+    a = c.cfg.model
+    return 2.0 * a.max_seq_len * a.head_dim if dtype_policy(c).fsdp_bf16 else 0.0  # MLA: the RoPE size
+
+
+def weight_copy_bytes(c: PlanContext, block: int) -> float:
+    """bf16 autocast's copy of every matrix of ``block`` (norm gains stay fp32), per forward."""
+    if not dtype_policy(c).weight_copies:
+        return 0.0
+    g = c.table.blocks[block]
+    return 2.0 * (g.tp_sharded / c.dims.tp + g.experts / c.dims.ep + g.replicated - sum(g.norms))
+
+
+def head_terms(c: PlanContext) -> dict[str, float]:
+    """Final RMSNorm + output projection, per local token; the loss: ``log_softmax`` of fp32 logits
+    (vocab-sharded under loss parallel)."""
+    pol = dtype_policy(c)
+    terms = {
+        k.replace("attention_norm", "final_norm"): v
+        for k, v in _norm_terms(c, pol, "attention_norm", 1).items()
+    }
+    tp = c.dims.tp
+    vocab_split = tp if (tp > 1 and c.cfg.parallelism.loss_parallel) else 1
+    terms["log_softmax"] = 4.0 * c.cfg.model.vocab_size / vocab_split
+    return terms
+
+
+def ac_input_bytes(c: PlanContext) -> float:
+    """A checkpointed block keeps its input (what FSDP hands it: bf16 when it casts) per token."""
+    sp = c.dims.tp if c.tp_sp[1] else 1
+    return dtype_policy(c).stream * c.cfg.model.dim / sp
+
+
+def sac_cache_bytes(c: PlanContext, block: int) -> float:
+    """Op-level selective checkpointing keeps the outputs of matmuls and SDPA per token (not seen by
+    the ledger: torch caches them below autograd's hooks): q/k/v projections, wo, w1/w3/w2, SDPA."""
+    a, tp, cb = c.cfg.model, c.dims.tp, dtype_policy(c).compute
+    D = a.dim // a.n_heads if getattr(a, "attn_head_dim", None) is None else a.attn_head_dim
+    hidden = getattr(a, "hidden_dim", None) or getattr(a, "moe_hidden_dim", a.dim)
+    return (
+        cb * ((a.n_heads + 2 * a.kv_heads) * D / tp + 2 * a.dim + 2 * hidden / tp + a.n_heads * D / tp)
+        + 4 * a.n_heads / tp
+    )
+
+
+# -- one virtual stage, one microbatch ---------------------------------------------------------
+
+
+def _checkpointed(c: PlanContext, local_index: int) -> str:
+    """How activation checkpointing treats the stage's ``local_index``-th block
+    (``parallelisms/activation_checkpoint.py`` counts blocks per model part)."""
+    t = c.cfg.training
     if t.activation_checkpoint == "full":
-        stored = layers * in_flight * tokens * block_input + tokens * per_tok  # + one layer recomputed
-    elif t.activation_checkpoint == "selective" and t.ac_selective == "layer":
-        k = t.ac_layer_interval
-        ckpt = layers // k
-        stored = in_flight * tokens * (ckpt * block_input + (layers - ckpt) * per_tok) + tokens * per_tok
-    else:  # none, or selective op (SDPA already keeps no S^2 scores: about the same as none)
-        stored = layers * in_flight * tokens * per_tok
-    if has_head:  # fp32 logits for the loss, vocab-sharded under loss parallel
-        vocab_split = tp if (tp > 1 and c.cfg.parallelism.loss_parallel) else 1
-        stored += tokens * args.vocab_size / vocab_split * 4
-    return stored
+        return "full"
+    if t.activation_checkpoint == "selective":
+        if t.ac_selective == "op":
+            return "op"
+        return "full" if local_index % t.ac_layer_interval == 0 else "none"
+    return "none"
+
+
+def stage_saved(c: PlanContext, stage: PlannedStage, *, receives: bool) -> dict[str, float]:
+    """What one microbatch leaves saved in ``stage`` (the ledger's per-scope bytes), by term."""
+    T = c.micro_tokens
+    pol = dtype_policy(c)
+    out = {"blocks": 0.0, "ac_inputs": 0.0, "weight_copies": 0.0, "embedding": 0.0, "head": 0.0, "loss": 0.0}
+    for i, b in enumerate(stage.blocks):
+        mode = _checkpointed(c, i)
+        first_received = i == 0 and receives  # its input is the receive buffer (counted there)
+        if mode in ("full", "op"):
+            if not (first_received and not pol.fsdp_bf16):
+                out["ac_inputs"] += T * ac_input_bytes(c)
+            out["ac_inputs"] += block_constant(c)
+            continue
+        per_tok = block_bytes_per_token(c, b)
+        if first_received and pol.stream == 4:
+            per_tok -= block_terms(c, b)["attention_norm_input"]  # x.float() is the received x
+        out["blocks"] += T * per_tok + block_constant(c)
+        out["weight_copies"] += weight_copy_bytes(c, b)
+    if stage.last:
+        h = head_terms(c)
+        out["loss"] = T * h.pop("log_softmax")
+        if getattr(c.cfg.model, "mtp_depth", 0) and pol.stream == 4:  # the final norm's fp32 input is the
+            h.pop("final_norm_input")  # last block's output, saved first by MTP's hnorm (the mtp term)
+        out["head"] = T * sum(h.values())
+        if pol.weight_copies:
+            out["weight_copies"] += 2.0 * c.table.last.tp_sharded / c.dims.tp
+        out["mtp"] = mtp_bytes(c)
+    return out
+
+
+def mtp_bytes(c: PlanContext) -> float:
+    """Multi-token prediction (DeepSeek-V3's ``mtp_depth`` modules, on the last stage; no TP/CP), the
+    ledger's ``mtp`` scope: module k runs on n = S - k positions of each sequence: the inputs of
+    hnorm and enorm (the stream's own storages when it is fp32 -- the whole last-block output for
+    k = 1, the previous module's output, saved already by its head, after; the embedding output, saved
+    by block 0 -- else fresh fp32 copies), the norms' rsqrt and normalised outputs, ``proj``'s input
+    [h; e] (2 H), one dense block (MLA over n keys + SwiGLU of ``hidden_dim``), then the shared head
+    on n - 1 positions (its norm's input is the module's whole output when fp32), the fp32
+    log-softmax over the vocabulary and the int64 targets."""
+    a = c.cfg.model
+    depth = getattr(a, "mtp_depth", 0) or 0
+    if not depth:
+        return 0.0
+    pol = dtype_policy(c)
+    H = a.dim
+    head = head_terms(c)
+    head_rest = sum(head.values()) - head["final_norm_input"]  # rsqrt, normed, output's input, log-softmax
+    proj_in = 2 * H * (pol.compute if pol.cast_each else pol.stream)
+    B, S = c.micro_batch, c.cfg.training.seq_len
+    total = 0.0
+    for k in range(1, depth + 1):
+        n = S - k
+        if pol.stream == 4:
+            inputs = S * 4 * H if k == 1 else 0.0
+            head_input = n * 4 * H
+        else:
+            inputs = 2 * n * 4 * H
+            head_input = (n - 1) * 4 * H
+        norms = 2 * n * (4 + pol.stream * H)
+        block = n * block_bytes_per_token(c, -1, keys=n)  # -1: never an MoE layer
+        total += B * (inputs + norms + n * proj_in + block + head_input + (n - 1) * (head_rest + INT64))
+    return total
+
+
+def ids_bytes(c: PlanContext) -> float:
+    """The int64 token ids (embedding) or labels (loss) a microbatch saves: a view of the rank's
+    whole local batch, so the storage counted is the local batch's (B_local x S / cp)."""
+    return float(c.local_batch * c.cfg.training.seq_len // c.dims.cp * INT64)
+
+
+def in_flight(c: PlanContext, pp_rank: int) -> list[int]:
+    """Microbatches each of ``pp_rank``'s virtual stages holds at the rank's peak: one without PP;
+    GPipe and LoopedBFS all M; 1F1B min(M, pp - rank); interleaved 1F1B the forwards of torch's
+    warm-up plus one, round-robin over the local stages in rounds of ``M / rounds`` microbatches
+    (``(v-1) R + 2 (pp-1-rank)`` warm-up forwards, R = microbatches per round); zero-bubble
+    schedules all M per stage, an upper bound (their split backward keeps each microbatch's graph
+    from F until its weight-gradient pass W; measured on ZBV: 0.5-0.65 of the bound)."""
+    dims, M, v = c.dims, c.accum, c.stages_per_rank
+    if dims.pp == 1:
+        return [1]
+    name = c.schedule.lower()
+    if name in ("gpipe", "loopedbfs") or "zerobubble" in name:
+        return [M] * v
+    if v == 1:
+        return [min(M, dims.pp - pp_rank)]
+    rounds = max(1, M // dims.pp)
+    per_round = M // rounds
+    forwards = min(v * M, (v - 1) * per_round + 2 * (dims.pp - 1 - pp_rank) + 1)
+    counts = [0] * v
+    for k in range(forwards):
+        counts[(k // per_round) % v] += 1
+    return counts
+
+
+@dataclass
+class SavedPlan:
+    """The saved-for-backward side of one pp rank: per step (summed over microbatches) by term,
+    and the peak of live saved bytes."""
+
+    per_step: dict[str, float]
+    peak: float
+    recompute: float  # full AC: one block's activations while it is recomputed (not in the peak)
+    sac_cache: float  # op-level AC: the matmul outputs torch caches (not in the peak)
+
+
+def saved_plan(c: PlanContext, pp_rank: int) -> SavedPlan:
+    stages = c.ranks[pp_rank]
+    flights = in_flight(c, pp_rank)
+    per_step: dict[str, float] = {}
+    peak = 0.0
+    for st, flight in zip(stages, flights):
+        micro = stage_saved(c, st, receives=st.index > 0)
+        for k, v in micro.items():
+            per_step[k] = per_step.get(k, 0.0) + c.accum * v
+        peak += flight * sum(micro.values())
+        for key, present in (("embedding", st.first), ("loss", st.last)):
+            if present:  # ids / labels: one storage, counted again only when it was released
+                times = 1 if (c.dims.pp > 1 and flight > 1) else c.accum
+                per_step[key] += times * ids_bytes(c)
+                peak += ids_bytes(c)
+    blocks = [b for st in stages for b in st.blocks]
+    recompute = sac = 0.0
+    if blocks and any(_checkpointed(c, i) == "full" for i in range(len(blocks))):
+        recompute = c.micro_tokens * max(block_bytes_per_token(c, b) for b in blocks)
+    if blocks and c.cfg.training.activation_checkpoint == "selective" and c.cfg.training.ac_selective == "op":
+        sac = sum(flights) * c.micro_tokens * sum(sac_cache_bytes(c, b) for b in blocks) / len(stages)
+    return SavedPlan(per_step=per_step, peak=peak, recompute=recompute, sac_cache=sac)
+
+
+# -- buffers -----------------------------------------------------------------------------------
+
+
+def _unit_params(c: PlanContext, pp_rank: int) -> tuple[float, list[float], float]:
+    """Local parameter counts (after TP/EP) of the rank's FSDP units, unsharded: root (first
+    modules, or the tied head), each block (with its experts, a unit of their own), the head unit
+    (the last modules unless tied)."""
+    tp, ep = c.dims.tp, c.dims.ep
+    root, blocks, head = 0.0, [], 0.0
+    for st in c.ranks[pp_rank]:
+        blocks += [c.table.blocks[b].local(tp, ep) for b in st.blocks]
+        if st.first:
+            root += c.table.first.local(tp, ep)
+        if st.last:
+            if c.table.tied:
+                root += c.table.last.local(tp, ep)
+            else:
+                head += c.table.last.local(tp, ep)
+    return root, blocks, head
+
+
+def _largest_unit(c: PlanContext, pp_rank: int) -> float:
+    """The largest FSDP unit's local parameter count: the root, the head, a block's dense part or
+    its experts (the reduce-scatter input is one unit's unsharded gradients)."""
+    tp, ep = c.dims.tp, c.dims.ep
+    root, _, head = _unit_params(c, pp_rank)
+    parts = [root, head]
+    for st in c.ranks[pp_rank]:
+        for b in st.blocks:
+            g = c.table.blocks[b]
+            parts += [g.dense_local(tp), g.experts / ep] if ep > 1 else [g.local(tp, ep)]
+    return max(parts)
+
+
+def buffer_bytes(c: PlanContext, pp_rank: int) -> dict[str, float]:
+    dims, p = c.dims, c.cfg.parallelism
+    out: dict[str, float] = {}
+    pol = dtype_policy(c)
+    if dims.ddp_enabled and p.ddp.grad_dtype and DTYPE_BYTES[p.ddp.grad_dtype] != 4:
+        local = c.group(pp_rank).local(dims.tp, dims.ep)
+        out["ddp_wire_cast"] = min(local, p.ddp.bucket_mb * 1e6 / 4) * DTYPE_BYTES[p.ddp.grad_dtype]
+    if dims.fsdp_enabled:
+        root, blocks, head = _unit_params(c, pp_rank)
+        g = c.param_gather_bytes
+        if not c.reshard_after_forward:  # nothing is freed before backward: every unit stays gathered
+            gathered = root + sum(blocks) + head
+        else:  # the root, the head and the last block at the end of forward (measured on gloo); on CUDA
+            # FSDP2 also prefetches the next block's all-gather on a side stream during backward
+            top = sorted(blocks, reverse=True) + [0.0, 0.0]
+            gathered = root + head + top[0] + (top[1] if c.cluster.backend == "nccl" else 0.0)
+        out["fsdp_unsharded_params"] = gathered * g
+        out["fsdp_grad_reduce"] = _largest_unit(c, pp_rank) * c.sync_bytes
+    if dims.pp > 1:
+        sp = dims.tp if c.tp_sp[1] else 1
+        boundary = c.micro_tokens * c.cfg.model.dim * pol.stream / sp
+        stages = c.ranks[pp_rank]
+        # torch's PipelineStage allocates one receive buffer per microbatch, for activations (every
+        # stage but the first) and for gradients (every stage but the last), once
+        out["pp_act_recv"] = c.accum * boundary * sum(1 for st in stages if st.index > 0)
+        out["pp_grad_recv"] = c.accum * boundary * sum(1 for st in stages if not st.last)
+        # each in-flight microbatch's stage output (fwd_cache): the boundary, or the last stage's logits
+        tp = dims.tp
+        logits = (
+            c.micro_tokens * c.cfg.model.vocab_size / (tp if p.loss_parallel and tp > 1 else 1) * pol.compute
+        )
+        out["pp_stage_outputs"] = sum(f * (logits if st.last else boundary)
+                                      for st, f in zip(stages, in_flight(c, pp_rank)))  # fmt: skip
+    return out
 
 
 def muon_held(c: PlanContext, pp_rank: int) -> tuple[float, float]:
@@ -102,12 +516,11 @@ def _muon_optimizer_bytes(c: PlanContext, pp_rank: int, local: float, held: floa
 
 
 def stage_memory_of(c: PlanContext, pp_rank: int) -> StageMemory:
-    """Model states, activations and buffers of ``pp_rank``: parameters after TP (1/tp of the
+    """Model states, saved activations and buffers of ``pp_rank``: parameters after TP (1/tp of the
     sharded kinds) and EP (1/ep of the experts); FSDP divides all by dp_shard x cp (experts: their
     ep share by dp_shard x cp / ep); DDP's gradients live in its flat buckets (param dtype)."""
     dims, p = c.dims, c.cfg.parallelism
     tp = dims.tp
-    stages = c.ranks[pp_rank]
     group = c.group(pp_rank)
     local = group.local(tp, dims.ep)
     held = local  # parameters this rank stores: FSDP shards the dense ones over dp_shard x cp and the
@@ -115,28 +528,18 @@ def stage_memory_of(c: PlanContext, pp_rank: int) -> StageMemory:
         experts = group.experts / dims.ep
         held = (local - experts) / (dims.dp_shard * dims.cp) + experts / (dims.dp_shard * dims.cp // dims.ep)
     params_b, grads_b, opt_b = 4 * held, 4 * held, ADAM_BYTES * held
-    buffers: dict[str, float] = {}
     if dims.ddp_enabled and p.ddp.sharded_optimizer:
         opt_b = ADAM_BYTES * local / dims.dp_replicate
     if c.cfg.optimizer.name == "muon":
         opt_b = _muon_optimizer_bytes(c, pp_rank, local, held)
-    if dims.ddp_enabled and p.ddp.grad_dtype and DTYPE_BYTES[p.ddp.grad_dtype] != 4:
-        buffers["ddp_wire_cast"] = min(local, p.ddp.bucket_mb * 1e6 / 4) * DTYPE_BYTES[p.ddp.grad_dtype]
-    blocks = [b for st in stages for b in st.blocks]
-    if dims.fsdp_enabled and blocks:
-        block_local = max(c.table.blocks[b].local(tp, dims.ep) for b in blocks)
-        gathered = (len(blocks) if not c.reshard_after_forward else min(2, len(blocks))) * block_local
-        buffers["fsdp_unsharded_params"] = gathered * c.param_gather_bytes
-        buffers["fsdp_grad_reduce"] = block_local * c.sync_bytes
-    acts = activation_memory(c, len(blocks), any(st.last for st in stages), pp_rank)
-    if dims.pp > 1:
-        boundary = c.micro_tokens * c.cfg.model.dim * c.act_bytes / (tp if c.tp_sp[1] else 1)
-        buffers["pp_p2p"] = 2 * boundary * c.stages_per_rank  # send + recv buffers per virtual stage
+    saved = saved_plan(c, pp_rank)
+    buffers = buffer_bytes(c, pp_rank)
+    acts = saved.peak + saved.recompute + saved.sac_cache
     total = params_b + grads_b + opt_b + acts + sum(buffers.values())
+    blocks = sum(len(st.blocks) for st in c.ranks[pp_rank])
     return StageMemory(
-        pp_rank=pp_rank, layers=len(blocks), params_local=local, params_bytes=params_b, grads_bytes=grads_b,
+        pp_rank=pp_rank, layers=blocks, params_local=local, params_bytes=params_b, grads_bytes=grads_b,
         optimizer_bytes=opt_b, activations_bytes=acts, buffers=buffers, total_bytes=total,
+        saved_per_step=saved.per_step, peak_saved=saved.peak, recompute_bytes=saved.recompute,
+        sac_cache_bytes=saved.sac_cache,
     )  # fmt: skip
-
-
-# -- communication and compute ---------------------------------------------------------------

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from trainer.planner.cluster import GIB, ClusterConfig, pp_bubble
 from trainer.planner.comm import rank_collectives
 from trainer.planner.context import Collective, Plan, PlanContext, build_context, strategy_of
-from trainer.planner.memory import layer_activation_bytes, stage_memory_of
+from trainer.planner.memory import ac_input_bytes, block_bytes_per_token, stage_memory_of
 
 if TYPE_CHECKING:
     from trainer.config import TrainConfig
@@ -88,11 +88,7 @@ def build_plan(cfg: TrainConfig, cluster: ClusterConfig, experiment: str = "") -
     comp = compute_seconds(c)
     by_rank = [rank_collectives(c, r, comp) for r in range(c.dims.pp)]
     args = cfg.model
-    tp, sp = c.tp_sp
-    per_tok = {
-        "no_ac": layer_activation_bytes(c.spec, args, tp=tp, sequence_parallel=sp, act_bytes=c.act_bytes),
-        "full_ac": 2 * args.dim * c.act_bytes / 2 / (tp if sp else 1),
-    }  # fmt: skip
+    per_tok = {"no_ac": block_bytes_per_token(c), "full_ac": ac_input_bytes(c)}  # block 0, per local token
     d = c.dims
     layout = {
         "world_size": d.world_size, "nodes": math.ceil(d.world_size / cluster.gpus_per_node),
