@@ -82,8 +82,8 @@ LAYOUTS = {  # name -> (world, overrides)
 
 def drop_ddp_mean(trainer) -> None:  # noqa: ANN001
     """Custom DDP sums instead of averaging: its gloo path pre-scales by 1/world_size only when
-    world_size > 1, so claiming a world of 1 removes the 1/N (gradients become N x the mean)."""
-    trainer.model.world_size = 1
+    world_size > 1, so claiming a group of 1 removes the 1/N (gradients become N x the mean)."""
+    trainer.model._group_size = 1  # BucketedDDP.world_size reads it (no fault-tolerance reducer here)
 
 
 def double_rank1_gradients(trainer) -> None:  # noqa: ANN001
