@@ -262,6 +262,48 @@ def test_mtp_adds_its_weighted_loss_to_the_gradient_only() -> None:
     assert worst < 1e-5
 
 
+def test_mtp_targets_stop_at_packed_document_boundaries() -> None:
+    """Block-causal masking: two documents packed in one window train MTP exactly as each alone -- the
+    targets that cross into the other document are ignored (``trainer.step.mtp_targets``), the
+    next-token loss's positions restart, and the (D, 2) MTP loss sums and target counts add up."""
+    from trainer.step import document_positions, mtp_targets
+
+    spec = get_spec("deepseek_v3")
+    args = _tiny_args(mtp_depth=2, attention_mask="block_causal")
+    model = spec.build(args)
+    model.init_weights(seed=5)
+    bos, eos = 1, 2
+    g = torch.Generator().manual_seed(6)
+    doc_a = [bos, *torch.randint(3, 97, (7,), generator=g).tolist(), eos]  # 9 tokens
+    doc_b = [bos, *torch.randint(3, 97, (12,), generator=g).tolist()]  # 13 tokens, continues past the window
+    after = 50  # the label of the window's last token (the next token of document b)
+
+    def stats(tokens: list[int], last_label: int) -> torch.Tensor:
+        inputs = torch.tensor([tokens])
+        labels = torch.tensor([[*tokens[1:], last_label]])
+        positions = document_positions(inputs, bos, eos)
+        ids, targets = mtp_targets(inputs, labels, args.mtp_depth, positions)
+        model.mtp_records = []
+        model(inputs, positions, ids, targets)
+        return model.mtp_records[0], targets
+
+    packed, targets = stats(doc_a + doc_b, after)
+    alone_a, _ = stats(doc_a, -100)  # alone, document a's tokens have no label after its EOS
+    alone_b, _ = stats(doc_b, after)
+    # Brute force: depth k at i keeps token i+k+1 iff tokens i..i+k+1 lie in i's document.
+    doc_of = [0] * len(doc_a) + [1] * (len(doc_b) + 1)
+    window = doc_a + doc_b + [after]
+    for k in (1, 2):
+        want = [window[i + k + 1] if i + k + 1 < len(window) and doc_of[i + k + 1] == doc_of[i] else -100
+                for i in range(len(doc_a + doc_b))]  # fmt: skip
+        assert targets[0, :, k - 1].tolist() == want
+    counts = packed[:, 1].tolist()
+    assert counts == (alone_a[:, 1] + alone_b[:, 1]).tolist() == [7 + 12, 6 + 11]  # a: 9 - k - 1, b: 14 - k - 1
+    torch.testing.assert_close(packed[:, 0], alone_a[:, 0] + alone_b[:, 0], rtol=1e-5, atol=1e-5)
+    print(f"\npacked documents: MTP targets per depth {counts} (ignored across the boundary), loss sums "
+          f"{packed[:, 0].tolist()} = separate documents' {(alone_a[:, 0] + alone_b[:, 0]).tolist()}")
+
+
 # -- the debug preset trains from ./launch.sh; MTP layouts it cannot run are refused -------------------
 
 
