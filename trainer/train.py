@@ -49,7 +49,14 @@ from trainer.resilience.fault_tolerance import (
 from trainer.resilience.guards import install_test_nan_hook, non_finite_message
 from trainer.resilience.preemption import PreemptionHandler
 from trainer.resilience.watchdog import CommMonitor, configure_flight_recorder
-from trainer.step import StepBatch, StepContext, count_targets, document_positions, mtp_targets, token_loss_sum
+from trainer.step import (
+    StepBatch,
+    StepContext,
+    count_targets,
+    document_positions,
+    mtp_targets,
+    token_loss_sum,
+)
 
 if TYPE_CHECKING:  # imported when pp > 1 (torch.distributed.pipelining costs ~1 s to import)
     from parallelisms.pipeline_parallel import Pipeline
