@@ -48,6 +48,8 @@ LAYOUTS = {  # name -> (world, config, overrides)
     "ep2_mtp_noclip": (2, "B", EP2),
     "tp2": (2, "A", ["parallelism.tp=2", "parallelism.dp_shard=1"]),
     "tp2_mtp_noclip": (2, "D", ["parallelism.tp=2", "parallelism.dp_shard=1"]),
+    "tp2_nosp_mtp_noclip": (2, "D", ["parallelism.tp=2", "parallelism.dp_shard=1",
+                                     "parallelism.sequence_parallel=false", "parallelism.loss_parallel=false"]),
     "cp2_mtp_noclip": (2, "D", ["parallelism.cp=2", "parallelism.dp_shard=1"]),
     "cp2": (2, "C", ["parallelism.cp=2", "parallelism.dp_shard=1"]),
     "pp2": (2, "A", ["parallelism.pp=2", "parallelism.dp_shard=1"]),
