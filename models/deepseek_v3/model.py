@@ -39,12 +39,16 @@ MTP (DeepSeek-V3 section 2.2, ``mtp_depth`` = D > 0): module k (1..D) takes the 
 hidden state h (the main model's last hidden state, before the final norm, for k=1) and the
 embedding of the token k positions ahead, ``h' = block(proj([hnorm(h); enorm(emb(t_{i+k}))]))``,
 and predicts token t_{i+k+1} through the shared final norm and output head; the embedding and the
-head are the main model's. The model only needs its inputs for that: the targets are the input
-tokens themselves (so module k predicts the first S - k - 1 positions of a window). The loss of
-each module (token mean of cross-entropy, ``IGNORE_INDEX``-free since targets are real tokens)
-times ``mtp_loss_weight / D`` is added to the gradient only (``AddAuxGrad``, like the MoE
-auxiliary loss), so the logits and the trainer's ``loss`` stay next-token; the values are recorded
-per forward (``mtp_records``) for the trainer to log as ``mtp_loss``.
+head are the main model's. Each module runs on all S positions of the window: the caller passes
+per position and depth the id of token i+k and the target (``mtp_inputs`` / ``mtp_labels``,
+(B, S, D), ``IGNORE_INDEX`` where there is none: past the window, across a packed document's
+end), built on the whole sequence, so a split along it (context parallel, sequence parallel)
+needs nothing else; causal attention keeps the filler past the end out of the valid positions.
+Without them the model shifts its own tokens. The summed cross-entropy of the D modules times
+``mtp_loss_weight / D`` per token (``mtp_grad_scale``: of the trainer's step; else of the forward)
+is added to the gradient only (``AddAuxGrad``, like the MoE auxiliary loss), so the logits and the
+trainer's ``loss`` stay next-token; the (D, 2) loss sums and target counts are recorded per
+forward (``mtp_records``) for the trainer to log as ``mtp_loss``.
 """
 
 from __future__ import annotations
