@@ -353,7 +353,7 @@ class Trainer:
             step_batch.positions = loader_positions.to(self.device, non_blocking=True)
         elif block_causal:
             step_batch.positions = document_positions(step_batch.inputs, self.tokenizer.bos_id, self.tokenizer.eos_id)
-        if self.mtp_stats is not None:  # MTP's shifted ids/targets, on the whole sequence (before CP)
+        if self.mtp_stats is not None and loader is self.train_loader:  # MTP ids/targets, whole sequence (before CP)
             step_batch.mtp_inputs, step_batch.mtp_labels = mtp_targets(
                 step_batch.inputs, step_batch.labels, self.spec.mtp_depth(self.cfg.model), step_batch.positions
             )
