@@ -55,6 +55,7 @@ LAYOUTS = {  # name -> (world, config, overrides)
     "pp2": (2, "A", ["parallelism.pp=2", "parallelism.dp_shard=1"]),
     "hsdp2x2_mtp_noclip": (4, "B", ["parallelism.dp_replicate=2", "parallelism.dp_shard=2"]),
     "ep2_tp2": (4, "A", [*EP2, "parallelism.tp=2"]),
+    "ep2_tp2_mtp_noclip": (4, "D", [*EP2, "parallelism.tp=2"]),
     # DDP over dp_replicate x cp (no FSDP all-gathers): the ledger's cp all-gathers are MLA's alone
     "cp2_ddp2": (4, "C", ["parallelism.cp=2", *DDP2, "metrics.comm_ledger=true"]),
 }
