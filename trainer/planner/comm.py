@@ -182,8 +182,10 @@ def _cp_ep_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
         kv = c.micro_tokens * dims.cp * c.spec.attention_comm(args).cp_gather_dim * c.act_bytes
         ring = p.cp_impl == "ring"
         overlap = ("attention (ring)", "compute_s") if ring else ("none: critical path", "")
-        rows.add("CP all_gather (K, V or latents)", "all_gather", "cp", ("cp",), fwd_repeat * len(blocks) * c.accum, kv, *overlap)
-        rows.add("CP reduce_scatter (dK, dV or d latents)", "reduce_scatter", "cp", ("cp",), len(blocks) * c.accum, kv, *overlap)
+        # MTP modules' blocks (last stage; never recomputed) gather their latents too
+        mtp = c.spec.mtp_depth(args) if any(st.last for st in c.ranks[pp_rank]) else 0
+        rows.add("CP all_gather (K, V or latents)", "all_gather", "cp", ("cp",), (fwd_repeat * len(blocks) + mtp) * c.accum, kv, *overlap)
+        rows.add("CP reduce_scatter (dK, dV or d latents)", "reduce_scatter", "cp", ("cp",), (len(blocks) + mtp) * c.accum, kv, *overlap)
     moe = [b for b in blocks if b in c.table.moe_layers]
     if dims.ep > 1 and moe:
         routed = c.micro_tokens * args.top_k * args.dim * c.act_bytes  # this rank's token copies (mean)
