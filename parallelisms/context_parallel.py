@@ -82,7 +82,8 @@ def shard_indices(seq_len: int, cp: int, rank: int, load_balance: str, device: A
 
 
 def cp_batch_sharder(cp_mesh: DeviceMesh, load_balance: str) -> Callable[[Any], Any]:
-    """A ``StepContext.batch_sharder``: (B, S) inputs / labels / positions -> this rank's (B, S / cp).
+    """A ``StepContext.batch_sharder``: (B, S) inputs / labels / positions (and any other (B, S, ...)
+    tensor field) -> this rank's (B, S / cp).
 
     Positions default to the true indices 0..S-1 (block-causal batches bring their own, which
     restart at every document); they are always returned as (B, S / cp) so that gradient
@@ -99,11 +100,19 @@ def cp_batch_sharder(cp_mesh: DeviceMesh, load_balance: str) -> Callable[[Any], 
         if positions.dim() == 1:
             positions = positions[None].expand(B, S)
         index = shard_indices(S, cp, rank, load_balance, device)
+        # every other per-token field (B, S, ...) too (multi-token prediction's shifted ids/targets)
+        extra = {
+            f.name: value.index_select(1, index)
+            for f in dataclasses.fields(batch)
+            if f.name not in ("inputs", "labels", "positions")
+            and isinstance(value := getattr(batch, f.name), torch.Tensor) and value.shape[:2] == (B, S)
+        }  # fmt: skip
         return dataclasses.replace(
             batch,
             inputs=batch.inputs.index_select(1, index),
             labels=batch.labels.index_select(1, index),
             positions=positions.index_select(1, index),
+            **extra,
         )
 
     return shard

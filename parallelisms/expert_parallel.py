@@ -32,6 +32,7 @@ data/context-parallel ranks, moves the aux-loss-free expert bias, and reports th
 from __future__ import annotations
 
 import logging
+import math
 import re
 from typing import Any, Optional
 
@@ -79,7 +80,7 @@ def _count(
     stats: dict, key: str, x: Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup
 ) -> None:
     """Bytes this rank hands to / gets from one all_to_all (all, and the part crossing ranks)."""
-    row = x[0].numel() * x.element_size() if x.dim() > 1 else x.element_size()
+    row = math.prod(x.shape[1:]) * x.element_size()  # also when this rank sends no rows
     me = dist.get_rank(group)
     for direction, splits in (("sent", send), ("recv", recv)):
         for name, rows in (

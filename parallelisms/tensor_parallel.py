@@ -36,6 +36,7 @@ head all-gathers and returns plain full logits.
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from typing import Any
 
@@ -176,10 +177,18 @@ def tp_kinds(model: nn.Module, spec: ModelSpec) -> dict[str, str]:
     The only copy of the wildcard expansion: ``tp_plan`` and the planner's parameter table use it.
     """
     keys = [key for key, _ in spec.block_items(model)]
-    present = {name for name, _ in model.named_modules()}
+    names = [name for name, _ in model.named_modules()]
+    present = set(names)
     kinds: dict[str, str] = {}
     for pattern, kind in spec.tp_plan.items():
-        for name in [pattern.replace("*", key) for key in keys] if "*" in pattern else [pattern]:
+        if pattern.startswith(f"{spec.blocks}.*"):  # block patterns: in block order
+            candidates = [pattern.replace("*", key) for key in keys]
+        elif "*" in pattern:  # other containers (MTP modules): "*" is one name component
+            regex = re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))
+            candidates = [name for name in names if regex.fullmatch(name)]
+        else:
+            candidates = [pattern]
+        for name in candidates:
             if name in present:
                 kinds[name] = kind
     return kinds

@@ -150,20 +150,18 @@ def validate_model(dims: ParallelDims, spec: ModelSpec, args: Any, *, seq_len: i
 
 
 def _validate_mtp(dims: ParallelDims, depth: int) -> None:
-    """Multi-token prediction runs with the data-parallel layouts (FSDP/HSDP, DDP, ZeRO-1, EP) only.
-    Its modules need the embedding of the input tokens AND the output head: under PP the first stage
-    owns one and the last the other, and the last stage does not receive the tokens; under CP a rank's
-    tokens are not contiguous (token i+k of its shard lives on another rank); under TP the MTP modules
-    are outside the blocks the TP plan covers. Rejected rather than half-supported."""
-    if not depth:
-        return
-    for axis, degree in (("pp", dims.pp), ("cp", dims.cp), ("tp", dims.tp)):
-        if degree > 1:
-            raise ConfigError(
-                f"model.mtp_depth={depth} with parallelism.{axis}={degree} is not supported: multi-token "
-                f"prediction needs the input embedding, the output head and contiguous sequences on one rank "
-                f"(FSDP/HSDP, DDP, ZeRO-1 and EP layouts). Set model.mtp_depth=0 or parallelism.{axis}=1."
-            )
+    """Multi-token prediction runs with every layout but pipeline parallelism: its modules need the
+    embedding of the input tokens AND the output head, and under PP the first stage owns one, the last
+    the other, and the last stage does not receive the input tokens (it would need them and the
+    embedding's weight, with its gradient combined across the two stages). Rejected rather than
+    half-supported. TP shards the MTP modules by the family's plan; CP shards the shifted ids and targets
+    built on the whole sequence (``trainer.step.mtp_targets``)."""
+    if depth and dims.pp > 1:
+        raise ConfigError(
+            f"model.mtp_depth={depth} with parallelism.pp={dims.pp} is not supported: multi-token prediction "
+            f"needs the input tokens, their embedding and the output head on one stage. Set model.mtp_depth=0 "
+            f"or parallelism.pp=1."
+        )
 
 
 def validate_ddp(impl: str, bucket_mb: float) -> None:

@@ -50,7 +50,14 @@ from trainer.resilience.fault_tolerance import (
 from trainer.resilience.guards import install_test_nan_hook, non_finite_message
 from trainer.resilience.preemption import PreemptionHandler
 from trainer.resilience.watchdog import CommMonitor, configure_flight_recorder
-from trainer.step import StepBatch, StepContext, count_targets, document_positions, token_loss_sum
+from trainer.step import (
+    StepBatch,
+    StepContext,
+    count_targets,
+    document_positions,
+    mtp_targets,
+    token_loss_sum,
+)
 
 if TYPE_CHECKING:  # imported when pp > 1 (torch.distributed.pipelining costs ~1 s to import)
     from parallelisms.pipeline_parallel import Pipeline
@@ -366,11 +373,17 @@ class Trainer:
             step_batch.positions = loader_positions.to(self.device, non_blocking=True)
         elif block_causal:
             step_batch.positions = document_positions(step_batch.inputs, self.tokenizer.bos_id, self.tokenizer.eos_id)
+        if self.mtp_stats is not None and loader is self.train_loader:  # MTP ids/targets, whole sequence (before CP)
+            step_batch.mtp_inputs, step_batch.mtp_labels = mtp_targets(
+                step_batch.inputs, step_batch.labels, self.spec.mtp_depth(self.cfg.model), step_batch.positions
+            )
         return self.step_context.shard_batch(step_batch)
 
     def _forward_loss_sum(self, batch: StepBatch) -> torch.Tensor:
         """Summed token loss of one (micro)batch; call inside ``self.step_context()``."""
-        if batch.positions is None:
+        if batch.mtp_inputs is not None:
+            logits = self.model(batch.inputs, batch.positions, batch.mtp_inputs, batch.mtp_labels)
+        elif batch.positions is None:
             logits = self.model(batch.inputs)  # (b, S, V); a vocab-sharded DTensor under loss parallel
         else:
             logits = self.model(batch.inputs, batch.positions)
@@ -383,14 +396,13 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         no_sync = getattr(self.model, "no_sync", None)
         n = self.grad_accum_steps
-        chunks = [
-            t.chunk(n) if t is not None else [None] * n for t in (batch.inputs, batch.labels, batch.positions)
-        ]
-        for i, (mi, ml, mp) in enumerate(zip(*chunks)):
+        fields = (batch.inputs, batch.labels, batch.positions, batch.mtp_inputs, batch.mtp_labels)
+        chunks = [t.chunk(n) if t is not None else [None] * n for t in fields]
+        for i, micro in enumerate(zip(*chunks)):
             last = i == n - 1
             sync = no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
             with sync, self.step_context():
-                micro_loss = self._forward_loss_sum(StepBatch(mi, ml, mp))
+                micro_loss = self._forward_loss_sum(StepBatch(*micro))
                 (micro_loss * scale).backward()
             loss_sum += micro_loss.detach()
         finish = getattr(self.model, "finish_gradient_sync", None)

@@ -39,12 +39,16 @@ MTP (DeepSeek-V3 section 2.2, ``mtp_depth`` = D > 0): module k (1..D) takes the 
 hidden state h (the main model's last hidden state, before the final norm, for k=1) and the
 embedding of the token k positions ahead, ``h' = block(proj([hnorm(h); enorm(emb(t_{i+k}))]))``,
 and predicts token t_{i+k+1} through the shared final norm and output head; the embedding and the
-head are the main model's. The model only needs its inputs for that: the targets are the input
-tokens themselves (so module k predicts the first S - k - 1 positions of a window). The loss of
-each module (token mean of cross-entropy, ``IGNORE_INDEX``-free since targets are real tokens)
-times ``mtp_loss_weight / D`` is added to the gradient only (``AddAuxGrad``, like the MoE
-auxiliary loss), so the logits and the trainer's ``loss`` stay next-token; the values are recorded
-per forward (``mtp_records``) for the trainer to log as ``mtp_loss``.
+head are the main model's. Each module runs on all S positions of the window: the caller passes
+per position and depth the id of token i+k and the target (``mtp_inputs`` / ``mtp_labels``,
+(B, S, D), ``IGNORE_INDEX`` where there is none: past the window, across a packed document's
+end), built on the whole sequence, so a split along it (context parallel, sequence parallel)
+needs nothing else; causal attention keeps the filler past the end out of the valid positions.
+Without them the model shifts its own tokens. The summed cross-entropy of the D modules times
+``mtp_loss_weight / D`` per token (``mtp_grad_scale``: of the trainer's step; else of the forward)
+is added to the gradient only (``AddAuxGrad``, like the MoE auxiliary loss), so the logits and the
+trainer's ``loss`` stay next-token; the (D, 2) loss sums and target counts are recorded per
+forward (``mtp_records``) for the trainer to log as ``mtp_loss``.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.attention import LatentAttentionCore
-from models.common import ParamInit, RMSNorm, apply_rotary_emb, yarn_softmax_scale
+from models.common import IGNORE_INDEX, ParamInit, RMSNorm, apply_rotary_emb, yarn_softmax_scale
 from models.errors import ConfigError
 from models.llama.model import _positive_int, rope_rows
 from models.moe.model import TP_PLAN as MOE_TP_PLAN
@@ -269,20 +273,35 @@ class MTPModules(nn.ModuleDict):
     (FSDP: the MTP modules share a unit with the final norm and the head) sees one call."""
 
     def forward(
-        self, tokens: Tensor, emb: Tensor, h: Tensor, *, rope_cache: Tensor, positions: Optional[Tensor],
-        head: Callable[[Tensor], Tensor],
+        self, h: Tensor, embs: list[Tensor], labels: Tensor, *, rope_cache: Tensor, positions: Optional[Tensor],
+        head: Callable[[Tensor], Tensor], loss_fn: Callable[[Tensor, Tensor], Tensor],
     ) -> Tensor:  # fmt: skip
-        """(D,) mean cross-entropy of each depth k: positions i < S-k-1 predict token i+k+1 from the
-        previous depth's hidden state at i and the embedding of token i+k; ``head`` = final norm + output."""
-        S = tokens.shape[1]
-        losses = []
-        for k, module in enumerate(self.values(), start=1):
-            n = S - k  # positions whose input token i+k exists
-            pos = positions[..., :n] if positions is not None else None
-            h = module(h[:, :n], emb[:, k:], rope_cache=rope_cache, positions=pos)  # (B, n, H)
-            logits = head(h[:, : n - 1])  # (B, n-1, V): the last position has no target
-            losses.append(F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, k + 1 :].flatten()))
-        return torch.stack(losses)
+        """(D, 2): per depth k, the summed cross-entropy and the number of targets. Module k runs on all S
+        positions: position i combines the previous depth's hidden state at i with ``embs[k-1]`` at i (the
+        embedding of token i+k) and predicts ``labels[..., k-1]`` at i (token i+k+1, ``IGNORE_INDEX``
+        where it does not exist); causal attention keeps the tail's filler out of the valid positions.
+        ``head`` = final norm + output; ``loss_fn(logits, labels)`` = summed token cross-entropy."""
+        out = []
+        for k, module in enumerate(self.values()):
+            h = module(h, embs[k], rope_cache=rope_cache, positions=positions)  # (B, S, H)
+            target = labels[..., k]  # (B, S)
+            out.append(torch.stack([loss_fn(head(h), target).float(), (target != IGNORE_INDEX).sum().float()]))
+        return torch.stack(out)
+
+
+def mtp_loss_sum(logits: Tensor, labels: Tensor) -> Tensor:
+    """Summed cross-entropy of (B, S, V) ``logits`` against (B, S) ``labels`` (``IGNORE_INDEX`` skipped)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def shifted_tokens(tokens: Tensor, depth: int) -> tuple[Tensor, Tensor]:
+    """MTP inputs and targets of a window alone (no labels, no documents): (B, S, D) ids of token i+k
+    (0 past the end) and of token i+k+1 (``IGNORE_INDEX`` past the end), k = 1..D."""
+    B, S = tokens.shape
+    pad = tokens.new_full((B, depth + 1), IGNORE_INDEX)
+    ext = torch.cat([tokens, pad], dim=1)  # (B, S + D + 1)
+    ids = torch.stack([ext[:, k : k + S] for k in range(1, depth + 2)], dim=-1)  # (B, S, D + 1)
+    return ids[..., :depth].clamp(min=0), ids[..., 1:]
 
 
 class DeepSeekV3Transformer(MoETransformer):
@@ -298,9 +317,10 @@ class DeepSeekV3Transformer(MoETransformer):
         )
         self.share_attention_core()
         self.mtp_records: list[Tensor] = []  # per forward: (D,) MTP losses (detached), for the trainer's log
-        self.mtp_grad_scale: Optional[float] = (
-            None  # None: each forward's MTP loss weighted 1 (outside the trainer)
-        )
+        # per token of the step (set by the trainer); None: the forward's own tokens
+        self.mtp_grad_scale: Optional[float] = None
+        # (logits, labels) -> summed cross-entropy; the trainer's also reduces vocab-sharded logits
+        self.mtp_loss_fn: Callable[[Tensor, Tensor], Tensor] = mtp_loss_sum
 
     def build_block(self, layer_id: int, args: Any) -> nn.Module:
         return DeepSeekV3Block(layer_id, args)
@@ -320,32 +340,43 @@ class DeepSeekV3Transformer(MoETransformer):
                 module.init_weights(init, f"mtp.{k}", self.args.init_std)
         self.mtp_records = []
 
-    def forward(self, tokens: Tensor, positions: Optional[Tensor] = None) -> Tensor:
+    def forward(
+        self, tokens: Tensor, positions: Optional[Tensor] = None, mtp_inputs: Optional[Tensor] = None,
+        mtp_labels: Optional[Tensor] = None,
+    ) -> Tensor:  # fmt: skip
         """Token ids (B, S) -> next-token logits (B, S, V) (stage-friendly like ``Transformer``). With
-        MTP modules, a whole model and gradients enabled, the MTP loss also flows into backward."""
+        MTP modules, a whole model and gradients enabled, the MTP loss also flows into backward.
+        ``mtp_inputs`` / ``mtp_labels`` (B, S, D): per depth k, the id of token i+k and the target
+        (token i+k+1 or ``IGNORE_INDEX``) of position i; built by the caller on the whole sequence
+        (before any split along it, with document boundaries applied), from ``tokens`` when None."""
         if self.mtp is None or self.tok_embeddings is None or self.output is None:
             return super().forward(tokens, positions)
-        S = tokens.shape[1]
+        B, S = tokens.shape
         if S > self.args.max_seq_len:
             raise ConfigError(
                 f"sequence length {S} exceeds model.max_seq_len={self.args.max_seq_len}; "
                 "raise model.max_seq_len or lower training.seq_len."
             )
-        emb = self.tok_embeddings(tokens)  # (B, S, H)
-        h = emb
+        train_mtp = torch.is_grad_enabled()
+        if train_mtp and mtp_inputs is None:
+            mtp_inputs, mtp_labels = shifted_tokens(tokens, self.args.mtp_depth)
+        if train_mtp:  # one embedding call for the window and the D shifted windows (B, S, D) -> (D*B, S)
+            ids = torch.cat([tokens, mtp_inputs.movedim(-1, 0).flatten(0, 1)])
+            h, *embs = self.tok_embeddings(ids).split(B)  # (B, S, H) each (S / tp under sequence parallel)
+        else:
+            h = self.tok_embeddings(tokens)  # (B, S, H)
         for layer in self.layers.values():
             h = layer(h, rope_cache=self.rope_cache, positions=positions)  # (B, S, H)
-        if torch.is_grad_enabled():
-            mtp_loss = self.mtp(tokens, emb, h, rope_cache=self.rope_cache, positions=positions,
-                                head=lambda x: self.output(self.norm(x)))  # (D,)  # fmt: skip
+        if train_mtp:
+            stats = self.mtp(h, embs, mtp_labels, rope_cache=self.rope_cache, positions=positions,
+                             head=lambda x: self.output(self.norm(x)), loss_fn=self.mtp_loss_fn)  # (D, 2)  # fmt: skip
             if not _recomputing():
-                self.mtp_records.append(mtp_loss.detach())
-            weight = self.args.mtp_loss_weight / self.args.mtp_depth
-            if self.mtp_grad_scale is not None:
-                weight = (
-                    weight * self.mtp_grad_scale * tokens.numel()
-                )  # as the MoE aux loss: per-token weight
-            h = AddAuxGrad.apply(h, mtp_loss.sum() * weight)  # h unchanged; backward adds d(MTP loss)
+                self.mtp_records.append(stats.detach())
+            # objective: mtp_loss_weight / D * summed MTP cross-entropy per token of the step (the
+            # trainer's mtp_grad_scale, data parallel included), or per token of this forward
+            scale = self.mtp_grad_scale if self.mtp_grad_scale is not None else 1.0 / tokens.numel()
+            weight = self.args.mtp_loss_weight / self.args.mtp_depth * scale
+            h = AddAuxGrad.apply(h, stats[:, 0].sum() * weight)  # h unchanged; backward adds d(MTP loss)
         return self.output(self.norm(h))  # (B, S, V)
 
     def reset_mtp_stats(self) -> None:
@@ -455,3 +486,11 @@ TP_PLAN: dict[str, str] = {
     "layers.*.attention.rope_key": "sum_grad",
     "layers.*.attention.wo": "rowwise",
 }
+# MTP modules: their block (dense FFN) as the main blocks; the two norms on the residual-stream layout
+# (sequence-sharded under SP) and the token-wise projection replicated, run on this rank's tokens.
+TP_PLAN.update({
+    "mtp.*.enorm": "norm",
+    "mtp.*.hnorm": "norm",
+    "mtp.*.proj": "replicate",
+    **{f"mtp.*.block.{k[len('layers.*.'):]}": v for k, v in TP_PLAN.items() if k.startswith("layers.*.")},
+})  # fmt: skip

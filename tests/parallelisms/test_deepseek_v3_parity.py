@@ -4,8 +4,10 @@ A tiny DeepSeek-V3 (deepseek_v3_debug shrunk: 4 layers, the first dense, MLA wit
 8 experts top-2 in 4 groups (2 kept) + 1 shared, sigmoid routing, expert bias and sequence-wise aux
 loss) runs 8 optimizer steps through the real Trainer in each layout; per-step losses, pre-clip
 gradient norms (1e-5 relative) and final parameters (1e-5) must equal the single-process run's.
-Config ``A``: MTP off, clipping on; ``B``: one MTP module, clipping off (MTP runs with the
-data-parallel layouts only: PP, CP and TP reject it, see ``parallelisms.validate._validate_mtp``).
+Config ``A``: MTP off, clipping on; ``B``: one MTP module, clipping off; ``D``: two MTP modules without
+the aux loss (for CP, see ``C``), clipping off, run under TP (+SP, loss parallel) and CP (MTP's shifted
+ids/targets are built on the whole sequence, then sharded); PP rejects MTP
+(``parallelisms.validate._validate_mtp``).
 MLA under TP splits heads (wq_b / wkv_b column-wise, wo row-wise) and replicates the low-rank
 down-projections; under CP it all-gathers the latents: the CP case runs with the comm ledger, and
 the test prints the bytes per token and layer gathered over cp against the expanded K/V.
@@ -18,7 +20,7 @@ import os
 import pytest
 
 from tests.configs import tiny_config
-from tests.parity import Case, GroupedRuns, assert_parallel_run
+from tests.parity import Case, GroupedRuns, assert_parallel_run, assert_parity
 
 pytestmark = pytest.mark.slow
 
@@ -33,6 +35,8 @@ CONFIGS = {
     "A": DS,
     "B": [*DS, "model.mtp_depth=1", "training.grad_clip=0"],
     "C": [*DS, "model.aux_loss_coeff=0"],
+    "D": [*DS, "model.aux_loss_coeff=0", "model.mtp_depth=2", "training.grad_clip=0",
+          "model.attention_mask=block_causal"],  # packed documents: MTP targets stop at their boundaries
 }
 EP2 = ["parallelism.ep=2", "parallelism.dp_shard=2"]
 DDP2 = ["parallelism.dp_replicate=2", "parallelism.dp_shard=1"]
@@ -43,10 +47,15 @@ LAYOUTS = {  # name -> (world, config, overrides)
     "zero1_mtp_noclip": (2, "B", [*DDP2, "parallelism.ddp.sharded_optimizer=true"]),
     "ep2_mtp_noclip": (2, "B", EP2),
     "tp2": (2, "A", ["parallelism.tp=2", "parallelism.dp_shard=1"]),
+    "tp2_mtp_noclip": (2, "D", ["parallelism.tp=2", "parallelism.dp_shard=1"]),
+    "tp2_nosp_mtp_noclip": (2, "D", ["parallelism.tp=2", "parallelism.dp_shard=1",
+                                     "parallelism.sequence_parallel=false", "parallelism.loss_parallel=false"]),
+    "cp2_mtp_noclip": (2, "D", ["parallelism.cp=2", "parallelism.dp_shard=1"]),
     "cp2": (2, "C", ["parallelism.cp=2", "parallelism.dp_shard=1"]),
     "pp2": (2, "A", ["parallelism.pp=2", "parallelism.dp_shard=1"]),
     "hsdp2x2_mtp_noclip": (4, "B", ["parallelism.dp_replicate=2", "parallelism.dp_shard=2"]),
     "ep2_tp2": (4, "A", [*EP2, "parallelism.tp=2"]),
+    "ep2_tp2_mtp_noclip": (4, "D", [*EP2, "parallelism.tp=2"]),
     # DDP over dp_replicate x cp (no FSDP all-gathers): the ledger's cp all-gathers are MLA's alone
     "cp2_ddp2": (4, "C", ["parallelism.cp=2", *DDP2, "metrics.comm_ledger=true"]),
 }
@@ -67,9 +76,13 @@ def test_deepseek_v3_layout_matches_single_process(layout: str, runs: GroupedRun
     ref = runs.get(f"ref_{config}")
     losses = [r["loss"] for r in ref["history"] if "loss" in r]
     assert len(losses) == 8 and losses[-1] < losses[0]
-    if config == "B":
+    if config in ("B", "D"):
         assert all(r.get("mtp_loss", 0) > 0 for r in ref["history"] if "loss" in r)
-    assert_parallel_run(ref, runs.get(layout), label=f"deepseek_v3 {layout}")
+    got = runs.get(layout)
+    assert_parallel_run(ref, got, label=f"deepseek_v3 {layout}")
+    if config in ("B", "D"):  # the logged MTP loss too (mean over depths, microbatches, dp x cp ranks)
+        worst = assert_parity(ref["history"], got["history"], metrics=("mtp_loss",), label=f"{layout} mtp_loss")
+        print(f"{layout}: mtp_loss max relative difference {worst['mtp_loss']:.2e}")
 
 
 def test_mla_context_parallel_gathers_latents(runs: GroupedRuns) -> None:

@@ -59,9 +59,11 @@ LAYOUTS: dict[str, tuple[int, tuple[str, ...]]] = {
                        "parallelism.ddp.sharded_optimizer=true")),
     "muon_fsdp": (2, ("optimizer=muon", "parallelism.dp_shard=2")),
     "muon_tp": (2, ("optimizer=muon", "parallelism.tp=2", "parallelism.dp_shard=1")),
-    # DeepSeek-V3 (MLA): heads split with replicated down-projections, latents gathered over cp, EP + MTP
-    "mla_tp_sp": (2, (*MLA, "parallelism.tp=2", "parallelism.dp_shard=1")),
-    "mla_cp_ddp": (4, (*MLA, "parallelism.cp=2", "parallelism.dp_shard=1", "parallelism.dp_replicate=2")),
+    # DeepSeek-V3 (MLA): heads split with replicated down-projections, latents gathered over cp, EP; each
+    # with MTP (its blocks, extra head calls and shifted-window lookups follow the same plan)
+    "mla_tp_sp_mtp": (2, (*MLA, "model.mtp_depth=1", "parallelism.tp=2", "parallelism.dp_shard=1")),
+    "mla_cp_ddp_mtp": (4, (*MLA, "model.mtp_depth=1", "parallelism.cp=2", "parallelism.dp_shard=1",
+                           "parallelism.dp_replicate=2")),
     "mla_ep_mtp": (2, (*MLA, "model.mtp_depth=1", "parallelism.ep=2", "parallelism.dp_shard=2")),
 }
 # Memory only (same launches): dtype policies, activation checkpointing, one more pipeline schedule.

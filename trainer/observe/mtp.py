@@ -2,10 +2,12 @@
 
 A model with ``ModelSpec.mtp_depth(args) > 0`` (DeepSeek-V3) adds its MTP loss to backward itself
 (the reported ``loss`` stays next-token) and records each forward's (D,) MTP losses in
-``mtp_records``. This hook gives it the per-token weight that makes the step's objective
-``LM mean + mtp_loss_weight * mean over depths of the token-weighted mean MTP loss`` under any data
-parallelism (``mtp_grad_scale = dp_cp / tokens per step``, as the MoE auxiliary loss), and logs
-``mtp_loss``: the mean MTP cross-entropy over depths, microbatches and data-parallel ranks.
+``mtp_records`` ((D, 2): summed cross-entropy and target count per depth). This hook gives it the
+per-token weight that makes the step's objective ``LM mean + mtp_loss_weight / D * summed MTP
+cross-entropy / tokens per step`` under any data/context parallelism (``mtp_grad_scale = dp_cp /
+tokens per step``, as the MoE auxiliary loss) and the loss function that also reduces vocab-sharded
+logits (``token_loss_sum``, tensor parallel), and logs ``mtp_loss``: the mean over depths of the
+MTP cross-entropy per target, over microbatches and data/context-parallel ranks.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch import nn
 
 from models.spec import ModelSpec
 from parallelisms.parallel_dims import ParallelDims
+from trainer.step import token_loss_sum
 
 __all__ = ["MTPStats"]
 
@@ -44,13 +47,14 @@ class MTPStats:
         for part in self.parts:
             part.reset_mtp_stats()
             part.mtp_grad_scale = self.grad_scale
+            part.mtp_loss_fn = token_loss_sum
 
     @torch.no_grad()
     def log_stats(self, device: torch.device) -> dict[str, Any]:
         records = [r for part in self.parts for r in part.mtp_records]
-        local = torch.stack(records).mean() if records else torch.zeros((), device=device)
-        local = local.to(device, torch.float32)
+        if not records:  # e.g. a pipeline stage without the MTP modules
+            return {}
+        total = torch.stack(records).sum(0).to(device, torch.float32)  # (D, 2): loss sum, targets
         if self.group is not None:
-            dist.all_reduce(local, group=self.group)
-            local = local / self.dp_cp
-        return {"mtp_loss": local.item()}
+            dist.all_reduce(total, group=self.group)
+        return {"mtp_loss": (total[:, 0] / total[:, 1].clamp(min=1)).mean().item()}

@@ -123,13 +123,18 @@ def _tp_counts(c: PlanContext, pp_rank: int) -> dict[str, float]:
                 counts["all_gather"] += repeat + 1  # input's gradient is complete: a slice
 
     attn = c.spec.attention_comm(c.cfg.model)
+    mtp = c.spec.mtp_depth(c.cfg.model)
     for st in c.ranks[pp_rank]:
         for b in st.blocks:
             count(c.table.block_kinds[b], fwd_repeat)
             if not attn.tp_entry_partial:  # the attention's gather_input gets its gradient back complete
                 counts["reduce_scatter" if sp else "all_reduce"] -= 1
         count(c.table.first_kinds if st.first else [], 1)
-        count(c.table.last_kinds if st.last else [], 1)
+        count(c.table.last_kinds if st.last else [], 1)  # MTP modules (their blocks) included
+        if st.last and mtp:  # MTP: the embedding looks up D shifted windows too, the head runs D more times
+            count(["embedding", "head"] * mtp, 1)
+            if not attn.tp_entry_partial:  # the MTP blocks' attention entries, as the blocks'
+                counts["reduce_scatter" if sp else "all_reduce"] -= mtp
     return counts
 
 
@@ -140,22 +145,26 @@ def _tp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
     for op, calls in _tp_counts(c, pp_rank).items():
         rows.add(f"TP {op} (block activations)", op, "tp", ("tp",), calls * c.accum, size, *overlap)
     extra = c.spec.attention_comm(args).tp_backward_all_reduce_dim
-    blocks = sum(len(st.blocks) for st in c.ranks[pp_rank])
+    last = any(st.last for st in c.ranks[pp_rank])
+    mtp = c.spec.mtp_depth(args) if last else 0  # MTP modules: D more blocks and head calls (last stage)
+    blocks = sum(len(st.blocks) for st in c.ranks[pp_rank]) + mtp
     if extra and blocks:  # MLA: latents into the column-wise up-projections, the shared RoPE key
         rows.add("TP all_reduce (attention latents, bwd)", "all_reduce", "tp", ("tp",), blocks * c.accum,
                  c.micro_tokens * extra * c.act_bytes, "none: critical path", "")  # fmt: skip
-    last = any(st.last for st in c.ranks[pp_rank])
     if last and not p.loss_parallel:  # replicated logits: the head's output is gathered over the vocab
-        rows.add("TP all_gather (logits)", "all_gather", "tp", ("tp",), c.accum,
+        rows.add("TP all_gather (logits)", "all_gather", "tp", ("tp",), (1 + mtp) * c.accum,
                  c.micro_tokens * args.vocab_size * c.act_bytes, "none: critical path", "")  # fmt: skip
     if last and p.loss_parallel:  # max, sum of exp, target logit over the vocab shards
-        rows.add("TP all_reduce (loss parallel)", "all_reduce", "tp", ("tp",), 3 * c.accum, c.micro_tokens * 4,
+        rows.add("TP all_reduce (loss parallel)", "all_reduce", "tp", ("tp",), 3 * (1 + mtp) * c.accum, c.micro_tokens * 4,
                  "none: critical path", "")  # fmt: skip
     if c.tp_sp[1]:  # SP norms: their weight gradients are partial sums over the sequence shards
         norms = [n for st in c.ranks[pp_rank] for b in st.blocks for n in c.table.blocks[b].norms]
         norms += [n for st in c.ranks[pp_rank] if st.last for n in c.table.last.norms]
         rows.add("TP all_reduce (SP norm weight grads)", "all_reduce", "tp", ("tp",), len(norms) * c.accum,
                  4 * sum(norms) / max(len(norms), 1), "backward", "backward_s")  # fmt: skip
+        if mtp:  # MTP's replicated projection (2H -> H) runs on the sequence shard: partial weight grads
+            rows.add("TP all_reduce (SP MTP proj weight grads)", "all_reduce", "tp", ("tp",), mtp * c.accum,
+                     4 * 2 * args.dim * args.dim, "backward", "backward_s")  # fmt: skip
     head_norms = [n for st in c.ranks[pp_rank] for b in st.blocks for n in c.table.blocks[b].head_norms]
     if head_norms:  # q/k norms (Qwen3): each rank's heads give a partial sum of the replicated gain's gradient
         rows.add("TP all_reduce (q/k norm weight grads)", "all_reduce", "tp", ("tp",), len(head_norms) * c.accum,
@@ -173,8 +182,10 @@ def _cp_ep_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
         kv = c.micro_tokens * dims.cp * c.spec.attention_comm(args).cp_gather_dim * c.act_bytes
         ring = p.cp_impl == "ring"
         overlap = ("attention (ring)", "compute_s") if ring else ("none: critical path", "")
-        rows.add("CP all_gather (K, V or latents)", "all_gather", "cp", ("cp",), fwd_repeat * len(blocks) * c.accum, kv, *overlap)
-        rows.add("CP reduce_scatter (dK, dV or d latents)", "reduce_scatter", "cp", ("cp",), len(blocks) * c.accum, kv, *overlap)
+        # MTP modules' blocks (last stage; never recomputed) gather their latents too
+        mtp = c.spec.mtp_depth(args) if any(st.last for st in c.ranks[pp_rank]) else 0
+        rows.add("CP all_gather (K, V or latents)", "all_gather", "cp", ("cp",), (fwd_repeat * len(blocks) + mtp) * c.accum, kv, *overlap)
+        rows.add("CP reduce_scatter (dK, dV or d latents)", "reduce_scatter", "cp", ("cp",), (len(blocks) + mtp) * c.accum, kv, *overlap)
     moe = [b for b in blocks if b in c.table.moe_layers]
     if dims.ep > 1 and moe:
         routed = c.micro_tokens * args.top_k * args.dim * c.act_bytes  # this rank's token copies (mean)
