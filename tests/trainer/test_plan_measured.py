@@ -166,7 +166,7 @@ def test_ledger_off_installs_nothing(runs: dict) -> None:
 # blocks on CPU (the padded expert fallback pads every local expert to its largest group; the plan
 # assumes balanced routing, as on the grouped-mm path: measured 1.08-1.45 per MoE block). In those
 # layouts the dense blocks (DeepSeek-V3's first layer: MLA + SwiGLU) are still held to 5% each.
-MOE_CPU = ("ep", "mla_tp_sp", "mla_cp_ddp", "mla_ep_mtp")
+MOE_CPU = ("ep", "mla_tp_sp_mtp", "mla_cp_ddp_mtp", "mla_ep_mtp")
 _BOUNDS = {("pp_zbv", "peak_saved"): (0.4, 1.0), ("pp_zbv", "pp_fwd_cache_peak~pp_stage_outputs"): (0.0, 1.0),
            **{(name, what): (1.0, 1.6) for name in MOE_CPU for what in ("blocks", "peak_saved")}}  # fmt: skip
 

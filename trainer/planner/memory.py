@@ -321,37 +321,33 @@ def stage_saved(c: PlanContext, stage: PlannedStage, *, receives: bool) -> dict[
 
 
 def mtp_bytes(c: PlanContext) -> float:
-    """Multi-token prediction (DeepSeek-V3's ``mtp_depth`` modules, on the last stage; no TP/CP), the
-    ledger's ``mtp`` scope: module k runs on n = S - k positions of each sequence: the inputs of
-    hnorm and enorm (the stream's own storages when it is fp32 -- the whole last-block output for
-    k = 1, the previous module's output, saved already by its head, after; the embedding output, saved
-    by block 0 -- else fresh fp32 copies), the norms' rsqrt and normalised outputs, ``proj``'s input
-    [h; e] (2 H), one dense block (MLA over n keys + SwiGLU of ``hidden_dim``), then the shared head
-    on n - 1 positions (its norm's input is the module's whole output when fp32), the fp32
-    log-softmax over the vocabulary and the int64 targets."""
+    """Multi-token prediction (DeepSeek-V3's ``mtp_depth`` modules, on the last stage), the ledger's
+    ``mtp`` scope, per microbatch. Every module runs on all of the rank's positions (the trainer
+    passes each depth's shifted ids and targets, sharded like the batch under CP), so per local
+    token and depth: the inputs of hnorm and enorm (the stream's own storages when it is fp32 -- the
+    whole last-block output for k = 1, the previous module's output, saved already by its head,
+    after; the embedding output's rows, saved with it -- else fresh fp32 copies), the norms' rsqrt
+    and normalised outputs, ``proj``'s input [h; e] (2 H; these four on the stream, so split by tp
+    under sequence parallelism), one dense block (MLA + SwiGLU of ``hidden_dim``, its own TP/SP
+    terms), then the shared head (its norm's fp32 input, the rest as the main head's), the fp32
+    log-softmax over the (vocab-sharded) vocabulary and a contiguous copy of the int64 targets."""
     a = c.cfg.model
     depth = getattr(a, "mtp_depth", 0) or 0
     if not depth:
         return 0.0
     pol = dtype_policy(c)
     H = a.dim
+    sp = c.dims.tp if c.tp_sp[1] else 1
     head = head_terms(c)
     head_rest = sum(head.values()) - head["final_norm_input"]  # rsqrt, normed, output's input, log-softmax
     proj_in = 2 * H * (pol.compute if pol.cast_each else pol.stream)
-    B, S = c.micro_batch, c.cfg.training.seq_len
-    total = 0.0
+    per_token = 0.0
     for k in range(1, depth + 1):
-        n = S - k
-        if pol.stream == 4:
-            inputs = S * 4 * H if k == 1 else 0.0
-            head_input = n * 4 * H
-        else:
-            inputs = 2 * n * 4 * H
-            head_input = (n - 1) * 4 * H
-        norms = 2 * n * (4 + pol.stream * H)
-        block = n * block_bytes_per_token(c, -1, keys=n)  # -1: never an MoE layer
-        total += B * (inputs + norms + n * proj_in + block + head_input + (n - 1) * (head_rest + INT64))
-    return total
+        inputs = (4 * H if k == 1 else 0.0) if pol.stream == 4 else 2 * 4 * H
+        norms = 2 * (4 + pol.stream * H)
+        stream = (inputs + norms + proj_in + 4 * H) / sp  # + the head norm's fp32 input
+        per_token += stream + block_bytes_per_token(c, -1) + head_rest + INT64  # -1: never an MoE layer
+    return c.micro_tokens * per_token
 
 
 def ids_bytes(c: PlanContext) -> float:
@@ -405,8 +401,13 @@ def saved_plan(c: PlanContext, pp_rank: int) -> SavedPlan:
         for k, v in micro.items():
             per_step[k] = per_step.get(k, 0.0) + c.accum * v
         peak += flight * sum(micro.values())
+        depth = getattr(c.cfg.model, "mtp_depth", 0) or 0
         for key, present in (("embedding", st.first), ("loss", st.last)):
-            if present:  # ids / labels: one storage, counted again only when it was released
+            if key == "embedding" and present and depth:  # MTP: one embedding call on a fresh concatenation
+                ids = (1 + depth) * c.micro_tokens * INT64  # of the window's ids and the D shifted ids
+                per_step[key] += c.accum * ids
+                peak += ids
+            elif present:  # ids / labels: one storage, counted again only when it was released
                 times = 1 if (c.dims.pp > 1 and flight > 1) else c.accum
                 per_step[key] += times * ids_bytes(c)
                 peak += ids_bytes(c)
