@@ -26,6 +26,9 @@ def test_38m_ddp_on_8_cpu_ranks_of_a_24_gib_host_is_stopped_with_fixes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(fit, "host_memory_bytes", lambda: 24 * GIB)
+    # A freshly launched rank's own footprint (interpreter, torch, libraries: ~0.5 GiB), not this
+    # pytest process's, which grows over a whole suite run with everything earlier tests imported.
+    monkeypatch.setattr(fit, "process_rss_bytes", lambda: 0.5 * GIB)
     cfg = compose_config("+experiment=38m_ddp")
     result = fit.check_memory(cfg, torch.device("cpu"), local_world_size=8, world_size=8)
     print(f"\n38m_ddp x 8 ranks: {result.need_bytes / GIB:.2f} GiB per rank planned\n{result.message}")
