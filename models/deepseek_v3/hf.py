@@ -31,7 +31,7 @@ from torch import Tensor
 
 from models.deepseek_v3.model import DeepSeekV3Args, DeepSeekV3Transformer
 from models.errors import ConfigError
-from models.llama.hf import LLAMA_HF_TOP_NAMES, decoder_hf_config, rope_scaling_from_hf
+from models.llama.hf import LLAMA_HF_TOP_NAMES, decoder_hf_config, finish_state_from_hf, rope_scaling_from_hf
 
 __all__ = ["DeepSeekV3HF"]
 
@@ -243,12 +243,4 @@ class DeepSeekV3HF:
                 continue
             order = _rope_row_order(name, args, to_hf=False)
             state[name] = hf_state[hf_names[0]] if order is None else hf_state[hf_names[0]][order]
-        extra = sorted(k for k in hf_state if k not in used and not k.endswith("rotary_emb.inv_freq"))
-        if extra:
-            raise ConfigError(
-                f"Hugging Face state has tensor {extra[0]!r} ({len(extra)} in all) that a deepseek_v3 model of "
-                f"this config.json lacks."
-            )
-        if args.tie_embeddings and "output.weight" not in state:
-            state["output.weight"] = state["tok_embeddings.weight"]
-        return state
+        return finish_state_from_hf(state, hf_state, used, args, "deepseek_v3")

@@ -70,6 +70,21 @@ def rope_scaling_to_hf(scaling: RopeScaling, theta: float) -> Optional[dict[str,
     return out
 
 
+def finish_state_from_hf(state: dict[str, Any], hf_state: dict[str, Any], used: set[str], args: Any,
+                         fmt: str) -> dict[str, Any]:  # fmt: skip
+    """The end of a stacked-expert reader (MoE, DeepSeek-V3): every HF tensor was read (the rotary
+    ``inv_freq`` buffers aside), else a ConfigError naming one; a tied head is the embedding."""
+    extra = sorted(k for k in hf_state if k not in used and not k.endswith("rotary_emb.inv_freq"))
+    if extra:
+        raise ConfigError(
+            f"Hugging Face state has tensor {extra[0]!r} ({len(extra)} in all) that a {fmt} model of this "
+            "config.json lacks."
+        )
+    if args.tie_embeddings and "output.weight" not in state:
+        state["output.weight"] = state["tok_embeddings.weight"]
+    return state
+
+
 def rope_scaling_from_hf(cfg: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     """(rope_theta, our ``rope_scaling`` fields) from a HF config (``rope_parameters`` in
     transformers >= 5, ``rope_scaling`` + ``rope_theta`` before)."""

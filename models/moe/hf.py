@@ -12,7 +12,13 @@ import torch
 from torch import Tensor
 
 from models.errors import ConfigError
-from models.llama.hf import LLAMA_HF_LAYER_NAMES, LLAMA_HF_TOP_NAMES, decoder_hf_config, rope_scaling_from_hf
+from models.llama.hf import (
+    LLAMA_HF_LAYER_NAMES,
+    LLAMA_HF_TOP_NAMES,
+    decoder_hf_config,
+    finish_state_from_hf,
+    rope_scaling_from_hf,
+)
 from models.moe.model import MoEArgs, MoETransformer
 
 __all__ = ["MoEHF"]
@@ -264,12 +270,4 @@ class MoEHF:
                 state[name] = hf_state[hf_names[0]]
             else:
                 state[name] = torch.stack([hf_state[n] for n in hf_names])
-        extra = sorted(k for k in hf_state if k not in used and not k.endswith("rotary_emb.inv_freq"))
-        if extra:
-            raise ConfigError(
-                f"Hugging Face state has tensor {extra[0]!r} ({len(extra)} in all) that a {self.format_of(args)} "
-                f"model of this config.json lacks."
-            )
-        if args.tie_embeddings and "output.weight" not in state:
-            state["output.weight"] = state["tok_embeddings.weight"]
-        return state
+        return finish_state_from_hf(state, hf_state, used, args, self.format_of(args))
