@@ -44,11 +44,20 @@ from trainer.train import Trainer  # noqa: E402
 
 def _trainer(model: str, dump: str, async_mode: str) -> Trainer:
     cfg = make_config(
-        f"model={model}", f"job.dump_folder={dump}", "training.steps=1000", "training.seq_len=64",
-        "training.global_batch_size=1", "training.micro_batch_size=1", "data.max_documents=50",
-        "metrics.tensorboard=false", "metrics.log_freq=1000", "checkpoint.enable=true",
-        "checkpoint.interval=1000000", "checkpoint.save_final=false", f"checkpoint.async_mode={async_mode}",
-    )  # fmt: skip
+        f"model={model}",
+        f"job.dump_folder={dump}",
+        "training.steps=1000",
+        "training.seq_len=64",
+        "training.global_batch_size=1",
+        "training.micro_batch_size=1",
+        "data.max_documents=50",
+        "metrics.tensorboard=false",
+        "metrics.log_freq=1000",
+        "checkpoint.enable=true",
+        "checkpoint.interval=1000000",
+        "checkpoint.save_final=false",
+        f"checkpoint.async_mode={async_mode}",
+    )
     return Trainer(cfg)
 
 

@@ -76,8 +76,9 @@ def _memory_worker(rank: int, world: int, seq_len: int) -> dict[int, int]:
     return out
 
 
-def _block_skipping_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_index: torch.Tensor,
-                              block: int = 256) -> torch.Tensor:  # fmt: skip
+def _block_skipping_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_index: torch.Tensor, block: int = 256
+) -> torch.Tensor:
     """q (1, nh, Sq, D) with true indices ``q_index``; k/v (1, nh, S, D) in true order. Each block
     of ``block`` queries (contiguous true indices) attends keys [0, last + 1) only."""
     outs = []
@@ -86,8 +87,11 @@ def _block_skipping_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         end = int(idx[-1]) + 1
         mask = torch.zeros(idx.numel(), end)
         mask.masked_fill_(torch.arange(end)[None, :] > idx[:, None], float("-inf"))
-        outs.append(F.scaled_dot_product_attention(q[:, :, start : start + block], k[:, :, :end], v[:, :, :end],
-                                                   attn_mask=mask))  # fmt: skip
+        outs.append(
+            F.scaled_dot_product_attention(
+                q[:, :, start : start + block], k[:, :, :end], v[:, :, :end], attn_mask=mask
+            )
+        )
     return torch.cat(outs, dim=2)
 
 

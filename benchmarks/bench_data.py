@@ -62,8 +62,13 @@ def prepare(corpus: str, out: str, num_proc: int) -> dict[str, Any]:
         DataConfig(source="json", path=corpus, val_fraction=0.001), out, num_proc=num_proc, chunk_mb=64
     )
     seconds = time.perf_counter() - start
-    return {"mb": os.path.getsize(corpus) / 1e6, "seconds": seconds, "mb_per_s": os.path.getsize(corpus) / 1e6 / seconds,
-            "tokens": index["splits"]["train"]["num_tokens"], "shards": len(index["splits"]["train"]["shards"])}  # fmt: skip
+    return {
+        "mb": os.path.getsize(corpus) / 1e6,
+        "seconds": seconds,
+        "mb_per_s": os.path.getsize(corpus) / 1e6 / seconds,
+        "tokens": index["splits"]["train"]["num_tokens"],
+        "shards": len(index["splits"]["train"]["shards"]),
+    }
 
 
 def child(prep: str, dump: str, steps: int, t0: float) -> None:
@@ -74,9 +79,17 @@ def child(prep: str, dump: str, steps: int, t0: float) -> None:
     from trainer.train import Trainer
 
     logging.disable(logging.INFO)
-    cfg = make_config("+experiment=debug", "data=tokens", f"data.path={prep}", f"job.dump_folder={dump}",
-                      f"training.steps={steps}", "training.eval_freq=0", "checkpoint.enable=false",
-                      "metrics.log_freq=1", "metrics.tensorboard=false")  # fmt: skip
+    cfg = make_config(
+        "+experiment=debug",
+        "data=tokens",
+        f"data.path={prep}",
+        f"job.dump_folder={dump}",
+        f"training.steps={steps}",
+        "training.eval_freq=0",
+        "checkpoint.enable=false",
+        "metrics.log_freq=1",
+        "metrics.tensorboard=false",
+    )
     trainer = Trainer(cfg)
     trainer.train(until_step=1)
     startup = time.time() - t0
@@ -85,8 +98,16 @@ def child(prep: str, dump: str, steps: int, t0: float) -> None:
     times = [r["step_time_s"] for r in history if "loss" in r and r["step"] > 2]
     waits = [r["data_wait_s"] for r in history if "loss" in r and r["step"] > 1]
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"startup_s": startup, "rss_mb": rss_mb, "step_s": sum(times) / len(times),
-                      "data_wait_s": sum(waits) / len(waits)}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "startup_s": startup,
+                "rss_mb": rss_mb,
+                "step_s": sum(times) / len(times),
+                "data_wait_s": sum(waits) / len(waits),
+            }
+        )
+    )
 
 
 def train(prep: str, dump: str, steps: int) -> dict[str, Any]:
@@ -104,8 +125,16 @@ def loader_rate(prep: str, seconds: float = 3.0) -> float:
     from trainer.data import build_dataloader
     from trainer.data.tokenizer import ByteTokenizer
 
-    dl = build_dataloader(DataConfig(source="tokens", path=prep, prefetch=0), ByteTokenizer(), split="train",
-                          seq_len=256, global_batch_size=16, dp_rank=0, dp_size=1, seed=0)  # fmt: skip
+    dl = build_dataloader(
+        DataConfig(source="tokens", path=prep, prefetch=0),
+        ByteTokenizer(),
+        split="train",
+        seq_len=256,
+        global_batch_size=16,
+        dp_rank=0,
+        dp_size=1,
+        seed=0,
+    )
     dl.next_batch()
     n, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:

@@ -44,11 +44,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def _overrides(args: argparse.Namespace, folder: str, layout: list[str]) -> list[str]:
     return [
-        "+experiment=debug", "model=moe_debug", f"job.dump_folder={folder}", f"training.steps={args.steps}",
-        f"training.seq_len={args.seq}", f"training.global_batch_size={args.batch}",
-        f"training.micro_batch_size={args.micro}", "training.eval_freq=0", "metrics.log_freq=1",
-        "metrics.tensorboard=false", "data.max_documents=400", *layout,
-    ]  # fmt: skip
+        "+experiment=debug",
+        "model=moe_debug",
+        f"job.dump_folder={folder}",
+        f"training.steps={args.steps}",
+        f"training.seq_len={args.seq}",
+        f"training.global_batch_size={args.batch}",
+        f"training.micro_batch_size={args.micro}",
+        "training.eval_freq=0",
+        "metrics.log_freq=1",
+        "metrics.tensorboard=false",
+        "data.max_documents=400",
+        *layout,
+    ]
 
 
 def _run(args: argparse.Namespace, folder: str, layout: list[str]) -> dict[str, Any]:
@@ -79,8 +87,14 @@ def _run(args: argparse.Namespace, folder: str, layout: list[str]) -> dict[str, 
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, folder: str, queue: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))  # fmt: skip
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -128,16 +142,19 @@ def main() -> None:
         # The article's view: a rank's tokens go out k times (dispatch) and come back k times (combine).
         own = s["dispatch_forward_sent_bytes"] + s["combine_forward_recv_bytes"]
         sent = s["dispatch_forward_sent_bytes"] + s["combine_forward_sent_bytes"]
-        per_rank.append({
-            "rank": rank,
-            "forward_own_tokens_bytes_per_step": own,
-            "formula_2kBSH_bytes_per_step": formula,
-            "ratio": own / formula,
-            "forward_sent_bytes_per_step": sent,
-            "forward_sent_remote_bytes_per_step": s["dispatch_forward_sent_remote_bytes"]
-            + s["combine_forward_sent_remote_bytes"],
-            "backward_sent_bytes_per_step": s["dispatch_backward_sent_bytes"] + s["combine_backward_sent_bytes"],
-        })  # fmt: skip
+        per_rank.append(
+            {
+                "rank": rank,
+                "forward_own_tokens_bytes_per_step": own,
+                "formula_2kBSH_bytes_per_step": formula,
+                "ratio": own / formula,
+                "forward_sent_bytes_per_step": sent,
+                "forward_sent_remote_bytes_per_step": s["dispatch_forward_sent_remote_bytes"]
+                + s["combine_forward_sent_remote_bytes"],
+                "backward_sent_bytes_per_step": s["dispatch_backward_sent_bytes"]
+                + s["combine_backward_sent_bytes"],
+            }
+        )
     ep, fsdp = results[0]["ep"], results[0]["fsdp"]
     report = {
         "model": "moe_debug (8 experts top-2, 4 MoE layers, H=256), fp32, 2 gloo ranks",

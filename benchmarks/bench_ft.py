@@ -1,4 +1,5 @@
-"""Fault tolerance under SIGKILL: 3 trials in one job of 2 replica groups (``FT_GROUPS=2 NPROC=1 ./launch.sh``).
+"""Fault tolerance under SIGKILL: 3 trials in one job of 2 replica groups (``FT_GROUPS=2 NPROC=1
+./launch.sh``).
 
 Each trial waits a random number of steps (seeded), SIGKILLs group 1's trainer, and waits until the
 supervisor has restarted it and it has healed and trained a step with group 0 again. Prints JSON:
@@ -8,7 +9,8 @@ around the failure, and whether both groups ended bitwise equal (weights + optim
 
     python benchmarks/bench_ft.py [--trials 3] [--seed 0] [--step-delay 0.1]
     python benchmarks/bench_ft.py --nproc 2 --signal STOP --rank 1   # FSDP x2 per group, a hung rank 1
-    python benchmarks/bench_ft.py --parity --nproc 2   # no faults: 2 groups x FSDP2 vs HSDP 2 x 2 (./launch.sh)
+    python benchmarks/bench_ft.py --parity --nproc 2   # no faults: 2 groups x FSDP2 vs HSDP 2 x 2
+    (./launch.sh)
 """
 
 from __future__ import annotations
@@ -41,13 +43,23 @@ def parity(nproc: int) -> None:
     from trainer.checkpoint.load import load_model
 
     dump = tempfile.mkdtemp(prefix="bench_ft_parity_")
-    run = (*TINY, "training.steps=8", "checkpoint.enable=true", "checkpoint.interval=100",
-           f"parallelism.dp_shard={nproc}", *FT_FAST)  # fmt: skip
+    run = (
+        *TINY,
+        "training.steps=8",
+        "checkpoint.enable=true",
+        "checkpoint.interval=100",
+        f"parallelism.dp_shard={nproc}",
+        *FT_FAST,
+    )
     job = FTJob(os.path.join(dump, "ft"), (*run, f"{FT}.min_replicas=2"), nproc=nproc)
     ref = subprocess.run(
         ["./launch.sh", *run, "parallelism.dp_replicate=2", f"job.dump_folder={dump}/plain"],
-        cwd=REPO, env=clean_env(NPROC=str(2 * nproc)), capture_output=True, text=True, timeout=1800,
-    )  # fmt: skip
+        cwd=REPO,
+        env=clean_env(NPROC=str(2 * nproc)),
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert ref.returncode == 0, ref.stdout[-3000:]
     assert job.wait(1800) == 0, job.log()
     job.stop()
@@ -58,11 +70,18 @@ def parity(nproc: int) -> None:
     ft_model, _ = load_model(os.path.join(dump, "ft", "checkpoints", "step-8"))
     plain = load_model(os.path.join(dump, "plain", "checkpoints", "step-8"))[0].state_dict()
     weights = max((v - plain[k]).abs().max().item() for k, v in ft_model.state_dict().items())
-    print(json.dumps({
-        "layout": f"2 groups x {nproc} ranks vs dp_replicate=2 x dp_shard={nproc}", "steps": len(g0),
-        "max_rel_loss_grad_norm_error": err, "max_weight_error": weights,
-        "groups_bitwise_equal": all(a["ft/state_sha"] == b["ft/state_sha"] for a, b in zip(g0, g1)),
-    }, indent=1))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "layout": f"2 groups x {nproc} ranks vs dp_replicate=2 x dp_shard={nproc}",
+                "steps": len(g0),
+                "max_rel_loss_grad_norm_error": err,
+                "max_weight_error": weights,
+                "groups_bitwise_equal": all(a["ft/state_sha"] == b["ft/state_sha"] for a, b in zip(g0, g1)),
+            },
+            indent=1,
+        )
+    )
 
 
 def main() -> None:
@@ -71,23 +90,39 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--step-delay", type=float, default=0.1, help="seconds added to every step")
     parser.add_argument("--nproc", type=int, default=1, help="ranks per group (> 1: FSDP over them)")
-    parser.add_argument("--signal", choices=("KILL", "STOP"), default="KILL", help="STOP: the hang watchdog acts")
+    parser.add_argument(
+        "--signal", choices=("KILL", "STOP"), default="KILL", help="STOP: the hang watchdog acts"
+    )
     parser.add_argument("--rank", type=int, default=0, help="the rank of group 1 that gets the signal")
     parser.add_argument("--parity", action="store_true", help="no faults: compare with the plain run instead")
     args = parser.parse_args()
     if args.parity:
         parity(args.nproc)
         return
+    faults(args)
+
+
+def faults(args: argparse.Namespace) -> None:
+    """Kill (or stop) a rank of group 1 ``args.trials`` times; print the stall, heal and loss figures."""
     sig = signal.SIGKILL if args.signal == "KILL" else signal.SIGSTOP
     rng = random.Random(args.seed)
     dump = tempfile.mkdtemp(prefix="bench_ft_")
     job = FTJob(
         dump,
-        (*TINY, "training.steps=100000", "checkpoint.enable=false", f"parallelism.dp_shard={args.nproc}",
-         *FT_FAST, f"{FT}.min_replicas=1",
-         f"{FT}.quorum_timeout_s=12", f"{FT}.hang_timeout_s=14", f"{FT}.startup_wait_s=10"),
-        step_delay_s=args.step_delay, nproc=args.nproc,
-    )  # fmt: skip
+        (
+            *TINY,
+            "training.steps=100000",
+            "checkpoint.enable=false",
+            f"parallelism.dp_shard={args.nproc}",
+            *FT_FAST,
+            f"{FT}.min_replicas=1",
+            f"{FT}.quorum_timeout_s=12",
+            f"{FT}.hang_timeout_s=14",
+            f"{FT}.startup_wait_s=10",
+        ),
+        step_delay_s=args.step_delay,
+        nproc=args.nproc,
+    )
     trials = []
     try:
         job.wait_for(lambda: job.last_step(0) >= 3 and job.last_step(1) >= 3, 600, "both groups training")
@@ -108,24 +143,39 @@ def main() -> None:
             normal = statistics.median(r["step_time_s"] for r in g0[3:] if r["ft/participants"] == 2)
             after = [r for r in g0 if r["step"] > killed_at]
             heal = next(r for r in g1 if r.get("ft/heal_s") and r["step"] > killed_at)
-            trials.append({
-                "killed_after_step": killed_at,
-                "survivor_stall_s": round(after[0]["step_time_s"], 3),
-                "median_step_s": round(normal, 3),
-                "steps_alone": sum(1 for r in after if r["ft/participants"] == 1),
-                "discarded_steps_total": after[-1]["ft/discarded_steps"],
-                "heal_s": round(heal["ft/heal_s"], 3),
-                "healed_at_step": heal["step"],
-                "kill_to_back_s": round(t_back - t_kill, 1),
-                "losses_around": [(r["step"], round(r["loss"], 4), r["ft/participants"])
-                                  for r in g0 if killed_at - 2 <= r["step"] <= killed_at + 3],
-            })  # fmt: skip
+            trials.append(
+                {
+                    "killed_after_step": killed_at,
+                    "survivor_stall_s": round(after[0]["step_time_s"], 3),
+                    "median_step_s": round(normal, 3),
+                    "steps_alone": sum(1 for r in after if r["ft/participants"] == 1),
+                    "discarded_steps_total": after[-1]["ft/discarded_steps"],
+                    "heal_s": round(heal["ft/heal_s"], 3),
+                    "healed_at_step": heal["step"],
+                    "kill_to_back_s": round(t_back - t_kill, 1),
+                    "losses_around": [
+                        (r["step"], round(r["loss"], 4), r["ft/participants"])
+                        for r in g0
+                        if killed_at - 2 <= r["step"] <= killed_at + 3
+                    ],
+                }
+            )
         shared = {r["step"]: r["ft/state_sha"] for r in job.records(1)}
         equal = all(shared[r["step"]] == r["ft/state_sha"] for r in job.records(0) if r["step"] in shared)
     finally:
         job.stop()
-    print(json.dumps({"signal": args.signal, "nproc": args.nproc, "rank": args.rank, "trials": trials,
-                      "groups_bitwise_equal_where_both_logged": equal}, indent=1))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "signal": args.signal,
+                "nproc": args.nproc,
+                "rank": args.rank,
+                "trials": trials,
+                "groups_bitwise_equal_where_both_logged": equal,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ step -- every ``--log-freq`` steps -- and its counts gathered there), so drift o
 both. The median over rounds of each setting's mean step time is compared. ``--log-freq 1``
 measures every step: the cost of one measured step.
 
-    python benchmarks/bench_ledger.py [--ledger comm|memory] [--model debug] [--layout parallelism.dp_shard=2] [--steps 10] [--rounds 5] [--log-freq 10]
+    python benchmarks/bench_ledger.py [--ledger comm|memory] [--model debug] [--layout
+    parallelism.dp_shard=2] [--steps 10] [--rounds 5] [--log-freq 10]
 
 (The memory ledger's scope hooks stay registered in the "off" rounds, inactive: one attribute test
 per block call; what ``memory_ledger=false`` builds has none.)
@@ -48,8 +49,13 @@ def _rank(rank: int, world: int, overrides: list[str], steps: int, rounds: int, 
     if which == "memory":
         from trainer.observe.memory_ledger import MemoryLedger
 
-        ledger = MemoryLedger(trainer.model_parts, trainer.spec, model=trainer.model, optimizer=trainer.optimizer,
-                              device=trainer.device)  # fmt: skip
+        ledger = MemoryLedger(
+            trainer.model_parts,
+            trainer.spec,
+            model=trainer.model,
+            optimizer=trainer.optimizer,
+            device=trainer.device,
+        )
     else:
         ledger = CommLedger(axis_names_of_groups(dims.mesh, names))
     attr = f"{which}_ledger"
@@ -78,24 +84,44 @@ def main() -> None:
     ap.add_argument("--layout", nargs="*", default=["parallelism.dp_shard=2"])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--log-freq", type=int, default=10, help="metrics.log_freq: the ledger measures the logged steps")
+    ap.add_argument(
+        "--log-freq", type=int, default=10, help="metrics.log_freq: the ledger measures the logged steps"
+    )
     args = ap.parse_args()
     folder = tempfile.mkdtemp(prefix="bench_ledger_")
     overrides = [
-        f"model={args.model}", "training.seq_len=256", "training.global_batch_size=8", "training.micro_batch_size=4",
-        "training.eval_freq=0", f"metrics.log_freq={args.log_freq}", "metrics.tensorboard=false", "checkpoint.enable=false",
-        f"job.dump_folder={folder}", *args.layout,
-    ]  # fmt: skip
+        f"model={args.model}",
+        "training.seq_len=256",
+        "training.global_batch_size=8",
+        "training.micro_batch_size=4",
+        "training.eval_freq=0",
+        f"metrics.log_freq={args.log_freq}",
+        "metrics.tensorboard=false",
+        "checkpoint.enable=false",
+        f"job.dump_folder={folder}",
+        *args.layout,
+    ]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     per_rank = run_distributed(_rank, 2, overrides, args.steps, args.rounds, args.ledger, timeout=3600)
     off = statistics.median(max(r["off"][i] for r in per_rank) for i in range(args.rounds))
     on = statistics.median(max(r["on"][i] for r in per_rank) for i in range(args.rounds))
-    print(json.dumps({
-        "ledger": args.ledger, "model": args.model, "layout": args.layout, "steps_per_round": args.steps, "rounds": args.rounds,
-        "log_freq": args.log_freq,
-        "step_s_off": round(off, 4), "step_s_on": round(on, 4), "overhead": round(on / off - 1, 4),
-        "target": "< 0.03",
-    }, indent=2))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "ledger": args.ledger,
+                "model": args.model,
+                "layout": args.layout,
+                "steps_per_round": args.steps,
+                "rounds": args.rounds,
+                "log_freq": args.log_freq,
+                "step_s_off": round(off, 4),
+                "step_s_on": round(on, 4),
+                "overhead": round(on / off - 1, 4),
+                "target": "< 0.03",
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -187,10 +187,17 @@ def main() -> None:
     torchrun = "RANK" in os.environ  # CUDA: one process per GPU, started by torchrun
     n = int(os.environ["WORLD_SIZE"]) if torchrun else args.world
     base = [
-        f"model={args.model}", "training.steps=1000", "training.seq_len=64", f"training.global_batch_size={n}",
-        "training.micro_batch_size=1", "metrics.tensorboard=false", "metrics.jsonl=false", "data.max_documents=200",
-        "job.dump_folder=outputs/bench_memory", f"training.device={args.device}",
-    ]  # fmt: skip
+        f"model={args.model}",
+        "training.steps=1000",
+        "training.seq_len=64",
+        f"training.global_batch_size={n}",
+        "training.micro_batch_size=1",
+        "metrics.tensorboard=false",
+        "metrics.jsonl=false",
+        "data.max_documents=200",
+        "job.dump_folder=outputs/bench_memory",
+        f"training.device={args.device}",
+    ]
     report: dict[str, Any] = {
         "model": args.model,
         "P": num_params,

@@ -109,10 +109,16 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     folder = tempfile.mkdtemp(prefix="bench_muon_")
     common = [
-        f"model={args.model}", "training.seq_len=128", "training.global_batch_size=8", "training.micro_batch_size=2",
-        "training.eval_freq=0", "metrics.log_freq=1000", "metrics.tensorboard=false", "checkpoint.enable=false",
+        f"model={args.model}",
+        "training.seq_len=128",
+        "training.global_batch_size=8",
+        "training.micro_batch_size=2",
+        "training.eval_freq=0",
+        "metrics.log_freq=1000",
+        "metrics.tensorboard=false",
+        "checkpoint.enable=false",
         "lr_scheduler.warmup_steps=1",
-    ]  # fmt: skip
+    ]
     results: dict = {}
     for world in sorted({LAYOUTS[n][0] for n in args.layouts}):
         runs = {}

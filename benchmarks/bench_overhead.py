@@ -80,10 +80,16 @@ def main() -> None:
     torch.manual_seed(0)
     tmp = os.path.join("outputs", "bench_overhead")
     cfg = make_config(
-        f"model={args.model}", f"training.seq_len={args.seq_len}", f"training.global_batch_size={args.batch}",
-        f"training.micro_batch_size={args.batch // 2}", f"training.steps={args.steps}", "training.eval_freq=0",
-        "metrics.log_freq=10", "metrics.tensorboard=false", f"job.dump_folder={tmp}",
-    )  # fmt: skip
+        f"model={args.model}",
+        f"training.seq_len={args.seq_len}",
+        f"training.global_batch_size={args.batch}",
+        f"training.micro_batch_size={args.batch // 2}",
+        f"training.steps={args.steps}",
+        "training.eval_freq=0",
+        "metrics.log_freq=10",
+        "metrics.tensorboard=false",
+        f"job.dump_folder={tmp}",
+    )
     trainer = Trainer(cfg)
     logging.getLogger("meshwright").setLevel(logging.WARNING)
     bare, ours = [], []
@@ -96,11 +102,22 @@ def main() -> None:
     tokens = args.batch * args.seq_len
     bare_tps = tokens / statistics.median(bare)
     ours_tps = tokens / statistics.median(ours)
-    print(json.dumps({
-        "model": args.model, "tokens_per_step": tokens, "steps_per_round": args.steps, "rounds": args.rounds,
-        "bare_tokens_per_sec": round(bare_tps, 1), "trainer_tokens_per_sec": round(ours_tps, 1),
-        "ratio": round(ours_tps / bare_tps, 4), "target": ">= 0.97", "threads": args.threads,
-    }, indent=2))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "model": args.model,
+                "tokens_per_step": tokens,
+                "steps_per_round": args.steps,
+                "rounds": args.rounds,
+                "bare_tokens_per_sec": round(bare_tps, 1),
+                "trainer_tokens_per_sec": round(ours_tps, 1),
+                "ratio": round(ours_tps / bare_tps, 4),
+                "target": ">= 0.97",
+                "threads": args.threads,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

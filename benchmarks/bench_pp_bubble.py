@@ -139,12 +139,17 @@ def _bench(rank: int, world: int, unit_s: float, steps: int, microbatches: list[
             compute = torch.tensor(time.perf_counter() - start)
             dist.all_reduce(compute, op=dist.ReduceOp.MAX)
             t_step = statistics.median(times)
-            out.append({
-                "schedule": name, "stages_per_rank": v, "microbatches": m,
-                "step_s": round(t_step, 4), "compute_s": round(compute.item(), 4),
-                "bubble_measured": round(1 - compute.item() / t_step, 3),
-                "bubble_article": round(_article_bubble(name, m, v), 3),
-            })  # fmt: skip
+            out.append(
+                {
+                    "schedule": name,
+                    "stages_per_rank": v,
+                    "microbatches": m,
+                    "step_s": round(t_step, 4),
+                    "compute_s": round(compute.item(), 4),
+                    "bubble_measured": round(1 - compute.item() / t_step, 3),
+                    "bubble_article": round(_article_bubble(name, m, v), 3),
+                }
+            )
             dist.barrier()
     return out
 
@@ -156,12 +161,22 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, nargs="+", default=[4, 16])
     args = ap.parse_args()
     results = run_distributed(_bench, K, args.unit_ms / 1000, args.steps, args.microbatches, timeout=1800)
-    print(json.dumps({
-        "pipeline_ranks": K, "unit_ms": args.unit_ms, "F:B:W": "1:1:1", "torch": torch.__version__,
-        "estimator": "1 - t_compute / t_step (t_compute: same stages, same M, run locally without pipeline)",
-        "article_formula": "(K-1)/(M+K-1); interleaved: / v; zero bubble: 0 when F = B = W",
-        "results": results[0],
-    }, indent=1))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "pipeline_ranks": K,
+                "unit_ms": args.unit_ms,
+                "F:B:W": "1:1:1",
+                "torch": torch.__version__,
+                "estimator": (
+                    "1 - t_compute / t_step (t_compute: same stages, same M, run locally without pipeline)"
+                ),
+                "article_formula": "(K-1)/(M+K-1); interleaved: / v; zero bubble: 0 when F = B = W",
+                "results": results[0],
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

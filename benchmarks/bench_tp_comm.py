@@ -158,9 +158,14 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], queue: Any) -
     try:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
         args = LlamaArgs(
-            dim=cfg["dim"], n_layers=cfg["layers"], n_heads=cfg["heads"], n_kv_heads=cfg["kv_heads"],
-            ffn_hidden_dim=cfg["ffn"], vocab_size=cfg["vocab"], max_seq_len=cfg["seq"],
-        )  # fmt: skip
+            dim=cfg["dim"],
+            n_layers=cfg["layers"],
+            n_heads=cfg["heads"],
+            n_kv_heads=cfg["kv_heads"],
+            ffn_hidden_dim=cfg["ffn"],
+            vocab_size=cfg["vocab"],
+            max_seq_len=cfg["seq"],
+        )
         queue.put(("ok", [_measure(args, mesh, cfg["batch"], cfg["seq"], sp) for sp in (True, False)]))
     except BaseException:
         queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))

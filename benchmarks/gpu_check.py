@@ -66,12 +66,14 @@ STATUSES = ("pass", "fail", "skip")
 # reductions) differ from the reference by a few of those, and training amplifies step-1
 # differences a little over the run.
 TOLERANCES = {
-    "flex_attention_rel": 2e-2,  # bf16 FlexAttention vs fp32 SDPA (dense mask): out, dq, dk, dv; norm-relative
+    # bf16 FlexAttention vs fp32 SDPA (dense mask): out, dq, dk, dv; norm-relative
+    "flex_attention_rel": 2e-2,
     "grouped_mm_rel": 2e-2,  # bf16 grouped / padded experts vs fp32 padded: out and grads; norm-relative
     "adamw_rel": 1e-5,  # fp32 fused vs foreach vs for-loop AdamW after 10 steps; norm-relative per tensor
     "compile_vs_eager_loss_rel": 2e-2,  # bf16 1B: max over steps of |loss_c - loss_e| / loss_e
     "parity_loss_rel": 2e-2,  # bf16 NCCL layouts vs 1 GPU: max over steps of |loss - ref| / ref
-    "parity_grad_norm_rel": 5e-2,  # the same for the pre-clip gradient norms (a mis-scaled reduction shows here)
+    # the same for the pre-clip gradient norms (a mis-scaled reduction shows here)
+    "parity_grad_norm_rel": 5e-2,
     "memory_over_plan_max": 1.25,  # measured peak max_memory_allocated / planned bytes per rank
     "loss_drop_min": 0.1,  # the last loss at most (1 - this) x the first
 }
@@ -90,14 +92,43 @@ class Part:
 
 
 PARTS = (
-    Part("environment", "GPUs, versions, dense bf16 matmul TFLOP/s (the MFU denominator)", "probe", 1, 120, 90),
-    Part("numerics_flex_attention", "FlexAttention block-causal fwd+bwd (bf16, compiled) vs fp32 SDPA with the "
-         "dense mask, B=2 S=2048 16/4 heads", "probe", 1, 300, 240),
-    Part("numerics_grouped_mm", "grouped-GEMM experts vs padded bmm, bf16 weights and fp32+autocast, vs fp32",
-         "probe", 1, 120, 90),
+    Part(
+        "environment", "GPUs, versions, dense bf16 matmul TFLOP/s (the MFU denominator)", "probe", 1, 120, 90
+    ),
+    Part(
+        "numerics_flex_attention",
+        "FlexAttention block-causal fwd+bwd (bf16, compiled) vs fp32 SDPA with the "
+        "dense mask, B=2 S=2048 16/4 heads",
+        "probe",
+        1,
+        300,
+        240,
+    ),
+    Part(
+        "numerics_grouped_mm",
+        "grouped-GEMM experts vs padded bmm, bf16 weights and fp32+autocast, vs fp32",
+        "probe",
+        1,
+        120,
+        90,
+    ),
     Part("numerics_adamw", "fused vs foreach vs for-loop AdamW, fp32, 10 steps", "probe", 1, 90, 60),
-    Part("train_1b_eager", "trainer/main.py, 1B preset, bf16, seq 2048, eager; profiles one step", "train", 1, 420, 240),
-    Part("train_1b_compiled", "trainer/main.py, 1B preset, bf16, seq 2048, training.compile=true", "train", 1, 480, 300),
+    Part(
+        "train_1b_eager",
+        "trainer/main.py, 1B preset, bf16, seq 2048, eager; profiles one step",
+        "train",
+        1,
+        420,
+        240,
+    ),
+    Part(
+        "train_1b_compiled",
+        "trainer/main.py, 1B preset, bf16, seq 2048, training.compile=true",
+        "train",
+        1,
+        480,
+        300,
+    ),
     Part("generation_kv_cache", "greedy KV-cache generation, 1B shapes, bf16, batch 1", "probe", 1, 240, 180),
     Part("parity_reference", "debug model, bf16, 1 GPU: the reference of the dense layouts", "parity", 2),
     Part("parity_fsdp", "debug model, FSDP x N (all GPUs) vs parity_reference", "parity", 2),
@@ -106,25 +137,34 @@ PARTS = (
     Part("parity_cp2_allgather", "debug model, CP x 2, cp_impl=allgather vs parity_reference", "parity", 2),
     Part("parity_moe_reference", "moe_debug, bf16, 1 GPU: the reference of EP", "parity", 2),
     Part("parity_ep2", "moe_debug, EP x 2 (dp_shard=2) vs parity_moe_reference", "parity", 2),
-)  # fmt: skip
+)
 PART_NAMES = tuple(p.name for p in PARTS)
 # Parts computed from other parts' results (no process of their own).
 DERIVED = {
     "numerics_compile_vs_eager": "per-step losses of train_1b_compiled vs train_1b_eager",
-    "profiler_and_memory_snapshot": "the profiler trace and CUDA memory snapshot of train_1b_eager's profiled step",
+    "profiler_and_memory_snapshot": (
+        "the profiler trace and CUDA memory snapshot of train_1b_eager's profiled step"
+    ),
 }
 PARITY_REFERENCE = {
-    "parity_fsdp": "parity_reference", "parity_tp2": "parity_reference", "parity_cp2_ring": "parity_reference",
-    "parity_cp2_allgather": "parity_reference", "parity_ep2": "parity_moe_reference",
-}  # fmt: skip
+    "parity_fsdp": "parity_reference",
+    "parity_tp2": "parity_reference",
+    "parity_cp2_ring": "parity_reference",
+    "parity_cp2_allgather": "parity_reference",
+    "parity_ep2": "parity_moe_reference",
+}
 
 
 class PartFailure(Exception):
     """A part's own check failed; the message is the summary's ``reason``, ``numbers`` and
     ``artifacts`` what was measured before the failure."""
 
-    def __init__(self, reason: str, numbers: Optional[dict[str, Any]] = None,
-                 artifacts: Optional[dict[str, Any]] = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        reason: str,
+        numbers: Optional[dict[str, Any]] = None,
+        artifacts: Optional[dict[str, Any]] = None,
+    ) -> None:
         super().__init__(reason)
         self.numbers = numbers or {}
         self.artifacts = artifacts or {}
@@ -137,8 +177,9 @@ class PartFailure(Exception):
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     """Parse and check the arguments; bad ones exit with status 2 and a message naming them."""
-    p = argparse.ArgumentParser(prog="gpu_check.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="gpu_check.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument(
         "--quick", action="store_true", help="fewer steps and smaller sizes (about 4 minutes on one GPU)"
     )
@@ -192,12 +233,22 @@ def train_overrides(part: str, folder: str, quick: bool, micro_batch: int) -> li
     """Hydra overrides of a 1B run (``train_1b_eager`` / ``train_1b_compiled``)."""
     steps, profiled, _ = train_steps(quick)
     o = [
-        "model=1b", "training.seq_len=2048", f"training.micro_batch_size={micro_batch}",
-        f"training.global_batch_size={micro_batch}", "training.mixed_precision=bf16", f"training.steps={steps}",
-        "training.eval_freq=0", "training.device=cuda", "lr_scheduler.warmup_steps=3", "metrics.log_freq=1",
-        "metrics.tensorboard=false", "checkpoint.enable=false", "data.max_documents=400", "parallelism.dp_shard=1",
+        "model=1b",
+        "training.seq_len=2048",
+        f"training.micro_batch_size={micro_batch}",
+        f"training.global_batch_size={micro_batch}",
+        "training.mixed_precision=bf16",
+        f"training.steps={steps}",
+        "training.eval_freq=0",
+        "training.device=cuda",
+        "lr_scheduler.warmup_steps=3",
+        "metrics.log_freq=1",
+        "metrics.tensorboard=false",
+        "checkpoint.enable=false",
+        "data.max_documents=400",
+        "parallelism.dp_shard=1",
         f"job.dump_folder={folder}",
-    ]  # fmt: skip
+    ]
     if part == "train_1b_compiled":
         o.append("training.compile=true")
     else:
@@ -210,10 +261,13 @@ PARITY_LAYOUTS = {
     "parity_fsdp": (-1, ["parallelism.dp_shard=-1"]),
     "parity_tp2": (2, ["parallelism.tp=2", "parallelism.dp_shard=1"]),
     "parity_cp2_ring": (2, ["parallelism.cp=2", "parallelism.cp_impl=ring", "parallelism.dp_shard=1"]),
-    "parity_cp2_allgather": (2, ["parallelism.cp=2", "parallelism.cp_impl=allgather", "parallelism.dp_shard=1"]),
+    "parity_cp2_allgather": (
+        2,
+        ["parallelism.cp=2", "parallelism.cp_impl=allgather", "parallelism.dp_shard=1"],
+    ),
     "parity_moe_reference": (1, ["model=moe_debug"]),
     "parity_ep2": (2, ["model=moe_debug", "parallelism.ep=2", "parallelism.dp_shard=2"]),
-}  # fmt: skip
+}
 
 
 def parity_steps(quick: bool) -> int:
@@ -228,20 +282,37 @@ def parity_overrides(part: str, folder: str, quick: bool, num_gpus: int) -> tupl
     nproc = num_gpus if nproc == -1 else nproc
     gbs = math.lcm(16, 2 * max(num_gpus, 1))
     return nproc, [
-        "+experiment=debug", "training.seq_len=512", "training.micro_batch_size=2",
-        f"training.global_batch_size={gbs}", "training.mixed_precision=bf16", f"training.steps={parity_steps(quick)}",
-        "training.eval_freq=0", "training.device=cuda", "lr_scheduler.warmup_steps=2", "metrics.log_freq=1",
-        "metrics.tensorboard=false", "checkpoint.enable=false", "data.max_documents=300", f"job.dump_folder={folder}",
+        "+experiment=debug",
+        "training.seq_len=512",
+        "training.micro_batch_size=2",
+        f"training.global_batch_size={gbs}",
+        "training.mixed_precision=bf16",
+        f"training.steps={parity_steps(quick)}",
+        "training.eval_freq=0",
+        "training.device=cuda",
+        "lr_scheduler.warmup_steps=2",
+        "metrics.log_freq=1",
+        "metrics.tensorboard=false",
+        "checkpoint.enable=false",
+        "data.max_documents=300",
+        f"job.dump_folder={folder}",
         *layout,
-    ]  # fmt: skip
+    ]
 
 
 def trainer_command(nproc: int, overrides: list[str]) -> list[str]:
     """``python trainer/main.py`` for one process, torchrun (``torch.distributed.run``) for more."""
     if nproc == 1:
         return [sys.executable, "trainer/main.py", *overrides]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "trainer/main.py", *overrides]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "trainer/main.py",
+        *overrides,
+    ]
 
 
 def part_command(part: Part, out: str, quick: bool, num_gpus: int, micro_batch: int) -> Optional[list[str]]:
@@ -284,12 +355,17 @@ def summarize_training(
 
     losses = [r["loss"] for r in records]
     return {
-        "steps": len(records), "timed_steps": [r["step"] for r in timed],
-        "tokens_per_sec": median("tokens_per_sec"), "tflops": median("tflops"),
-        "mfu_pct_datasheet": median("mfu"), "step_time_s": median("step_time_s"),
+        "steps": len(records),
+        "timed_steps": [r["step"] for r in timed],
+        "tokens_per_sec": median("tokens_per_sec"),
+        "tflops": median("tflops"),
+        "mfu_pct_datasheet": median("mfu"),
+        "step_time_s": median("step_time_s"),
         "peak_memory_gib": max(r.get("memory_gib") or 0.0 for r in records),
-        "first_loss": losses[0], "last_loss": losses[-1], "losses": losses,
-    }  # fmt: skip
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+        "losses": losses,
+    }
 
 
 def finite_json(obj: Any) -> Any:
@@ -304,7 +380,8 @@ def finite_json(obj: Any) -> Any:
 
 
 def compare_losses(test: list[float], ref: list[float], tol: float) -> dict[str, Any]:
-    """Per-step relative loss difference of ``test`` against ``ref``: pass when every step is within ``tol``."""
+    """Per-step relative loss difference of ``test`` against ``ref``: pass when every step is within
+    ``tol``."""
     if not test or not ref:
         return {"pass": False, "reason": "no losses to compare"}
     if not all(isinstance(x, (int, float)) and math.isfinite(x) for x in (*test, *ref)):
@@ -313,9 +390,15 @@ def compare_losses(test: list[float], ref: list[float], tol: float) -> dict[str,
         return {"pass": False, "reason": f"{len(test)} steps vs {len(ref)} in the reference"}
     rel = [abs(a - b) / abs(b) if b else abs(a - b) for a, b in zip(test, ref)]
     worst = max(rel)
-    return {"pass": worst <= tol, "max_rel": worst, "step1_rel": rel[0], "tolerance": tol,
-            "reason": None if worst <= tol else f"differs by {worst:.3g} relative (> {tol:g}) at step "
-            f"{rel.index(worst) + 1}"}  # fmt: skip
+    return {
+        "pass": worst <= tol,
+        "max_rel": worst,
+        "step1_rel": rel[0],
+        "tolerance": tol,
+        "reason": None
+        if worst <= tol
+        else f"differs by {worst:.3g} relative (> {tol:g}) at step {rel.index(worst) + 1}",
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -442,8 +525,11 @@ def profile_artifacts(folder: str, step: int) -> dict[str, Any]:
     """Paths and sizes of the trace, top-ops table and memory snapshot of ``step`` (rank 0)."""
     base = os.path.join(folder, "profile", f"step-{step}")
     out: dict[str, Any] = {}
-    for key, name in (("profile_trace", "rank0.trace.json"), ("top_ops", "rank0.top_ops.txt"),
-                      ("memory_snapshot", "rank0.memory_snapshot.pickle")):  # fmt: skip
+    for key, name in (
+        ("profile_trace", "rank0.trace.json"),
+        ("top_ops", "rank0.top_ops.txt"),
+        ("memory_snapshot", "rank0.memory_snapshot.pickle"),
+    ):
         path = os.path.join(base, name)
         out[key] = os.path.abspath(path) if os.path.isfile(path) else None
         out[f"{key}_bytes"] = os.path.getsize(path) if os.path.isfile(path) else 0
@@ -460,17 +546,25 @@ def part_train(args: argparse.Namespace, part: Part) -> dict[str, Any]:
     memory = torch.cuda.get_device_properties(0).total_memory / 2**30
     micro, planned = fitting_micro_batch(part.name, folder, args, memory)
     cmd = trainer_command(1, train_overrides(part.name, folder, args.quick, micro))
-    artifacts: dict[str, Any] = {"run_folder": folder, "metrics_jsonl": os.path.join(folder, "metrics.jsonl"),
-                                 "command": shlex.join(cmd)}  # fmt: skip
+    artifacts: dict[str, Any] = {
+        "run_folder": folder,
+        "metrics_jsonl": os.path.join(folder, "metrics.jsonl"),
+        "command": shlex.join(cmd),
+    }
     rc = run_trainer(cmd, args.deadline - time.monotonic())
     steps, profiled, warmup = train_steps(args.quick)
     if part.name == "train_1b_eager":
         artifacts.update(profile_artifacts(folder, profiled))
     if rc != 0:
         raise PartFailure(f"trainer/main.py exited with status {rc} (see the part's log)", {}, artifacts)
-    numbers = {"preset": "1b", "seq_len": 2048, "micro_batch": micro, "dtype": "bf16",
-               "compile": part.name == "train_1b_compiled",
-               **summarize_training(read_metrics(folder), warmup=warmup, exclude=(profiled,))}  # fmt: skip
+    numbers = {
+        "preset": "1b",
+        "seq_len": 2048,
+        "micro_batch": micro,
+        "dtype": "bf16",
+        "compile": part.name == "train_1b_compiled",
+        **summarize_training(read_metrics(folder), warmup=warmup, exclude=(profiled,)),
+    }
     numbers["planned_memory_gib"] = planned
     numbers["memory_over_plan"] = numbers["peak_memory_gib"] / planned
     numbers["loss_falling"] = (
@@ -482,8 +576,10 @@ def part_train(args: argparse.Namespace, part: Part) -> dict[str, Any]:
     if not numbers["loss_falling"]:
         problems.append(f"loss did not fall: {numbers['first_loss']:.3f} -> {numbers['last_loss']:.3f}")
     if numbers["memory_over_plan"] > TOLERANCES["memory_over_plan_max"]:
-        problems.append(f"peak memory {numbers['peak_memory_gib']:.1f} GiB is {numbers['memory_over_plan']:.2f}x "
-                        f"the planned {planned:.1f} GiB (> {TOLERANCES['memory_over_plan_max']})")  # fmt: skip
+        problems.append(
+            f"peak memory {numbers['peak_memory_gib']:.1f} GiB is {numbers['memory_over_plan']:.2f}x "
+            f"the planned {planned:.1f} GiB (> {TOLERANCES['memory_over_plan_max']})"
+        )
     if problems:
         raise PartFailure("; ".join(problems), numbers, artifacts)
     return {"numbers": numbers, "artifacts": artifacts}
@@ -503,8 +599,12 @@ def part_parity(args: argparse.Namespace, part: Part) -> dict[str, Any]:
             f"trainer exited with status {rc} (see the part's log)", {"processes": nproc}, artifacts
         )
     records = read_metrics(folder)
-    numbers = {"processes": nproc, "dtype": "bf16", "losses": [r["loss"] for r in records],
-               "grad_norms": [r["grad_norm"] for r in records]}  # fmt: skip
+    numbers = {
+        "processes": nproc,
+        "dtype": "bf16",
+        "losses": [r["loss"] for r in records],
+        "grad_norms": [r["grad_norm"] for r in records],
+    }
     if len(records) != parity_steps(args.quick):
         raise PartFailure(f"{len(records)} of {parity_steps(args.quick)} steps logged", numbers, artifacts)
     return {"numbers": numbers, "artifacts": artifacts}
@@ -583,8 +683,19 @@ def run_part_child(part: Part, args: argparse.Namespace) -> dict[str, Any]:
     log = os.path.join(out, "logs", f"{part.name}.log")
     if os.path.exists(result_path):
         os.remove(result_path)
-    cmd = [sys.executable, os.path.abspath(__file__), "--part", part.name, "--out", out, "--gpus", str(args.gpus),
-           "--micro-batch", str(args.micro_batch), *(["--quick"] if args.quick else [])]  # fmt: skip
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--part",
+        part.name,
+        "--out",
+        out,
+        "--gpus",
+        str(args.gpus),
+        "--micro-batch",
+        str(args.micro_batch),
+        *(["--quick"] if args.quick else []),
+    ]
     timeout = timeout_of(part, args.quick)
     start = time.perf_counter()
     with open(log, "w", encoding="utf-8") as f:
@@ -680,8 +791,9 @@ def _profile_part(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return _result("fail" if missing else "pass", reason, numbers, artifacts)
 
 
-def _result(status: str, reason: Optional[str], numbers: Optional[dict] = None,
-            artifacts: Optional[dict] = None) -> dict[str, Any]:  # fmt: skip
+def _result(
+    status: str, reason: Optional[str], numbers: Optional[dict] = None, artifacts: Optional[dict] = None
+) -> dict[str, Any]:
     return {
         "status": status,
         "reason": reason,
@@ -691,8 +803,9 @@ def _result(status: str, reason: Optional[str], numbers: Optional[dict] = None,
     }
 
 
-def build_summary(results: dict[str, dict[str, Any]], *, quick: bool, out: str, gpus: int,
-                  started_utc: str, wall_s: float) -> dict[str, Any]:  # fmt: skip
+def build_summary(
+    results: dict[str, dict[str, Any]], *, quick: bool, out: str, gpus: int, started_utc: str, wall_s: float
+) -> dict[str, Any]:
     """The summary from the parts' results (``{name: {status, reason, numbers, artifacts, wall_s}}``):
     derived checks added (MFU vs the measured matmul, parity vs reference, compiled vs eager,
     profiler files), parts in the canonical order, counts and the overall ``ok``."""
@@ -715,23 +828,55 @@ def build_summary(results: dict[str, dict[str, Any]], *, quick: bool, out: str, 
         r = results.get(name, derived.get(name))
         if r is None:
             continue
-        parts.append({"name": name, "status": r.get("status", "fail"), "reason": r.get("reason"),
-                      "wall_s": float(r.get("wall_s", 0.0)), "numbers": r.get("numbers") or {},
-                      "artifacts": r.get("artifacts") or {}, "log": r.get("log")})  # fmt: skip
+        parts.append(
+            {
+                "name": name,
+                "status": r.get("status", "fail"),
+                "reason": r.get("reason"),
+                "wall_s": float(r.get("wall_s", 0.0)),
+                "numbers": r.get("numbers") or {},
+                "artifacts": r.get("artifacts") or {},
+                "log": r.get("log"),
+            }
+        )
     counts = {s: sum(p["status"] == s for p in parts) for s in STATUSES}
     return {
-        "schema": SCHEMA, "ok": counts["fail"] == 0 and counts["pass"] > 0, "quick": quick,
-        "out_dir": os.path.abspath(out), "gpus_used": gpus, "started_utc": started_utc, "wall_s": round(wall_s, 2),
-        "environment": env.get("numbers", {}), "tolerances": dict(TOLERANCES), "parts": parts, "counts": counts,
-    }  # fmt: skip
+        "schema": SCHEMA,
+        "ok": counts["fail"] == 0 and counts["pass"] > 0,
+        "quick": quick,
+        "out_dir": os.path.abspath(out),
+        "gpus_used": gpus,
+        "started_utc": started_utc,
+        "wall_s": round(wall_s, 2),
+        "environment": env.get("numbers", {}),
+        "tolerances": dict(TOLERANCES),
+        "parts": parts,
+        "counts": counts,
+    }
 
 
 SUMMARY_KEYS = {
-    "schema": str, "ok": bool, "quick": bool, "out_dir": str, "gpus_used": int, "started_utc": str,
-    "wall_s": (int, float), "environment": dict, "tolerances": dict, "parts": list, "counts": dict,
-}  # fmt: skip
-PART_KEYS = {"name": str, "status": str, "reason": (str, type(None)), "wall_s": (int, float), "numbers": dict,
-             "artifacts": dict, "log": (str, type(None))}  # fmt: skip
+    "schema": str,
+    "ok": bool,
+    "quick": bool,
+    "out_dir": str,
+    "gpus_used": int,
+    "started_utc": str,
+    "wall_s": (int, float),
+    "environment": dict,
+    "tolerances": dict,
+    "parts": list,
+    "counts": dict,
+}
+PART_KEYS = {
+    "name": str,
+    "status": str,
+    "reason": (str, type(None)),
+    "wall_s": (int, float),
+    "numbers": dict,
+    "artifacts": dict,
+    "log": (str, type(None)),
+}
 
 
 def validate_summary(summary: Any) -> None:
@@ -794,14 +939,21 @@ def _cuda_gpus(args: argparse.Namespace) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print(f"gpu_check: no CUDA device here (torch {torch.__version__}, CUDA build: {torch.version.cuda or 'none'}, "
-              "torch.cuda.is_available() is False). This check needs an NVIDIA GPU; `--dry-run` lists what it "
-              "would run.", file=sys.stderr)  # fmt: skip
+        print(
+            f"gpu_check: no CUDA device here (torch {torch.__version__}, CUDA build: "
+            f"{torch.version.cuda or 'none'}, "
+            "torch.cuda.is_available() is False). This check needs an NVIDIA GPU; `--dry-run` lists what it "
+            "would run.",
+            file=sys.stderr,
+        )
         sys.exit(2)
     visible = torch.cuda.device_count()
     if args.gpus is not None and args.gpus > visible:
-        print(f"gpu_check: --gpus={args.gpus} but {visible} GPU(s) are visible; pass --gpus {visible} or fewer.",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"gpu_check: --gpus={args.gpus} but {visible} GPU(s) are visible; "
+            f"pass --gpus {visible} or fewer.",
+            file=sys.stderr,
+        )
         sys.exit(2)
     return args.gpus or visible
 
@@ -825,10 +977,20 @@ def main(argv: Optional[list[str]] = None) -> int:
         else:
             results[part.name] = run_part_child(part, args)
         r = results[part.name]
-        print(f"[gpu_check] {part.name}: {r['status']} ({r.get('wall_s', 0):.0f} s)"
-              + (f" - {r['reason'].splitlines()[0]}" if r.get("reason") else ""), file=sys.stderr, flush=True)  # fmt: skip
-    summary = build_summary(results, quick=args.quick, out=args.out, gpus=args.gpus, started_utc=started,
-                            wall_s=time.perf_counter() - t0)  # fmt: skip
+        print(
+            f"[gpu_check] {part.name}: {r['status']} ({r.get('wall_s', 0):.0f} s)"
+            + (f" - {r['reason'].splitlines()[0]}" if r.get("reason") else ""),
+            file=sys.stderr,
+            flush=True,
+        )
+    summary = build_summary(
+        results,
+        quick=args.quick,
+        out=args.out,
+        gpus=args.gpus,
+        started_utc=started,
+        wall_s=time.perf_counter() - t0,
+    )
     try:
         validate_summary(summary)
     except ValueError as e:  # still write what was measured

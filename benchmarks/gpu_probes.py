@@ -47,8 +47,12 @@ def missing_training_packages() -> list[str]:
 
 def _driver_version() -> Optional[str]:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)  # fmt: skip
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.splitlines()[0].strip() if out.returncode == 0 and out.stdout.strip() else None
@@ -59,8 +63,15 @@ def environment() -> dict[str, Any]:
     gpus = []
     for i in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(i)
-        gpus.append({"index": i, "name": p.name, "memory_gib": round(p.total_memory / 2**30, 2),
-                     "capability": f"{p.major}.{p.minor}", "sms": p.multi_processor_count})  # fmt: skip
+        gpus.append(
+            {
+                "index": i,
+                "name": p.name,
+                "memory_gib": round(p.total_memory / 2**30, 2),
+                "capability": f"{p.major}.{p.minor}",
+                "sms": p.multi_processor_count,
+            }
+        )
     nccl = None
     if torch.cuda.is_available() and hasattr(torch.cuda, "nccl"):
         try:
@@ -94,8 +105,12 @@ def environment() -> dict[str, Any]:
     }
 
 
-def matmul_tflops(device: torch.device, sizes: tuple[int, ...] = (4096, 8192), iters: int = 20,
-                  dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:  # fmt: skip
+def matmul_tflops(
+    device: torch.device,
+    sizes: tuple[int, ...] = (4096, 8192),
+    iters: int = 20,
+    dtype: torch.dtype = torch.bfloat16,
+) -> dict[str, Any]:
     """Dense ``(n, n) @ (n, n)`` rate in TFLOP/s per size and the best (the MFU denominator)."""
     per_size: dict[str, float] = {}
     for n in sizes:
@@ -106,8 +121,12 @@ def matmul_tflops(device: torch.device, sizes: tuple[int, ...] = (4096, 8192), i
         seconds = _timed(lambda a=a, b=b: torch.mm(a, b), iters, device)
         per_size[str(n)] = round(2 * n**3 / seconds / 1e12, 2)
         del a, b
-    return {"dtype": str(dtype).replace("torch.", ""), "iters": iters, "tflops_by_size": per_size,
-            "tflops": max(per_size.values())}  # fmt: skip
+    return {
+        "dtype": str(dtype).replace("torch.", ""),
+        "iters": iters,
+        "tflops_by_size": per_size,
+        "tflops": max(per_size.values()),
+    }
 
 
 def _timed(fn: Any, iters: int, device: torch.device) -> float:
@@ -146,9 +165,19 @@ def packed_positions(seq_len: int, doc_lengths: list[int], device: torch.device)
     return torch.tensor(pos, device=device)
 
 
-def check_flex_attention(device: torch.device, *, dtype: torch.dtype = torch.bfloat16, batch: int = 2,
-                         seq_len: int = 2048, n_heads: int = 16, n_kv_heads: int = 4, head_dim: int = 64,
-                         backward: bool = True, compiled: bool = True, seed: int = 0) -> dict[str, Any]:  # fmt: skip
+def check_flex_attention(
+    device: torch.device,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    batch: int = 2,
+    seq_len: int = 2048,
+    n_heads: int = 16,
+    n_kv_heads: int = 4,
+    head_dim: int = 64,
+    backward: bool = True,
+    compiled: bool = True,
+    seed: int = 0,
+) -> dict[str, Any]:
     """FlexAttention (``models.attention``'s block mask) vs SDPA with the dense block-causal mask.
 
     The reference is SDPA in float32 with ``MaskSpec.additive`` (documents from packed positions);
@@ -193,7 +222,7 @@ def check_flex_attention(device: torch.device, *, dtype: torch.dtype = torch.bfl
             "n_kv_heads": n_kv_heads,
             "head_dim": head_dim,
             "documents_per_window": int(doc[0].unique().numel()),
-        },  # fmt: skip
+        },
         "dtype": str(dtype).replace("torch.", ""),
         "flex_vs_fp32_sdpa": dict(zip(names, flex_errs)),
         "sdpa_same_dtype_vs_fp32_sdpa": dict(zip(names, sdpa_errs)),
@@ -201,9 +230,16 @@ def check_flex_attention(device: torch.device, *, dtype: torch.dtype = torch.bfl
     }
 
 
-def check_grouped_experts(device: torch.device, *, dtype: torch.dtype = torch.bfloat16, num_experts: int = 8,
-                          dim: int = 512, hidden_dim: int = 1024, tokens: int = 4096,
-                          seed: int = 0) -> dict[str, Any]:  # fmt: skip
+def check_grouped_experts(
+    device: torch.device,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    num_experts: int = 8,
+    dim: int = 512,
+    hidden_dim: int = 1024,
+    tokens: int = 4096,
+    seed: int = 0,
+) -> dict[str, Any]:
     """``GroupedExperts`` with ``grouped_mm=on`` (``torch._grouped_mm``) vs ``off`` (padded ``bmm``).
 
     The reference is the padded path in float32. Both paths then run forward and backward in
@@ -278,8 +314,15 @@ def check_adamw(device: torch.device, *, steps: int = 10, seed: int = 0) -> dict
     params = {}
     for impl in ("fused", "foreach", "for-loop"):
         ps = [torch.nn.Parameter(t.clone().to(device)) for t in init]
-        opt = torch.optim.AdamW(ps, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                                fused=impl == "fused", foreach=impl == "foreach")  # fmt: skip
+        opt = torch.optim.AdamW(
+            ps,
+            lr=3e-4,
+            betas=(0.9, 0.95),
+            eps=1e-8,
+            weight_decay=0.1,
+            fused=impl == "fused",
+            foreach=impl == "foreach",
+        )
         for step_grads in grads:
             for p, g in zip(ps, step_grads):
                 p.grad = g.to(device)
@@ -289,8 +332,14 @@ def check_adamw(device: torch.device, *, steps: int = 10, seed: int = 0) -> dict
     moved = max(rel_err(p, i.to(device)) for p, i in zip(ref, init))
     errs = {impl: max(rel_err(a, r) for a, r in zip(params[impl], ref)) for impl in ("fused", "foreach")}
     direct = max(rel_err(a, b) for a, b in zip(params["fused"], params["foreach"]))
-    return {"steps": steps, "fused_vs_for_loop": errs["fused"], "foreach_vs_for_loop": errs["foreach"],
-            "fused_vs_foreach": direct, "relative_update": moved, "max_rel_err": max(direct, *errs.values())}  # fmt: skip
+    return {
+        "steps": steps,
+        "fused_vs_for_loop": errs["fused"],
+        "foreach_vs_for_loop": errs["foreach"],
+        "fused_vs_foreach": direct,
+        "relative_update": moved,
+        "max_rel_err": max(direct, *errs.values()),
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -311,8 +360,15 @@ def preset_args(preset: str) -> Any:
     return spec, spec.make_args(fields)
 
 
-def generation_speed(device: torch.device, *, preset: str = "1b", dtype: torch.dtype = torch.bfloat16,
-                     prompt_len: int = 128, new_tokens: int = 256, compare_tokens: int = 16) -> dict[str, Any]:  # fmt: skip
+def generation_speed(
+    device: torch.device,
+    *,
+    preset: str = "1b",
+    dtype: torch.dtype = torch.bfloat16,
+    prompt_len: int = 128,
+    new_tokens: int = 256,
+    compare_tokens: int = 16,
+) -> dict[str, Any]:
     """Greedy KV-cache generation (``models.generation.generate``) with ``preset``'s shapes (seeded
     random weights in ``dtype``, batch 1): prefill time, decode tokens/s, and the same first
     ``compare_tokens`` tokens without the cache (the cache-less re-run; a token mismatch in bf16 is
@@ -345,13 +401,18 @@ def generation_speed(device: torch.device, *, preset: str = "1b", dtype: torch.d
     _, plain = timed(compare_tokens, cache=False)
     decode_s = max(total_s - prefill_s, 1e-9)
     return {
-        "preset": preset, "dtype": str(dtype).replace("torch.", ""), "batch": 1, "prompt_len": prompt_len,
-        "new_tokens": new_tokens, "prefill_s": round(prefill_s, 4), "total_s": round(total_s, 3),
+        "preset": preset,
+        "dtype": str(dtype).replace("torch.", ""),
+        "batch": 1,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "prefill_s": round(prefill_s, 4),
+        "total_s": round(total_s, 3),
         "decode_tokens_per_s": round((new_tokens - 1) / decode_s, 1),
         "tokens_per_s": round(new_tokens / total_s, 1),
         "greedy_match_without_cache": cached[: prompt_len + compare_tokens] == plain,
         "params": sum(p.numel() for p in model.parameters()),
-    }  # fmt: skip
+    }
 
 
 def _sync(device: torch.device) -> None:

@@ -269,7 +269,9 @@ class LatentAttentionCore(nn.Module):
     def attention_mask(self) -> str:
         return self.inner.attention_mask
 
-    def forward(self, q: Tensor, latent: Tensor, *, expand: Expand, positions: Optional[Tensor] = None) -> Tensor:
+    def forward(
+        self, q: Tensor, latent: Tensor, *, expand: Expand, positions: Optional[Tensor] = None
+    ) -> Tensor:
         """q (B, S, nh, Dqk), latent (B, S, 1, C) -> (B, S, nh, Dv)."""
         k, v = expand(latent)  # (B, S, nh, Dqk), (B, S, nh, Dv)
         return self.inner(q, k, v, positions=positions)
@@ -290,7 +292,9 @@ class LatentKVCacheCore(nn.Module):
         """Forget the cached tokens (the buffer is kept for the next sequence)."""
         self.length = 0
 
-    def forward(self, q: Tensor, latent: Tensor, *, expand: Expand, positions: Optional[Tensor] = None) -> Tensor:
+    def forward(
+        self, q: Tensor, latent: Tensor, *, expand: Expand, positions: Optional[Tensor] = None
+    ) -> Tensor:
         """q (B, Sn, nh, Dqk), latent (B, Sn, 1, C) for the Sn new tokens -> (B, Sn, nh, Dv)."""
         B, Sn = latent.shape[:2]
         if self.length + Sn > self.max_len:

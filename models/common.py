@@ -96,11 +96,14 @@ class RopeScaling:
         if self.type == "yarn":
             if not (self.beta_slow > 0 and self.beta_fast > 0):
                 raise ConfigError(
-                    f"model.rope_scaling: beta_fast={self.beta_fast} and beta_slow={self.beta_slow} must be > 0."
+                    f"model.rope_scaling: beta_fast={self.beta_fast} and beta_slow={self.beta_slow} must be "
+                    "> 0."
                 )
             for name in ("mscale", "mscale_all_dim", "attention_factor"):
                 if getattr(self, name) < 0:
-                    raise ConfigError(f"model.rope_scaling.{name}={getattr(self, name)} must be >= 0 (0 = absent).")
+                    raise ConfigError(
+                        f"model.rope_scaling.{name}={getattr(self, name)} must be >= 0 (0 = absent)."
+                    )
         if self.type in ("llama3", "yarn") and self.original_max_seq_len <= 0:
             raise ConfigError(
                 f"model.rope_scaling.original_max_seq_len={self.original_max_seq_len} must be positive."
@@ -144,7 +147,11 @@ def _yarn_inv_freq(inv_freq: Tensor, head_dim: int, theta: float, scaling: RopeS
     range is truncated to whole dimensions, as in transformers and DeepSeek's reference code."""
 
     def correction_dim(rotations: float) -> float:
-        return head_dim * math.log(scaling.original_max_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+        return (
+            head_dim
+            * math.log(scaling.original_max_seq_len / (rotations * 2 * math.pi))
+            / (2 * math.log(theta))
+        )
 
     low = max(math.floor(correction_dim(scaling.beta_fast)), 0)
     high = min(math.ceil(correction_dim(scaling.beta_slow)), head_dim - 1)
@@ -167,7 +174,9 @@ def rope_attention_factor(scaling: Optional[RopeScaling]) -> float:
     if scaling.attention_factor:
         return scaling.attention_factor
     if scaling.mscale and scaling.mscale_all_dim:
-        return yarn_mscale(scaling.factor, scaling.mscale) / yarn_mscale(scaling.factor, scaling.mscale_all_dim)
+        return yarn_mscale(scaling.factor, scaling.mscale) / yarn_mscale(
+            scaling.factor, scaling.mscale_all_dim
+        )
     return yarn_mscale(scaling.factor)
 
 

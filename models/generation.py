@@ -22,8 +22,9 @@ from models.attention import KVCacheCore, LatentAttentionCore, LatentKVCacheCore
 __all__ = ["generate", "kv_cache", "sample_next"]
 
 
-def sample_next(logits: torch.Tensor, temperature: float, top_k: Optional[int],
-            generator: Optional[torch.Generator]) -> int:  # fmt: skip
+def sample_next(
+    logits: torch.Tensor, temperature: float, top_k: Optional[int], generator: Optional[torch.Generator]
+) -> int:
     """Next token from (V,) logits: argmax at temperature 0, else top-k sampling."""
     if temperature <= 0:
         return int(logits.argmax())
@@ -55,9 +56,17 @@ def kv_cache(model: nn.Module, max_len: int) -> Iterator[list[nn.Module]]:
 
 
 @torch.no_grad()
-def generate(model: nn.Module, ids: list[int], *, max_new_tokens: int, temperature: float = 0.8,
-             top_k: Optional[int] = 50, eos_id: Optional[int] = None,
-             generator: Optional[torch.Generator] = None, use_cache: bool = True) -> list[int]:  # fmt: skip
+def generate(
+    model: nn.Module,
+    ids: list[int],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.8,
+    top_k: Optional[int] = 50,
+    eos_id: Optional[int] = None,
+    generator: Optional[torch.Generator] = None,
+    use_cache: bool = True,
+) -> list[int]:
     """Continue ``ids`` by up to ``max_new_tokens`` sampled tokens (stops at ``eos_id``).
 
     With ``use_cache`` each step feeds only the new token and attends over the layers' cached

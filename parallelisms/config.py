@@ -31,15 +31,20 @@ class FaultToleranceConfig:
     """``parallelism.fault_tolerance``: torchft replica groups across ``dp_replicate``
     (parallelisms/fault_tolerance.py, trainer/resilience/fault_tolerance.py)."""
 
-    enable: bool = False  # each dp_replicate index is a replica group (its own torchrun); groups may die and rejoin
+    enable: bool = (
+        False  # each dp_replicate index is a replica group (its own torchrun); groups may die and rejoin
+    )
     replica_group_id: int = 0  # this group's index in [0, dp_replicate) (the launcher sets it)
     min_replicas: int = 1  # groups that must take part for a step to commit
     lighthouse: Optional[str] = None  # http://host:port of torchft_lighthouse; None = $TORCHFT_LIGHTHOUSE
     timeout_s: float = 10.0  # cross-group collectives, should_commit and healing transfers
     quorum_timeout_s: float = 60.0  # waiting for a quorum (> the lighthouse's --join_timeout_ms)
     heartbeat_ms: int = 100  # manager -> lighthouse heartbeat interval
-    startup_wait_s: float = 0.0  # first step of a group's process: wait up to this long for all dp_replicate groups
-    hang_timeout_s: float = 90.0  # main thread silent this long (not in a step, not waiting for a quorum): the supervisor kills the group
+    startup_wait_s: float = (
+        0.0  # first step of a group's process: wait up to this long for all dp_replicate groups
+    )
+    # main thread silent this long (not in a step, not waiting for a quorum): the supervisor kills the group
+    hang_timeout_s: float = 90.0
 
 
 @dataclass

@@ -77,7 +77,10 @@ def shard_indices(seq_len: int, cp: int, rank: int, load_balance: str, device: A
     n = seq_len // (2 * cp)
     tail = 2 * cp - 1 - rank
     return torch.cat(
-        [torch.arange(rank * n, (rank + 1) * n, device=device), torch.arange(tail * n, (tail + 1) * n, device=device)]
+        [
+            torch.arange(rank * n, (rank + 1) * n, device=device),
+            torch.arange(tail * n, (tail + 1) * n, device=device),
+        ]
     )
 
 
@@ -105,8 +108,9 @@ def cp_batch_sharder(cp_mesh: DeviceMesh, load_balance: str) -> Callable[[Any], 
             f.name: value.index_select(1, index)
             for f in dataclasses.fields(batch)
             if f.name not in ("inputs", "labels", "positions")
-            and isinstance(value := getattr(batch, f.name), torch.Tensor) and value.shape[:2] == (B, S)
-        }  # fmt: skip
+            and isinstance(value := getattr(batch, f.name), torch.Tensor)
+            and value.shape[:2] == (B, S)
+        }
         return dataclasses.replace(
             batch,
             inputs=batch.inputs.index_select(1, index),
@@ -143,7 +147,9 @@ class _GatherSequence(torch.autograd.Function):
         # Every rank's queries contributed to every owner's keys: sum the partial dK / dV and
         # give each owner its own slice.
         out = grad.new_empty(grad.shape[1:])
-        _reduce_scatter_single(out, grad.reshape(-1, *grad.shape[2:]).contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
+        _reduce_scatter_single(
+            out, grad.reshape(-1, *grad.shape[2:]).contiguous(), op=dist.ReduceOp.SUM, group=ctx.group
+        )
         return out, None
 
 
@@ -184,15 +190,21 @@ class AllGatherAttention(nn.Module):
 
     def _attend_eager(self, q: Tensor, k: Tensor, v: Tensor, *, positions: Optional[Tensor] = None) -> Tensor:
         kv = gather_sequence(torch.stack([k, v], dim=2), self.group)  # (B, S, 2, nkv, D)
-        return self._attend_gathered(q, kv[:, :, 0], kv[:, :, 1], positions)  # k/v (B, S, nkv, D) in rank order
+        return self._attend_gathered(
+            q, kv[:, :, 0], kv[:, :, 1], positions
+        )  # k/v (B, S, nkv, D) in rank order
 
-    def _attend_gathered(self, q: Tensor, k_all: Tensor, v_all: Tensor, positions: Optional[Tensor]) -> Tensor:
+    def _attend_gathered(
+        self, q: Tensor, k_all: Tensor, v_all: Tensor, positions: Optional[Tensor]
+    ) -> Tensor:
         """The local queries over the gathered keys/values, under the mask of their true indices."""
         B, S_local = q.shape[:2]
         use_flex = q.is_cuda
         block = self.attention_mask == "block_causal" and positions is not None
         key = (B, S_local, q.dtype, q.device, use_flex, block)
-        mask = self.cache.get(positions if block else None, key, lambda: self._build_mask(q, positions, block))
+        mask = self.cache.get(
+            positions if block else None, key, lambda: self._build_mask(q, positions, block)
+        )
         if use_flex and self.flex is None:
             self.flex = compiled_flex_attention()
         return attend(q, k_all, v_all, mask, flex=self.flex if use_flex else None)
@@ -238,16 +250,24 @@ class LatentAllGatherAttention(AllGatherAttention):
         self._attend_latent = torch.compiler.disable(self._attend_latent_eager)
 
     def forward(  # type: ignore[override]
-        self, q: Tensor, latent: Tensor, *, expand: Callable[[Tensor], tuple[Tensor, Tensor]],
+        self,
+        q: Tensor,
+        latent: Tensor,
+        *,
+        expand: Callable[[Tensor], tuple[Tensor, Tensor]],
         positions: Optional[Tensor] = None,
-    ) -> Tensor:  # fmt: skip
+    ) -> Tensor:
         """q (B, S/cp, nh, Dqk), latent (B, S/cp, 1, C + R) -> (B, S/cp, nh, Dv)."""
         return self._attend_latent(q, latent, expand=expand, positions=positions)
 
     def _attend_latent_eager(
-        self, q: Tensor, latent: Tensor, *, expand: Callable[[Tensor], tuple[Tensor, Tensor]],
+        self,
+        q: Tensor,
+        latent: Tensor,
+        *,
+        expand: Callable[[Tensor], tuple[Tensor, Tensor]],
         positions: Optional[Tensor] = None,
-    ) -> Tensor:  # fmt: skip
+    ) -> Tensor:
         latent_all = gather_sequence(latent, self.group)  # (B, S, 1, C + R) in rank order
         k_all, v_all = expand(latent_all)  # (B, S, nh, Dqk), (B, S, nh, Dv)
         return self._attend_gathered(q, k_all, v_all, positions)
@@ -258,7 +278,9 @@ class LatentAllGatherAttention(AllGatherAttention):
 # --------------------------------------------------------------------------------------------
 
 
-def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, impl: str, load_balance: str, attention_mask: str) -> int:
+def apply_cp(
+    model: nn.Module, cp_mesh: DeviceMesh, *, impl: str, load_balance: str, attention_mask: str
+) -> int:
     """Step 3 of ``parallelize``: swap every default attention core for the all-gather core
     (one instance shared by the model's layers). ``impl=ring`` leaves the model alone (torch's
     ring attention replaces SDPA inside the step context, see ``cp_contexts``). Returns the

@@ -285,7 +285,11 @@ class BucketedDDP(nn.Module):
         if isinstance(grad, DTensor) and isinstance(p, DTensor) and grad.placements != p.placements:
             grad = grad.redistribute(p.device_mesh, p.placements)  # e.g. Partial grads of SP norms
         local = _local(grad)
-        if local.data_ptr() == slot.data_ptr() and local.shape == slot.shape and local.stride() == slot.stride():
+        if (
+            local.data_ptr() == slot.data_ptr()
+            and local.shape == slot.shape
+            and local.stride() == slot.stride()
+        ):
             if scale:
                 slot.mul_(1.0 / self.world_size)  # accumulated in place (grad already is the slot)
         elif scale:

@@ -178,9 +178,15 @@ class LoadBalancer:
     logging steps (collective over pp). Same calls on every rank."""
 
     def __init__(
-        self, parts: list[nn.Module], spec: ModelSpec, dims: ParallelDims, args: Any, *, tokens_per_step: int,
+        self,
+        parts: list[nn.Module],
+        spec: ModelSpec,
+        dims: ParallelDims,
+        args: Any,
+        *,
+        tokens_per_step: int,
         forwards_per_step: int,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.layers = [(name, moe) for part in parts for name, moe in spec.moe_layers(part)]
         self.num_experts = args.num_experts
         self.n_layers = args.n_layers
@@ -198,9 +204,15 @@ class LoadBalancer:
 
     @classmethod
     def build(
-        cls, parts: list[nn.Module], spec: ModelSpec, dims: ParallelDims, args: Any, *, tokens_per_step: int,
+        cls,
+        parts: list[nn.Module],
+        spec: ModelSpec,
+        dims: ParallelDims,
+        args: Any,
+        *,
+        tokens_per_step: int,
         forwards_per_step: int,
-    ) -> Optional[LoadBalancer]:  # fmt: skip
+    ) -> Optional[LoadBalancer]:
         """A balancer for MoE families, None for dense ones."""
         if not spec.has_experts:
             return None
@@ -218,9 +230,12 @@ class LoadBalancer:
         """All-reduce this step's tokens per expert (and aux sums) over dp x cp; move the biases."""
         if not self.layers:
             return
-        local = torch.stack([
-            moe.step_stats(skip=max(0, len(moe.step_records) - self.forwards_per_step)) for _, moe in self.layers
-        ])  # (L_local, E + 2): tokens per expert, aux * tokens, tokens  # fmt: skip
+        local = torch.stack(
+            [
+                moe.step_stats(skip=max(0, len(moe.step_records) - self.forwards_per_step))
+                for _, moe in self.layers
+            ]
+        )  # (L_local, E + 2): tokens per expert, aux * tokens, tokens
         if self.dp_group is not None:
             dist.all_reduce(local, group=self.dp_group)
         for i, (_, moe) in enumerate(self.layers):

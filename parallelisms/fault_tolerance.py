@@ -9,7 +9,8 @@ reconfigurable process group. A group can die (and restart) without stopping the
 This file swaps *only the collective*; the wrappers stay ours:
 
 * **Pure replication inside a group** (``dp_shard = cp = pp = 1``): :class:`BucketedDDP` with a
-  :class:`ManagedReducer` (``parallelisms.ddp.apply_replica_ddp``). Its buckets and hooks are unchanged (gradients are copied into flat
+  :class:`ManagedReducer` (``parallelisms.ddp.apply_replica_ddp``). Its buckets and hooks are unchanged
+  (gradients are copied into flat
   buckets, each bucket launched in order as soon as it is full, overlapping backward); each
   bucket's ``all_reduce`` goes through ``Manager.allreduce`` instead of ``dist.all_reduce``.
 * **Sharded or pipelined groups** (FSDP2 / HSDP-like, PP, CP): after backward (FSDP's own

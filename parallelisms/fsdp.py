@@ -53,9 +53,12 @@ def apply_fsdp(
         if expert_mesh is not None:
             for experts in spec.expert_modules(block):
                 fully_shard(
-                    experts, mesh=expert_mesh, mp_policy=mp_policy, offload_policy=offload,
+                    experts,
+                    mesh=expert_mesh,
+                    mp_policy=mp_policy,
+                    offload_policy=offload,
                     reshard_after_forward=reshard,
-                )  # fmt: skip
+                )
         fully_shard(
             block, mesh=mesh, mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=reshard
         )
@@ -63,8 +66,12 @@ def apply_fsdp(
     # needed by pipeline zero-bubble schedules, whose split weight-gradient pass (W after B)
     # loses the gradients of parameters held by the FSDP root of the last stage (torch 2.13).
     head = [m for m in (getattr(model, name, None) for name in spec.last_modules) if m is not None]
-    first = {id(p) for name in spec.first_modules if getattr(model, name, None) is not None
-             for p in getattr(model, name).parameters()}  # fmt: skip
+    first = {
+        id(p)
+        for name in spec.first_modules
+        if getattr(model, name, None) is not None
+        for p in getattr(model, name).parameters()
+    }
     tied = any(id(p) in first for m in head for p in m.parameters())
     if head and not tied:
         fully_shard(head, mesh=mesh, mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=False)

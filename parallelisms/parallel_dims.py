@@ -88,7 +88,8 @@ class ParallelDims:
                 raise ConfigError(
                     f"world size {self.world_size} is not divisible by dp_replicate*cp*tp*pp = {others} "
                     f"(parallelism.dp_replicate={self.dp_replicate}, parallelism.cp={self.cp}, "
-                    f"parallelism.tp={self.tp}, parallelism.pp={self.pp}); change these degrees so that their "
+                    f"parallelism.tp={self.tp}, parallelism.pp={self.pp}); change these degrees so that "
+                    "their "
                     f"product divides {self.world_size}, or launch a multiple of {others} processes."
                 )
             self.dp_shard = self.world_size // others
@@ -104,9 +105,11 @@ class ParallelDims:
             shard_cp = self.dp_shard * self.cp
             if shard_cp % self.ep != 0 or self.ep % self.cp != 0:
                 raise ConfigError(
-                    f"parallelism.ep={self.ep} must divide dp_shard*cp = {self.dp_shard}*{self.cp} = {shard_cp} "
+                    f"parallelism.ep={self.ep} must divide dp_shard*cp = {self.dp_shard}*{self.cp} = "
+                    f"{shard_cp} "
                     f"(and be a multiple of cp={self.cp}): experts are carved out of the FSDP axes, not of "
-                    f"dp_replicate, tp or pp. Choose an ep that divides {shard_cp}, or raise parallelism.dp_shard."
+                    f"dp_replicate, tp or pp. Choose an ep that divides {shard_cp}, or raise "
+                    "parallelism.dp_shard."
                 )
 
     # -- derived sizes ----------------------------------------------------------------
@@ -182,8 +185,10 @@ class ParallelDims:
         if self.ep == 1:
             return FLAT_VIEWS
         shard = ("dp_shard_mod_ep", "dp_shard_in_ep")
-        views = {view: tuple(d for name in dims for d in (shard if name == "dp_shard" else (name,)))
-                 for view, dims in FLAT_VIEWS.items()}  # fmt: skip
+        views = {
+            view: tuple(d for name in dims for d in (shard if name == "dp_shard" else (name,)))
+            for view, dims in FLAT_VIEWS.items()
+        }
         return {"dp_shard": shard, **views, "ep": ("dp_shard_in_ep", "cp")}
 
     def axis_size(self, name: str) -> int:
@@ -231,7 +236,8 @@ class ParallelDims:
         return self._mesh
 
     def get_mesh(self, *names: str) -> DeviceMesh:
-        """Sub-mesh by dim names, including the flattened views (e.g. ``get_mesh("dp_replicate", "dp_shard_cp")``).
+        """Sub-mesh by dim names, including the flattened views (e.g. ``get_mesh("dp_replicate",
+        "dp_shard_cp")``).
 
         torch warns that slicing flattened dims from the root mesh "will be deprecated"; it
         is still the supported way in this torch version, so the warning is silenced here,
@@ -264,7 +270,8 @@ class ParallelDims:
     @property
     def expert_fsdp_mesh(self) -> DeviceMesh:
         """Where FSDP shards expert parameters under ep: ``dp_shard_mod_ep`` (dp_shard x cp / ep), or
-        2-D (``dp_replicate``, ``dp_shard_mod_ep``) for HSDP. The experts' own ``ep`` axis is their DTensor mesh."""
+        2-D (``dp_replicate``, ``dp_shard_mod_ep``) for HSDP. The experts' own ``ep`` axis is their DTensor
+        mesh."""
         return (
             self.get_mesh("dp_replicate", "dp_shard_mod_ep")
             if self.dp_replicate > 1
@@ -284,4 +291,3 @@ class ParallelDims:
     @property
     def pp_rank(self) -> int:
         return self.get_mesh("pp").get_local_rank()
-

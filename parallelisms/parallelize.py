@@ -100,9 +100,12 @@ def parallelize_part(
         from parallelisms.context_parallel import apply_cp
 
         apply_cp(
-            model, dims.cp_mesh, impl=cfg.cp_impl, load_balance=cfg.cp_load_balance,
+            model,
+            dims.cp_mesh,
+            impl=cfg.cp_impl,
+            load_balance=cfg.cp_load_balance,
             attention_mask=options.attention_mask,
-        )  # fmt: skip
+        )
     if dims.ep > 1:
         from parallelisms.expert_parallel import apply_ep
 
@@ -111,9 +114,12 @@ def parallelize_part(
         from parallelisms.activation_checkpoint import apply_ac
 
         apply_ac(
-            model, spec, options.activation_checkpoint, selective=options.ac_selective,
+            model,
+            spec,
+            options.activation_checkpoint,
+            selective=options.ac_selective,
             layer_interval=options.ac_layer_interval,
-        )  # fmt: skip
+        )
     if options.compile:
         from parallelisms.compile import apply_compile
 
@@ -122,9 +128,13 @@ def parallelize_part(
         from parallelisms.fsdp import apply_fsdp
 
         apply_fsdp(
-            model, spec, dims.fsdp_mesh, cfg.fsdp, reshard_after_forward=reshard_after_forward(cfg, dims),
+            model,
+            spec,
+            dims.fsdp_mesh,
+            cfg.fsdp,
+            reshard_after_forward=reshard_after_forward(cfg, dims),
             expert_mesh=dims.expert_fsdp_mesh if dims.ep > 1 else None,
-        )  # fmt: skip
+        )
 
     # With CPU offload FSDP keeps the sharded parameters on the host.
     model.to_empty(device="cpu" if (dims.fsdp_enabled and cfg.fsdp.cpu_offload) else device)
@@ -134,22 +144,34 @@ def parallelize_part(
 
         keep_gradients_sharded(model)
 
-    if dims.ddp_enabled and wrap_ddp:
+    return _wrap_data_parallel(model, dims, cfg, options) if wrap_ddp else model
+
+
+def _wrap_data_parallel(
+    model: nn.Module, dims: ParallelDims, cfg: ParallelismConfig, options: PartOptions
+) -> nn.Module:
+    """Step 9: DDP over ``dp_replicate`` (or the fault-tolerant replica groups' reducer)."""
+    if dims.ddp_enabled:
         from parallelisms.ddp import apply_ddp
         from parallelisms.utils import to_dtype
 
         model = apply_ddp(
-            model, dims.ddp_mesh, impl=cfg.ddp.impl, bucket_mb=cfg.ddp.bucket_mb,
+            model,
+            dims.ddp_mesh,
+            impl=cfg.ddp.impl,
+            bucket_mb=cfg.ddp.bucket_mb,
             grad_dtype=to_dtype(cfg.ddp.grad_dtype) if cfg.ddp.grad_dtype else None,
-        )  # fmt: skip
-    elif options.replica_reducer is not None and wrap_ddp and not dims.fsdp_enabled:
+        )
+    elif options.replica_reducer is not None and not dims.fsdp_enabled:
         from parallelisms.ddp import apply_replica_ddp
         from parallelisms.utils import to_dtype
 
         model = apply_replica_ddp(
-            model, options.replica_reducer, bucket_mb=cfg.ddp.bucket_mb,
+            model,
+            options.replica_reducer,
+            bucket_mb=cfg.ddp.bucket_mb,
             grad_dtype=to_dtype(cfg.ddp.grad_dtype) if cfg.ddp.grad_dtype else None,
-        )  # fmt: skip
+        )
     return model
 
 
@@ -175,9 +197,17 @@ def parallelize_pipeline(
         return parallelize_part(part, spec, dims, cfg, options, wrap_ddp=False)
 
     return apply_pp(
-        model, spec, dims, cfg, device=options.device, micro_batch_size=micro_batch_size,
-        local_batch_size=local_batch_size, parallelize_part=part_fn, loss_fn=loss_fn, step_context=step_context,
-    )  # fmt: skip
+        model,
+        spec,
+        dims,
+        cfg,
+        device=options.device,
+        micro_batch_size=micro_batch_size,
+        local_batch_size=local_batch_size,
+        parallelize_part=part_fn,
+        loss_fn=loss_fn,
+        step_context=step_context,
+    )
 
 
 def model_parts(model: nn.Module | Pipeline) -> list[nn.Module]:

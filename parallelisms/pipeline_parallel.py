@@ -216,8 +216,13 @@ class Pipeline:
 
     @torch.no_grad()
     def forward_loss_sum(
-        self, inputs: Optional[Tensor], labels: Tensor, positions: Optional[Tensor] = None, *,
-        loss_fn: Optional[LossFn] = None, out_shape: tuple[int, ...] = (),
+        self,
+        inputs: Optional[Tensor],
+        labels: Tensor,
+        positions: Optional[Tensor] = None,
+        *,
+        loss_fn: Optional[LossFn] = None,
+        out_shape: tuple[int, ...] = (),
     ) -> Tensor:
         """Forward only: summed token loss of (B, S) ``labels`` on every pp rank.
 
@@ -319,8 +324,16 @@ def apply_pp(
     stage_ids = stage_ids_of_rank(pp_mesh.get_local_rank(), dims.pp, v, style)
     parts = [parallelize_part(_build_part(model, spec, names[s])) for s in stage_ids]
     return Pipeline(
-        parts, stage_ids, pp_mesh, schedule=schedule, num_stages=num_stages,
-        n_microbatches=num_microbatches(cfg, local_batch_size=local_batch_size, micro_batch_size=micro_batch_size),
-        device=device, loss_fn=loss_fn, step_context=step_context,
+        parts,
+        stage_ids,
+        pp_mesh,
+        schedule=schedule,
+        num_stages=num_stages,
+        n_microbatches=num_microbatches(
+            cfg, local_batch_size=local_batch_size, micro_batch_size=micro_batch_size
+        ),
+        device=device,
+        loss_fn=loss_fn,
+        step_context=step_context,
         grad_sync_group=dims.ddp_mesh.get_group() if dims.ddp_enabled else None,
-    )  # fmt: skip
+    )

@@ -86,7 +86,8 @@ def stage_module_names(
         raise ConfigError(f"number of pipeline stages {num_stages} must be >= 1.")
     if n_layers < num_stages:
         raise ConfigError(
-            f"model.n_layers={n_layers} < {num_stages} pipeline stages (parallelism.pp x pp_stages_per_rank): "
+            f"model.n_layers={n_layers} < {num_stages} pipeline stages (parallelism.pp x "
+            "pp_stages_per_rank): "
             f"every stage needs at least one block; use fewer stages or more layers."
         )
     if layers_per_stage is not None:

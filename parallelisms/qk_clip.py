@@ -34,8 +34,17 @@ class QKClip:
     ``n_heads``, ``n_kv_heads``: of the whole model; ``tau``: the logit cap; ``tp_rank`` /
     ``tp_size``: this rank's tensor-parallel coordinate (its query heads are that slice)."""
 
-    def __init__(self, attentions: list[tuple[int, nn.Module]], *, num_layers: int, n_heads: int, n_kv_heads: int,
-                 tau: float, tp_rank: int = 0, tp_size: int = 1) -> None:  # fmt: skip
+    def __init__(
+        self,
+        attentions: list[tuple[int, nn.Module]],
+        *,
+        num_layers: int,
+        n_heads: int,
+        n_kv_heads: int,
+        tau: float,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
         self.attentions, self.num_layers, self.tau = attentions, num_layers, tau
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -72,7 +81,10 @@ class QKClip:
             if bool((gamma[layer] < 1).any()):
                 self.scale_heads(attn, gamma[layer])
         self.last_stats = {"qk_max_logit": float(table.max()), "qk_clipped_heads": int((gamma < 1).sum())}
-        return {"max_logit": self.last_stats["qk_max_logit"], "clipped_heads": self.last_stats["qk_clipped_heads"]}
+        return {
+            "max_logit": self.last_stats["qk_max_logit"],
+            "clipped_heads": self.last_stats["qk_clipped_heads"],
+        }
 
     def scale_heads(self, attn: nn.Module, gamma: Tensor) -> None:
         """Scale ``attn``'s q and k rows so query head h's logits scale by ``gamma[h]`` (heads,)."""

@@ -163,9 +163,13 @@ def _style(kind: str, *, sequence_parallel: bool, loss_parallel: bool) -> Parall
         # parallel over the data axes instead): gather the tokens on entry (f) and keep this
         # rank's share of the residual stream on exit (a local slice; all-gather in backward).
         return PrepareModuleInputOutput(
-            input_layouts=(stream,), desired_input_layouts=(Replicate(),), use_local_input=True,
-            output_layouts=(Replicate(),), desired_output_layouts=(stream,), use_local_output=True,
-        )  # fmt: skip
+            input_layouts=(stream,),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Replicate(),),
+            desired_output_layouts=(stream,),
+            use_local_output=True,
+        )
     raise ValueError(f"unknown tensor-parallel style {kind!r} in the model's TP plan")
 
 

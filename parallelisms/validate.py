@@ -61,25 +61,41 @@ def validated_dims(
     """The ``ParallelDims`` of a run: degrees from ``cfg`` and every layout check against the model,
     batch and device, once, before any process group exists."""
     dims = ParallelDims(
-        dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, cp=cfg.cp, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep,
+        dp_replicate=cfg.dp_replicate,
+        dp_shard=cfg.dp_shard,
+        cp=cfg.cp,
+        tp=cfg.tp,
+        pp=cfg.pp,
+        ep=cfg.ep,
         world_size=world_size,
-    )  # fmt: skip
+    )
     validate_options(dims, cfg, compile=compile, device_type=device_type)
     validate_model(dims, spec, model_args, seq_len=seq_len, sequence_parallel=cfg.sequence_parallel)
     validate_cp(
-        cp=dims.cp, cp_impl=cfg.cp_impl, load_balance=cfg.cp_load_balance, tp=dims.tp,
-        sequence_parallel=cfg.sequence_parallel, seq_len=seq_len, device_type=device_type,
+        cp=dims.cp,
+        cp_impl=cfg.cp_impl,
+        load_balance=cfg.cp_load_balance,
+        tp=dims.tp,
+        sequence_parallel=cfg.sequence_parallel,
+        seq_len=seq_len,
+        device_type=device_type,
         attention_mask=spec.attention_mask(model_args),
-    )  # fmt: skip
+    )
     dims.grad_accum_steps(global_batch_size, micro_batch_size)
     if dims.ep > 1 or spec.num_experts(model_args) > 0:
-            validate_ep(spec, model_args, dims, compile=compile, device_type=device_type)
+        validate_ep(spec, model_args, dims, compile=compile, device_type=device_type)
     if dims.pp > 1:
-            validate_pp(
-            spec, model_args, cfg, pp=dims.pp, local_batch_size=global_batch_size // dims.dp,
-            micro_batch_size=micro_batch_size, compile=compile,
-        )  # fmt: skip
+        validate_pp(
+            spec,
+            model_args,
+            cfg,
+            pp=dims.pp,
+            local_batch_size=global_batch_size // dims.dp,
+            micro_batch_size=micro_batch_size,
+            compile=compile,
+        )
     return dims
+
 
 def validate_options(dims: ParallelDims, cfg: ParallelismConfig, *, compile: bool, device_type: str) -> None:
     """DDP / FSDP / TP options and the combinations that are not supported."""
@@ -111,7 +127,8 @@ def validate_options(dims: ParallelDims, cfg: ParallelismConfig, *, compile: boo
         raise ConfigError(
             f"parallelism.ddp.sharded_optimizer=true with parallelism.tp={dims.tp} is not supported (the "
             f"ZeRO-1 optimizer flattens plain tensors, not tensor-parallel shards); with TP use FSDP "
-            f"(parallelism.dp_shard > 1), which shards the optimizer state too, or set sharded_optimizer=false."
+            "(parallelism.dp_shard > 1), which shards the optimizer state too, or set "
+            "sharded_optimizer=false."
         )
     if cfg.ddp.impl == "torch" and dims.tp > 1:
         raise ConfigError(
@@ -122,7 +139,10 @@ def validate_options(dims: ParallelDims, cfg: ParallelismConfig, *, compile: boo
     if dims.tp > 1:
         _validate_tp_options(cfg, compile=compile, device_type=device_type)
 
-def validate_model(dims: ParallelDims, spec: ModelSpec, args: Any, *, seq_len: int, sequence_parallel: bool) -> None:
+
+def validate_model(
+    dims: ParallelDims, spec: ModelSpec, args: Any, *, seq_len: int, sequence_parallel: bool
+) -> None:
     """Model- and sequence-dependent checks (head counts, layers, sequence length, experts)."""
     if dims.tp > 1:
         for key, value in spec.tp_divisible(args).items():
@@ -159,7 +179,8 @@ def _validate_mtp(dims: ParallelDims, depth: int) -> None:
     if depth and dims.pp > 1:
         raise ConfigError(
             f"model.mtp_depth={depth} with parallelism.pp={dims.pp} is not supported: multi-token prediction "
-            f"needs the input tokens, their embedding and the output head on one stage. Set model.mtp_depth=0 "
+            "needs the input tokens, their embedding and the output head on one stage. Set "
+            "model.mtp_depth=0 "
             f"or parallelism.pp=1."
         )
 
@@ -260,7 +281,8 @@ def validate_ep(spec: ModelSpec, args: Any, dims: ParallelDims, *, compile: bool
     if dims.ep > 1:
         if not spec.has_experts:
             raise ConfigError(
-                f"parallelism.ep={dims.ep} needs a mixture-of-experts model; the {spec.family} family has none. "
+                f"parallelism.ep={dims.ep} needs a mixture-of-experts model; the {spec.family} family has "
+                "none. "
                 f"Set parallelism.ep=1 or pick an MoE preset (model=moe_debug)."
             )
         if num_experts % dims.ep != 0:
@@ -288,7 +310,8 @@ def validate_ep(spec: ModelSpec, args: Any, dims: ParallelDims, *, compile: bool
             capability = torch.cuda.get_device_capability()
             if capability < (8, 0):
                 raise ConfigError(
-                    f"model.grouped_mm=on needs a GPU of compute capability >= 8.0 for torch._grouped_mm; this "
+                    "model.grouped_mm=on needs a GPU of compute capability >= 8.0 for torch._grouped_mm; "
+                    "this "
                     f"one is {capability[0]}.{capability[1]}. Use model.grouped_mm=auto or off."
                 )
 
@@ -314,13 +337,16 @@ def validate_pp(
     schedule = canonical_schedule(cfg.pp_schedule)
     if compile and schedule in ZERO_BUBBLE:
         raise ConfigError(
-            f"parallelism.pp_schedule={schedule} splits backward into input and weight gradients, which torch "
+            f"parallelism.pp_schedule={schedule} splits backward into input and weight gradients, which "
+            "torch "
             f"cannot do through compiled blocks; set training.compile=false or use 1F1B / Interleaved1F1B."
         )
     if spec.ties_embeddings(args):
         raise ConfigError(
-            f"model.tie_embeddings=true cannot be pipelined (parallelism.pp={pp}): the embedding lives on the "
-            f"first stage and the output head on the last, so one shared weight would need its gradient summed "
+            f"model.tie_embeddings=true cannot be pipelined (parallelism.pp={pp}): the embedding lives on "
+            "the "
+            "first stage and the output head on the last, so one shared weight would need its gradient "
+            "summed "
             f"across stages. Set model.tie_embeddings=false or parallelism.pp=1."
         )
     _validate_stages_per_rank(cfg, schedule)
@@ -337,8 +363,10 @@ def _validate_stages_per_rank(cfg: ParallelismConfig, schedule: str) -> None:
     ]
     if isinstance(v, bool) or not isinstance(v, int) or v < low or (high is not None and v > high):
         raise ConfigError(
-            f"parallelism.pp_stages_per_rank={v!r} does not fit parallelism.pp_schedule={schedule}, which needs "
-            f"{text} virtual stages per rank (GPipe / 1F1B: 1; interleaved schedules: 2 or more; ZBVZeroBubble: "
+            f"parallelism.pp_stages_per_rank={v!r} does not fit parallelism.pp_schedule={schedule}, which "
+            "needs "
+            f"{text} virtual stages per rank (GPipe / 1F1B: 1; interleaved schedules: 2 or more; "
+            "ZBVZeroBubble: "
             f"2). Set pp_stages_per_rank={low}, or null to use that default."
         )
 
@@ -349,7 +377,8 @@ def _validate_microbatches(
     if cfg.pp_microbatches is None and (micro_batch_size < 1 or local_batch_size % micro_batch_size != 0):
         raise ConfigError(
             f"the local batch of {local_batch_size} sequences (global batch / dp) is not divisible by "
-            f"training.micro_batch_size={micro_batch_size}; change either, or set parallelism.pp_microbatches."
+            f"training.micro_batch_size={micro_batch_size}; change either, or set "
+            "parallelism.pp_microbatches."
         )
     m = num_microbatches(cfg, local_batch_size=local_batch_size, micro_batch_size=micro_batch_size)
     if isinstance(m, bool) or not isinstance(m, int) or m < pp:
@@ -360,11 +389,13 @@ def _validate_microbatches(
         )
     if local_batch_size % m != 0:
         raise ConfigError(
-            f"parallelism.pp_microbatches={m} does not divide the local batch of {local_batch_size} sequences "
+            f"parallelism.pp_microbatches={m} does not divide the local batch of {local_batch_size} "
+            "sequences "
             f"(global batch / dp); choose a divisor of {local_batch_size} that is >= {pp}."
         )
     if schedule_kind(schedule) == "loop" and m % max(1, m // pp) != 0:
         raise ConfigError(
-            f"parallelism.pp_schedule={schedule} with {m} microbatches and pp={pp} needs the microbatches to be "
+            f"parallelism.pp_schedule={schedule} with {m} microbatches and pp={pp} needs the microbatches to "
+            "be "
             f"a multiple of the number of rounds max(1, M // pp) = {m // pp}; use a multiple of {pp}."
         )

@@ -83,6 +83,13 @@ def _as_launched(
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0) -> list[Any]:
     """``tests.spawn.run_distributed`` with ranks forked from the session's preloaded fork server."""
     return _run_distributed(
-        _as_launched, world_size, fn, dict(os.environ), os.getcwd(), _LauncherStdio(), *args,
-        timeout=timeout, start_method=START_METHOD,
-    )  # fmt: skip
+        _as_launched,
+        world_size,
+        fn,
+        dict(os.environ),
+        os.getcwd(),
+        _LauncherStdio(),
+        *args,
+        timeout=timeout,
+        start_method=START_METHOD,
+    )

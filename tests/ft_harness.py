@@ -40,10 +40,16 @@ class FTJob:
     """``FT_GROUPS=groups NPROC=nproc ./launch.sh <overrides>`` with its own lighthouse port."""
 
     def __init__(
-        self, dump: str, overrides: tuple[str, ...], *, groups: int = 2, nproc: int = 1,
-        step_delay_s: float = 0.0, supervisor_args: str = "--max-restarts 5 --restart-delay 0.5",
+        self,
+        dump: str,
+        overrides: tuple[str, ...],
+        *,
+        groups: int = 2,
+        nproc: int = 1,
+        step_delay_s: float = 0.0,
+        supervisor_args: str = "--max-restarts 5 --restart-delay 0.5",
         env: Optional[dict[str, str]] = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.dump = dump
         self.groups = groups
         extra = env
@@ -61,9 +67,12 @@ class FTJob:
         self._log = open(self.log_path, "ab")
         self.started = time.time()
         self.proc = subprocess.Popen(
-            ["./launch.sh", *overrides, f"job.dump_folder={dump}"], cwd=REPO, env=env,
-            stdout=self._log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            ["./launch.sh", *overrides, f"job.dump_folder={dump}"],
+            cwd=REPO,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
 
     def records(self, group: int) -> list[dict[str, Any]]:
         path = os.path.join(group_folder(self.dump, group), "metrics.jsonl")
@@ -132,8 +141,14 @@ def stalls(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for prev, r in zip(records, records[1:]):
         if r["ft/participants"] != prev["ft/participants"]:
             kind = "failure" if r["ft/participants"] < prev["ft/participants"] else "rejoin"
-            out.append({"step": r["step"], "kind": kind, "stall_s": r["step_time_s"],
-                        "discarded": r["ft/discarded_steps"] - prev["ft/discarded_steps"]})  # fmt: skip
+            out.append(
+                {
+                    "step": r["step"],
+                    "kind": kind,
+                    "stall_s": r["step_time_s"],
+                    "discarded": r["ft/discarded_steps"] - prev["ft/discarded_steps"],
+                }
+            )
     return out
 
 

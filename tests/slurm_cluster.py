@@ -141,12 +141,20 @@ def start_cluster(root: str, env: dict[str, str]) -> SlurmCluster:
     env = dict(env, SLURM_CONF=conf)
     cluster = SlurmCluster(root=root, env=env)
     daemons = {
-        "munged": ["munged", "-F", "-f", f"--socket={root}/munge.socket", f"--key-file={root}/munge.key",
-                   f"--pid-file={root}/munged.pid", f"--log-file={root}/munged.log", f"--seed-file={root}/munged.seed"],
+        "munged": [
+            "munged",
+            "-F",
+            "-f",
+            f"--socket={root}/munge.socket",
+            f"--key-file={root}/munge.key",
+            f"--pid-file={root}/munged.pid",
+            f"--log-file={root}/munged.log",
+            f"--seed-file={root}/munged.seed",
+        ],
         "slurmctld": ["slurmctld", "-D", "-c", "-i", "-f", conf],
         "slurmd-n1": ["slurmd", "-D", "-N", "n1", "-f", conf],
         "slurmd-n2": ["slurmd", "-D", "-N", "n2", "-f", conf],
-    }  # fmt: skip
+    }
     try:
         for name, cmd in daemons.items():
             out = open(os.path.join(root, f"{name}.stdout.log"), "w")  # noqa: SIM115

@@ -160,8 +160,10 @@ def test_layers_point_one_way() -> None:
 def test_no_import_cycle_in_the_product() -> None:
     graph = import_graph(REPO, PRODUCT_PACKAGES)
     cycles = find_cycles(graph)
-    print(f"\nlayering: {len(graph)} product modules, "
-          f"{sum(len(v) for v in graph.values())} import edges, {len(cycles)} import cycles")  # fmt: skip
+    print(
+        f"\nlayering: {len(graph)} product modules, "
+        f"{sum(len(v) for v in graph.values())} import edges, {len(cycles)} import cycles"
+    )
     for chain in cycles:
         print("  cycle: " + _describe(graph, chain))
     assert not cycles, "import cycles:\n" + "\n".join(_describe(graph, c) for c in cycles)
@@ -177,17 +179,20 @@ def _write_package(root: Path, files: dict[str, str]) -> None:
 def test_checker_reports_an_added_cycle_and_a_layer_violation(tmp_path: Path) -> None:
     """The checker itself: a synthetic product with a lazy relative-import cycle, a package-level
     cycle through ``from . import x``, and a model importing the trainer."""
-    _write_package(tmp_path, {
-        "models/__init__.py": "",
-        "models/a.py": "from models import b\n",
-        "models/b.py": "def f():\n    from .a import thing  # lazy\n",
-        "models/c.py": "import trainer.loop\n",
-        "trainer/__init__.py": "from . import loop\n",
-        "trainer/loop.py": "from trainer import helpers\n",
-        "trainer/helpers.py": "import trainer\n",
-        "parallelisms/__init__.py": "",
-        "parallelisms/ok.py": "from models.a import x\n",
-    })  # fmt: skip
+    _write_package(
+        tmp_path,
+        {
+            "models/__init__.py": "",
+            "models/a.py": "from models import b\n",
+            "models/b.py": "def f():\n    from .a import thing  # lazy\n",
+            "models/c.py": "import trainer.loop\n",
+            "trainer/__init__.py": "from . import loop\n",
+            "trainer/loop.py": "from trainer import helpers\n",
+            "trainer/helpers.py": "import trainer\n",
+            "parallelisms/__init__.py": "",
+            "parallelisms/ok.py": "from models.a import x\n",
+        },
+    )
     graph = import_graph(tmp_path, PRODUCT_PACKAGES)
     assert graph["models.b"] == {"models.a"}
     cycles = find_cycles(graph)

@@ -18,6 +18,7 @@ EXPERIMENTS = sorted(
     os.path.basename(p)[:-5] for p in glob.glob(os.path.join(CONFIG_DIR, "experiment", "*.yaml"))
 )
 
+
 def intended_world_size(name: str) -> int:
     with open(os.path.join(CONFIG_DIR, "experiment", f"{name}.yaml"), encoding="utf-8") as f:
         match = re.search(r"intended world size:\s*(\d+)", f.read())
@@ -32,9 +33,16 @@ def test_experiment_composes_and_validates(name: str) -> None:
     p, t = cfg.parallelism, cfg.training
     spec = get_spec(cfg.model.family)
     dims = validated_dims(
-        p, world, spec=spec, model_args=cfg.model, seq_len=t.seq_len, global_batch_size=t.global_batch_size,
-        micro_batch_size=t.micro_batch_size, compile=t.compile, device_type="cuda",
-    )  # fmt: skip
+        p,
+        world,
+        spec=spec,
+        model_args=cfg.model,
+        seq_len=t.seq_len,
+        global_batch_size=t.global_batch_size,
+        micro_batch_size=t.micro_batch_size,
+        compile=t.compile,
+        device_type="cuda",
+    )
     assert dims.grad_accum_steps(t.global_batch_size, t.micro_batch_size) >= 1
     assert dims.dp * dims.cp * dims.tp * dims.pp == world
     with torch.device("meta"):
@@ -55,7 +63,9 @@ def test_experiment_list_is_not_empty() -> None:
 # by tests/models/test_qwen3.py (./launch.sh, 12 steps) and ``deepseek_v3_debug`` by
 # tests/models/test_deepseek_v3.py (./launch.sh, 2 ranks, 12 steps).
 CPU_PRESETS = [
-    name for name in EXPERIMENTS if "debug" in name and name not in ("debug", "qwen3_debug", "deepseek_v3_debug")
+    name
+    for name in EXPERIMENTS
+    if "debug" in name and name not in ("debug", "qwen3_debug", "deepseek_v3_debug")
 ]
 
 
@@ -75,10 +85,18 @@ def test_cpu_preset_trains_at_its_intended_world_size(name: str, tmp_path) -> No
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(key, None)
     cmd = [
-        "torchrun", "--standalone", f"--nproc_per_node={world}", "trainer/main.py", f"+experiment={name}",
-        "training.steps=3", "training.eval_freq=3", "training.eval_steps=1", "metrics.log_freq=1",
-        "metrics.tensorboard=false", f"job.dump_folder={tmp_path}",
-    ]  # fmt: skip
+        "torchrun",
+        "--standalone",
+        f"--nproc_per_node={world}",
+        "trainer/main.py",
+        f"+experiment={name}",
+        "training.steps=3",
+        "training.eval_freq=3",
+        "training.eval_steps=1",
+        "metrics.log_freq=1",
+        "metrics.tensorboard=false",
+        f"job.dump_folder={tmp_path}",
+    ]
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-4000:]

@@ -36,8 +36,14 @@ def test_no_file_points_outside_the_repository() -> None:
     folder that lives beside it."""
     pattern = re.compile(r"DESIGN\.md|\.\./shared|shared project folder")
     offenders = []
-    for path in [*_python_files(*PRODUCT_DIRS, "tests"), *REPO.glob("*.md"), *(REPO / "docs").rglob("*.md"),
-                 *(REPO / "configs").rglob("*.yaml"), REPO / "launch.sh", *(REPO / "slurm").iterdir()]:  # fmt: skip
+    for path in [
+        *_python_files(*PRODUCT_DIRS, "tests"),
+        *REPO.glob("*.md"),
+        *(REPO / "docs").rglob("*.md"),
+        *(REPO / "configs").rglob("*.yaml"),
+        REPO / "launch.sh",
+        *(REPO / "slurm").iterdir(),
+    ]:
         if path.is_file() and path != Path(__file__) and pattern.search(path.read_text(encoding="utf-8")):
             offenders.append(str(path.relative_to(REPO)))
     assert not offenders, f"files pointing outside the repository: {offenders}"

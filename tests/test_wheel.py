@@ -51,8 +51,13 @@ def test_pyproject_lists_every_package_and_config() -> None:
 
 def _copy_sources(dest: Path) -> None:
     """The files a fresh clone would hold (tracked and new, not ignored): no stale build/ or egg-info."""
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO,
-                           capture_output=True, text=True, check=True).stdout.split("\0")  # fmt: skip
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split("\0")
     for rel in filter(None, files):
         if (REPO / rel).is_file():
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -63,8 +68,24 @@ def _build(tmp: Path) -> tuple[Path, Path]:
     """(wheel, sdist) built offline from a copy of the checkout."""
     src, dist = tmp / "src", tmp / "dist"
     _copy_sources(src)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-                    "-q", "-w", str(dist), str(src)], check=True, capture_output=True, text=True)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-q",
+            "-w",
+            str(dist),
+            str(src),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     code = f"from setuptools import build_meta; print(build_meta.build_sdist({str(dist)!r}))"
     sdist = subprocess.run([sys.executable, "-c", code], cwd=src, check=True, capture_output=True, text=True)
     return next(dist.glob("*.whl")), dist / sdist.stdout.strip().splitlines()[-1]
@@ -85,12 +106,31 @@ def _fresh_venv(tmp: Path, wheel: Path) -> Path:
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
-    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             check=True, capture_output=True, text=True).stdout.strip()  # fmt: skip
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     deps = [*site.getsitepackages(), sysconfig.get_paths()["purelib"]]
     (Path(purelib) / "_deps_of_the_test_env.pth").write_text("\n".join(dict.fromkeys(deps)) + "\n")
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index",
-                    "-q", str(wheel)], check=True, capture_output=True, text=True)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "--no-deps",
+            "--no-index",
+            "-q",
+            str(wheel),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return python
 
 
@@ -122,15 +162,34 @@ def _check_wheel(wheel: Path, sdist: Path) -> None:
 def _run_outside(python: Path, tmp: Path, work: Path) -> dict[str, tuple[int, str, str]]:
     """{name: (exit status, stdout, stderr)} of the commands, run together from ``work``."""
     commands = {
-        "where": ["-c", "import json, trainer, trainer.data, models, parallelisms; from trainer.config import "
-                        "CONFIG_DIR; print(json.dumps([trainer.__file__, CONFIG_DIR]))"],
-        "train": ["-m", "trainer.main", "+experiment=debug", "training.steps=3", "metrics.log_freq=1",
-                  "training.eval_freq=0", "data.max_documents=200", "checkpoint.enable=false",
-                  "metrics.tensorboard=false", "training.device=cpu", "job.name=from_wheel"],
+        "where": [
+            "-c",
+            "import json, trainer, trainer.data, models, parallelisms; from trainer.config import "
+            "CONFIG_DIR; print(json.dumps([trainer.__file__, CONFIG_DIR]))",
+        ],
+        "train": [
+            "-m",
+            "trainer.main",
+            "+experiment=debug",
+            "training.steps=3",
+            "metrics.log_freq=1",
+            "training.eval_freq=0",
+            "data.max_documents=200",
+            "checkpoint.enable=false",
+            "metrics.tensorboard=false",
+            "training.device=cpu",
+            "job.name=from_wheel",
+        ],
         "plan": ["-m", "trainer.plan", "+experiment=debug", "cluster=cpu", "cluster.nodes=1"],
-        "prep": ["-m", "trainer.prepare_data", "data=builtin", "data.max_documents=20", f"out={tmp / 'shards'}"],
+        "prep": [
+            "-m",
+            "trainer.prepare_data",
+            "data=builtin",
+            "data.max_documents=20",
+            f"out={tmp / 'shards'}",
+        ],
         "bad": ["-m", "trainer.main", "+experiment=nope"],
-    }  # fmt: skip
+    }
     procs = {
         name: subprocess.Popen(
             [str(python), *args],
@@ -139,7 +198,7 @@ def _run_outside(python: Path, tmp: Path, work: Path) -> dict[str, tuple[int, st
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-        )  # fmt: skip
+        )
         for name, args in commands.items()
     }
     outputs = {name: p.communicate(timeout=300) for name, p in procs.items()}

@@ -92,7 +92,9 @@ class MuonConfig:
     ns_steps: int = 5  # Newton-Schulz iterations
     ns_coefficients: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
     eps: float = 1e-7  # floor of the norm the iteration divides by
-    adjust_lr_fn: str = "match_rms_adamw"  # match_rms_adamw (0.2*sqrt(max(A,B))) | original (sqrt(max(1,A/B)))
+    adjust_lr_fn: str = (
+        "match_rms_adamw"  # match_rms_adamw (0.2*sqrt(max(A,B))) | original (sqrt(max(1,A/B)))
+    )
     ns_dtype: str = "bfloat16"  # bfloat16 (torch.optim.Muon's) | float32
 
 
@@ -126,7 +128,9 @@ class CheckpointConfig:
     save_final: bool = True
     initial_load_path: Optional[str] = None  # DCP step-N folder to start from when the run has none
     initial_load_model_only: bool = True  # with initial_load_path: weights only (fresh optimizer, step 0)
-    initial_load_hf: Optional[str] = None  # Hugging Face folder (Llama, Mixtral, Qwen3-MoE) to start from when the run has none
+    initial_load_hf: Optional[str] = (
+        None  # Hugging Face folder (Llama, Mixtral, Qwen3-MoE) to start from when the run has none
+    )
     create_seed: bool = False  # write model-only step-0 (one process) and exit
     last_save_in_hf: bool = False  # also write the final weights as a HF folder <folder>/step-N-hf
     hf_dtype: str = "float32"  # dtype of the weights last_save_in_hf writes: float32 | bfloat16 | float16
@@ -142,9 +146,14 @@ class MetricsConfig:
     wandb_project: str = "meshwright"
     wandb_entity: Optional[str] = None  # W&B team or user; None = the account's default
     wandb_mode: Optional[str] = None  # online | offline | disabled; None = W&B's default (WANDB_MODE)
-    comm_ledger: bool = False  # bytes/calls of every collective of each logged step, per rank (trainer/observe/comm_ledger.py)
-    memory_ledger: bool = False  # bytes saved for backward, model states and buffers of each logged step, per rank (trainer/observe/memory_ledger.py)
-    memory_check: str = "error"  # error | warn | off: plan this rank's memory at start-up and stop (or warn) when it exceeds the device / host RAM
+    # bytes/calls of every collective of each logged step, per rank (trainer/observe/comm_ledger.py)
+    comm_ledger: bool = False
+    # bytes saved for backward, model states and buffers of each logged step, per rank
+    # (trainer/observe/memory_ledger.py)
+    memory_ledger: bool = False
+    # error | warn | off: plan this rank's memory at start-up and stop (or warn) when it exceeds the device /
+    # host RAM
+    memory_check: str = "error"
 
 
 @dataclass
@@ -299,7 +308,9 @@ def _validate_muon(m: MuonConfig) -> None:
     check_choice(m.adjust_lr_fn, ("match_rms_adamw", "original"), "optimizer.muon.adjust_lr_fn")
     check_choice(m.ns_dtype, ("bfloat16", "float32"), "optimizer.muon.ns_dtype")
     if not (math.isfinite(m.lr) and m.lr > 0):
-        raise ConfigError(f"optimizer.muon.lr={m.lr} must be a finite number > 0 (e.g. optimizer.muon.lr=3e-4).")
+        raise ConfigError(
+            f"optimizer.muon.lr={m.lr} must be a finite number > 0 (e.g. optimizer.muon.lr=3e-4)."
+        )
     if not math.isfinite(m.weight_decay) or m.weight_decay < 0:
         raise ConfigError(f"optimizer.muon.weight_decay={m.weight_decay} must be a finite number >= 0.")
     if not 0.0 <= m.momentum < 1.0:
@@ -321,19 +332,22 @@ def _validate_qk_clip(cfg: TrainConfig) -> None:
         return
     if cfg.parallelism.cp > 1:
         raise ConfigError(
-            f"optimizer.qk_clip_tau={tau} with parallelism.cp={cfg.parallelism.cp}: the per-head max logit is "
+            f"optimizer.qk_clip_tau={tau} with parallelism.cp={cfg.parallelism.cp}: the per-head max logit "
+            "is "
             "measured from local keys only, and a context shard does not hold all of them. Set "
             "optimizer.qk_clip_tau=0 or parallelism.cp=1."
         )
     if not get_spec(cfg.model.family).qk_clip:
         raise ConfigError(
             f"optimizer.qk_clip_tau={tau} with model.family={cfg.model.family}: QK-clip is built for Llama's "
-            "attention (llama, moe, qwen3 families); this family's attention (multi-head latent attention) does "
+            "attention (llama, moe, qwen3 families); this family's attention (multi-head latent attention) "
+            "does "
             "not record per-head max logits. Set optimizer.qk_clip_tau=0."
         )
     if getattr(cfg.model, "qk_norm", False):
         raise ConfigError(
-            f"optimizer.qk_clip_tau={tau} with model.qk_norm=true: the per-head RMSNorm of q and k undoes any "
+            f"optimizer.qk_clip_tau={tau} with model.qk_norm=true: the per-head RMSNorm of q and k undoes "
+            "any "
             "scaling of their projections, so QK-clip cannot lower the logits. Set optimizer.qk_clip_tau=0."
         )
 
@@ -373,8 +387,10 @@ def validate(cfg: TrainConfig) -> None:
     check_choice(cfg.metrics.memory_check, ("error", "warn", "off"), "metrics.memory_check")
     if cfg.metrics.memory_ledger and cfg.training.compile:
         raise ConfigError(
-            "metrics.memory_ledger=true cannot run with training.compile=true: compiled regions save their own "
-            "tensors, out of sight of autograd's saved-tensor hooks. Measure with training.compile=false, or set "
+            "metrics.memory_ledger=true cannot run with training.compile=true: compiled regions save their "
+            "own "
+            "tensors, out of sight of autograd's saved-tensor hooks. Measure with training.compile=false, or "
+            "set "
             "metrics.memory_ledger=false."
         )
     if cfg.metrics.comm_ledger and cfg.training.compile:
@@ -389,8 +405,10 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.checkpoint.last_save_in_hf and cfg.parallelism.pp > 1:
         raise ConfigError(
             f"checkpoint.last_save_in_hf=true is not supported with pipeline parallelism (parallelism.pp="
-            f"{cfg.parallelism.pp}): no rank holds every stage's weights. Set checkpoint.last_save_in_hf=false "
-            "and export the final checkpoint with `python -m trainer.export_hf <dump_folder>/checkpoints/step-N "
+            f"{cfg.parallelism.pp}): no rank holds every stage's weights. Set "
+            "checkpoint.last_save_in_hf=false "
+            "and export the final checkpoint with `python -m trainer.export_hf "
+            "<dump_folder>/checkpoints/step-N "
             "<out_dir>`."
         )
     _positive(cfg.metrics.log_freq, "metrics.log_freq")
@@ -404,7 +422,6 @@ def validate(cfg: TrainConfig) -> None:
             f"job.dump_folder={folder!r} is an existing file, not a folder; point job.dump_folder at a "
             f"folder (it is created if missing) or move the file away."
         )
-
 
 
 def _validate_operations(cfg: TrainConfig) -> None:
@@ -444,7 +461,8 @@ def _validate_fault_tolerance(cfg: TrainConfig) -> None:
         )
     if not 1 <= ft.min_replicas <= p.dp_replicate:
         raise ConfigError(
-            f"{key}.min_replicas={ft.min_replicas} must lie in [1, parallelism.dp_replicate={p.dp_replicate}]."
+            f"{key}.min_replicas={ft.min_replicas} must lie in [1, "
+            f"parallelism.dp_replicate={p.dp_replicate}]."
         )
     for name in ("timeout_s", "quorum_timeout_s", "hang_timeout_s", "heartbeat_ms"):
         value = getattr(ft, name)
@@ -464,26 +482,32 @@ def _validate_fault_tolerance(cfg: TrainConfig) -> None:
         )
     if p.ddp.sharded_optimizer:
         raise ConfigError(
-            f"{key}.enable=true with parallelism.ddp.sharded_optimizer=true: ZeRO-1 would shard the optimizer "
-            "state over replica groups that may die. Set parallelism.ddp.sharded_optimizer=false (shard inside "
+            f"{key}.enable=true with parallelism.ddp.sharded_optimizer=true: ZeRO-1 would shard the "
+            "optimizer "
+            "state over replica groups that may die. Set parallelism.ddp.sharded_optimizer=false (shard "
+            "inside "
             "a group with parallelism.dp_shard instead)."
         )
     if cfg.data.streaming:
         raise ConfigError(
-            f"{key}.enable=true with data.streaming=true: a streamed corpus is read per rank and cannot move a "
+            f"{key}.enable=true with data.streaming=true: a streamed corpus is read per rank and cannot move "
+            "a "
             "failed group's share to the survivors. Prepare the data (python -m trainer.prepare_data) or set "
             "data.streaming=false."
         )
     if getattr(cfg.model, "num_experts", 0):
         raise ConfigError(
-            f"{key}.enable=true is not supported for MoE models (model.num_experts={cfg.model.num_experts}): the "
+            f"{key}.enable=true is not supported for MoE models (model.num_experts={cfg.model.num_experts}): "
+            "the "
             "expert load balancer updates its biases from group-local token counts, so replica groups would "
             "diverge. Use a dense model, or train without fault tolerance."
         )
     if cfg.optimizer.qk_clip_tau > 0:
         raise ConfigError(
-            f"{key}.enable=true is not supported with optimizer.qk_clip_tau={cfg.optimizer.qk_clip_tau}: each "
-            "replica group would take its max logits from its own batches only and clip different heads, so the "
+            f"{key}.enable=true is not supported with optimizer.qk_clip_tau={cfg.optimizer.qk_clip_tau}: "
+            "each "
+            "replica group would take its max logits from its own batches only and clip different heads, so "
+            "the "
             "groups' weights would diverge. Set optimizer.qk_clip_tau=0, or train without fault tolerance."
         )
     if cfg.checkpoint.create_seed:
@@ -499,16 +523,19 @@ def _validate_data(d: DataConfig) -> None:
     if d.streaming and d.source in ("builtin", "tokens"):
         raise ConfigError(
             f"data.streaming=true with data.source={d.source}: only text, json, parquet and hub sources are "
-            "streamed (the built-in corpus is small; prepared tokens are read window by window); set data.streaming=false."
+            "streamed (the built-in corpus is small; prepared tokens are read window by window); set "
+            "data.streaming=false."
         )
     if d.source != "builtin" and not d.path and not d.sources:
         raise ConfigError(
-            f"data.source={d.source} needs data.path=... (or a mixture: data.sources=[{{path: ..., weight: ...}}])."
+            f"data.source={d.source} needs data.path=... (or a mixture: "
+            f"data.sources=[{{path: ..., weight: ...}}])."
         )
     if d.sources:
         if d.source == "builtin":
             raise ConfigError(
-                "data.sources mixes corpora of data.source (tokens, json, text, parquet or hub), not builtin; "
+                "data.sources mixes corpora of data.source (tokens, json, text, parquet or hub), not "
+                "builtin; "
                 "set data.source, e.g. data=tokens data.sources=[...]."
             )
         for i, s in enumerate(d.sources):
@@ -539,7 +566,9 @@ def to_train_config(dcfg: DictConfig | dict[str, Any]) -> TrainConfig:
     """Convert a composed Hydra config into typed dataclasses and validate it."""
     # A plain copy: Hydra's ``+key=value`` composes with struct mode off on that node, a flag the
     # merge below would inherit, letting an unknown key through; plain values merge strictly.
-    dcfg = OmegaConf.create(OmegaConf.to_container(dcfg, resolve=False) if isinstance(dcfg, DictConfig) else dcfg)
+    dcfg = OmegaConf.create(
+        OmegaConf.to_container(dcfg, resolve=False) if isinstance(dcfg, DictConfig) else dcfg
+    )
     merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), _with_typed_model(dcfg))
     missing = sorted(OmegaConf.missing_keys(merged))
     if missing:
@@ -576,13 +605,19 @@ def config_error(err: Exception) -> ConfigError:
         group, name = err.missing_cfg_file.rsplit("/", 1)
         options = [o for o in err.options or [] if not o.startswith("base_")]  # not the schemas
         return ConfigError(
-            f"{group}={name}: no such preset in the config group {group!r} ({os.path.join(CONFIG_DIR, group)}); "
+            f"{group}={name}: no such preset in the config group {group!r} "
+            f"({os.path.join(CONFIG_DIR, group)}); "
             f"available options: {', '.join(options)}."
         )
     cause = err.__cause__ if isinstance(err.__cause__, OmegaConfBaseException) else None
     lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
-    lines = [ln for ln in lines if not ln.startswith(("Config search path", "provider=", "full_key:",
-                                                      "reference_type=", "object_type="))]  # fmt: skip
+    lines = [
+        ln
+        for ln in lines
+        if not ln.startswith(
+            ("Config search path", "provider=", "full_key:", "reference_type=", "object_type=")
+        )
+    ]
     if isinstance(cause, (ConfigAttributeError, ConfigKeyError)):  # "+key=value" cannot add to a typed group
         lines = [ln for ln in lines if not ln.startswith("To append")]
         lines.append(f"{str(cause).splitlines()[0]}; check the spelling (the keys are in {CONFIG_DIR})")

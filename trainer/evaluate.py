@@ -31,7 +31,10 @@ from trainer.checkpoint.hf import CONFIG_FILE, MESHWRIGHT_FILE, read_hf_config
 from trainer.checkpoint.storage import MARKER, read_marker
 from trainer.config import TrainConfig, compose_dict, config_error, to_train_config
 
-USAGE = "usage: python -m trainer.evaluate <checkpoint step-N folder | Hugging Face folder> eval.tasks=[...] [key=value ...]"
+USAGE = (
+    "usage: python -m trainer.evaluate <checkpoint step-N folder | Hugging Face folder> "
+    "eval.tasks=[...] [key=value ...]"
+)
 # What an evaluation is, unless the command line says otherwise.
 DEFAULTS = ("job.name=evaluate", "checkpoint.enable=false", "metrics.tensorboard=false")
 
@@ -60,22 +63,31 @@ def _source(path: str) -> tuple[dict[str, Any], str, dict[str, Any]]:
             raise ConfigError(f"{path} holds no tokenizer (no tokenizer.json or meshwright.json); add one.")
         return asdict(args), tokenizer, {"initial_load_hf": os.path.abspath(path)}
     raise ConfigError(
-        f"{path} is neither a meshwright checkpoint (no {MARKER}) nor a Hugging Face folder (no {CONFIG_FILE}); "
+        f"{path} is neither a meshwright checkpoint (no {MARKER}) nor a Hugging Face folder (no "
+        f"{CONFIG_FILE}); "
         "pass e.g. outputs/debug/checkpoints/step-300."
     )
 
 
 def build_config(path: str, overrides: list[str]) -> TrainConfig:
     """The run config of evaluating ``path``: its model and tokenizer, the defaults, then ``overrides``."""
-    bad = [o for o in overrides if o.lstrip("+~").split("=", 1)[0].split(".")[0] in ("model", "data.tokenizer")
-           or o.lstrip("+~").startswith(("data.tokenizer", "checkpoint.initial_load"))]  # fmt: skip
+    bad = [
+        o
+        for o in overrides
+        if o.lstrip("+~").split("=", 1)[0].split(".")[0] in ("model", "data.tokenizer")
+        or o.lstrip("+~").startswith(("data.tokenizer", "checkpoint.initial_load"))
+    ]
     if bad:
-        raise ConfigError(f"{bad[0]!r}: the model, its tokenizer and weights come from {path}; drop that override.")
+        raise ConfigError(
+            f"{bad[0]!r}: the model, its tokenizer and weights come from {path}; drop that override."
+        )
     model, tokenizer, load = _source(path)
     dcfg = OmegaConf.to_container(compose_dict(*DEFAULTS, *overrides), resolve=False)
     assert isinstance(dcfg, dict)  # a composed config is a mapping
-    if not dcfg["training"]["eval_freq"] and dcfg["data"]["source"] == "builtin" and not any(
-        o.lstrip("+~").startswith("data.max_documents") for o in overrides
+    if (
+        not dcfg["training"]["eval_freq"]
+        and dcfg["data"]["source"] == "builtin"
+        and not any(o.lstrip("+~").startswith("data.max_documents") for o in overrides)
     ):
         # No validation loss asked for: the training loader the Trainer builds reads a few files only.
         dcfg["data"]["max_documents"] = 64
@@ -87,7 +99,10 @@ def build_config(path: str, overrides: list[str]) -> TrainConfig:
     except OmegaConfBaseException as e:
         raise config_error(e) from e
     if not cfg.eval.tasks and cfg.training.eval_freq == 0:
-        raise ConfigError("nothing to evaluate: pass eval.tasks=[...] (and/or training.eval_freq=1 for the validation loss).")
+        raise ConfigError(
+            "nothing to evaluate: pass eval.tasks=[...] (and/or training.eval_freq=1 for the validation "
+            "loss)."
+        )
     return cfg
 
 
@@ -97,7 +112,9 @@ def evaluate(cfg: TrainConfig) -> dict[str, Any]:
 
     trainer = Trainer(cfg)
     try:
-        results: dict[str, Any] = {"source": cfg.checkpoint.initial_load_path or cfg.checkpoint.initial_load_hf}
+        results: dict[str, Any] = {
+            "source": cfg.checkpoint.initial_load_path or cfg.checkpoint.initial_load_hf
+        }
         if trainer.task_evaluator is not None:
             scored = trainer.evaluate_tasks()
             results["tasks"] = {name: r.metrics for name, r in scored.items()}
@@ -134,9 +151,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if rank == "0":
         for name, metrics in results.get("tasks", {}).items():
-            print(f"{name}: " + "  ".join(f"{k} {v:.4f}" if k != "examples" else f"{k} {v}" for k, v in metrics.items()))
+            print(
+                f"{name}: "
+                + "  ".join(f"{k} {v:.4f}" if k != "examples" else f"{k} {v}" for k, v in metrics.items())
+            )
         if "validation" in results:
-            for name, v in {"validation": results["validation"], **results.get("validation_sets", {})}.items():
+            for name, v in {
+                "validation": results["validation"],
+                **results.get("validation_sets", {}),
+            }.items():
                 print(f"{name}: loss {v['loss']:.4f}  tokens {v['tokens']}")
         print(f"wrote {os.path.join(cfg.job.dump_folder, 'eval_results.json')}")
     return 0

@@ -30,7 +30,8 @@ def _check_args(args: argparse.Namespace) -> None:
         )
     if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
         raise ConfigError(
-            f"out_dir {args.out_dir!r} is an existing file, not a folder; pass a folder (it is created if missing)."
+            f"out_dir {args.out_dir!r} is an existing file, not a folder; pass a folder (it is created if "
+            "missing)."
         )
     if not os.path.isdir(args.checkpoint):
         what = "is a file, not a folder" if os.path.exists(args.checkpoint) else "does not exist"

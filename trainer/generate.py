@@ -35,8 +35,11 @@ def _check_args(args: argparse.Namespace) -> str:
         raise ConfigError(
             f"--temperature={args.temperature} must be a finite number >= 0 (0 = greedy decoding)."
         )
-    for flag, value, low in (("--max-new-tokens", args.max_new_tokens, 1), ("--num-samples", args.num_samples, 1),
-                             ("--top-k", args.top_k, 0)):  # fmt: skip
+    for flag, value, low in (
+        ("--max-new-tokens", args.max_new_tokens, 1),
+        ("--num-samples", args.num_samples, 1),
+        ("--top-k", args.top_k, 0),
+    ):
         if value < low:
             raise ConfigError(
                 f"{flag}={value} must be >= {low}" + (" (0 = all tokens)." if low == 0 else ".")
@@ -86,17 +89,28 @@ def main(argv: list[str] | None = None) -> int:
     prompt_ids = [tokenizer.bos_id, *tokenizer.encode(args.prompt)]
     for i in range(args.num_samples):
         start = time.perf_counter()
-        ids = generate(model, prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       top_k=args.top_k or None, eos_id=tokenizer.eos_id, generator=gen,
-                       use_cache=not args.no_cache)  # fmt: skip
+        ids = generate(
+            model,
+            prompt_ids,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k or None,
+            eos_id=tokenizer.eos_id,
+            generator=gen,
+            use_cache=not args.no_cache,
+        )
         seconds = time.perf_counter() - start
         if args.num_samples > 1:
             print(f"--- sample {i + 1} ---")
         print(tokenizer.decode(ids[1:]), flush=True)
         new_tokens = len(ids) - len(prompt_ids)
         cache = "no KV cache" if args.no_cache else "KV cache"
-        print(f"[{new_tokens} tokens in {seconds:.2f}s = {new_tokens / max(seconds, 1e-9):.1f} tokens/s, {cache}]",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"[{new_tokens} tokens in {seconds:.2f}s = {new_tokens / max(seconds, 1e-9):.1f} tokens/s, "
+            f"{cache}]",
+            file=sys.stderr,
+            flush=True,
+        )
     return 0
 
 

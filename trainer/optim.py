@@ -58,16 +58,37 @@ def muon_param_groups(
     m = cfg.muon
     groups = [
         {
-            "params": [p for _, p in muon], "names": [n for n, _ in muon], "use_muon": True,
-            "lr": m.lr, "weight_decay": m.weight_decay, "momentum": m.momentum, "nesterov": m.nesterov,
-            "ns_steps": m.ns_steps, "ns_coefficients": tuple(m.ns_coefficients), "eps": m.eps,
+            "params": [p for _, p in muon],
+            "names": [n for n, _ in muon],
+            "use_muon": True,
+            "lr": m.lr,
+            "weight_decay": m.weight_decay,
+            "momentum": m.momentum,
+            "nesterov": m.nesterov,
+            "ns_steps": m.ns_steps,
+            "ns_coefficients": tuple(m.ns_coefficients),
+            "eps": m.eps,
             "adjust_lr_fn": m.adjust_lr_fn,
         },
-        {"params": [p for _, p in decay], "names": [n for n, _ in decay], "use_muon": False,
-         "lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps, "weight_decay": cfg.weight_decay},
-        {"params": [p for _, p in no_decay], "names": [n for n, _ in no_decay], "use_muon": False,
-         "lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps, "weight_decay": 0.0},
-    ]  # fmt: skip
+        {
+            "params": [p for _, p in decay],
+            "names": [n for n, _ in decay],
+            "use_muon": False,
+            "lr": cfg.lr,
+            "betas": tuple(cfg.betas),
+            "eps": cfg.eps,
+            "weight_decay": cfg.weight_decay,
+        },
+        {
+            "params": [p for _, p in no_decay],
+            "names": [n for n, _ in no_decay],
+            "use_muon": False,
+            "lr": cfg.lr,
+            "betas": tuple(cfg.betas),
+            "eps": cfg.eps,
+            "weight_decay": 0.0,
+        },
+    ]
     return [g for g in groups if g["params"]]
 
 
@@ -112,7 +133,10 @@ def _build_muon(
     from parallelisms.muon import NS_DTYPES, Muon
 
     groups = muon_param_groups(model, cfg, adamw_modules)
-    kwargs: dict[str, Any] = {"ns_dtype": NS_DTYPES[cfg.muon.ns_dtype], "adamw_kwargs": _impl_kwargs(cfg, device_type)}
+    kwargs: dict[str, Any] = {
+        "ns_dtype": NS_DTYPES[cfg.muon.ns_dtype],
+        "adamw_kwargs": _impl_kwargs(cfg, device_type),
+    }
     if shard_mesh is not None:
         from parallelisms.sharded_optimizer import ShardedOptimizer
 
@@ -150,9 +174,14 @@ def build_qk_clip(parts: list[nn.Module], spec: Any, cfg: Any, dims: Any) -> Any
                 attentions.append((int(name[len(prefix) :].split(".", 1)[0]), module))
     tp_rank = dims.get_mesh("tp").get_local_rank() if dims.tp > 1 else 0
     return QKClip(
-        attentions, num_layers=cfg.model.n_layers, n_heads=cfg.model.n_heads, n_kv_heads=cfg.model.kv_heads,
-        tau=tau, tp_rank=tp_rank, tp_size=dims.tp,
-    )  # fmt: skip
+        attentions,
+        num_layers=cfg.model.n_layers,
+        n_heads=cfg.model.n_heads,
+        n_kv_heads=cfg.model.kv_heads,
+        tau=tau,
+        tp_rank=tp_rank,
+        tp_size=dims.tp,
+    )
 
 
 def lr_factor(

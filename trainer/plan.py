@@ -49,7 +49,8 @@ if TYPE_CHECKING:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """``python -m trainer.plan +experiment=NAME [cluster=... cluster.key=...] [key=value ...] [--json]``;
-    ``python -m trainer.plan --run=RUN_FOLDER`` compares a run's plan with its communication and memory ledgers;
+    ``python -m trainer.plan --run=RUN_FOLDER`` compares a run's plan with its communication and memory
+    ledgers;
     ``--recommend`` proposes a layout for the config's model on the cluster."""
     from trainer.config import compose_config
 
@@ -63,8 +64,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     rest = [a for a in argv if a not in ("--json", "--recommend") and not a.startswith("--run=")]
     flags = [a for a in rest if a.startswith("-")]
     if flags or run_dir == "":
-        print(f"config error: unknown option {(flags or ['--run='])[0]!r}; the options are --json, --recommend and "
-              "--run=RUN_FOLDER, the rest are key=value overrides (e.g. +experiment=debug).", file=sys.stderr)  # fmt: skip
+        print(
+            f"config error: unknown option {(flags or ['--run='])[0]!r}; the options are --json, --recommend "
+            "and "
+            "--run=RUN_FOLDER, the rest are key=value overrides (e.g. +experiment=debug).",
+            file=sys.stderr,
+        )
         return 2
     cluster_args = [a for a in rest if a.startswith("cluster=") or a.startswith("cluster.")]
     overrides = [a for a in rest if a not in cluster_args]
@@ -91,11 +96,24 @@ def _main_recommend(cfg: TrainConfig, cluster: ClusterConfig, as_json: bool) -> 
 
     chosen, tried = recommend(cfg, cluster)
     if as_json:
-        print(json.dumps({
-            "recommended": None if chosen is None else {"layout": chosen.label, "activation_checkpoint": chosen.ac,
-                                                        "plan": dataclasses.asdict(chosen.plan)},
-            "tried": [{"step": c.step, "layout": c.label, "activation_checkpoint": c.ac, "reason": c.reason} for c in tried],
-        }, indent=2))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "recommended": None
+                    if chosen is None
+                    else {
+                        "layout": chosen.label,
+                        "activation_checkpoint": chosen.ac,
+                        "plan": dataclasses.asdict(chosen.plan),
+                    },
+                    "tried": [
+                        {"step": c.step, "layout": c.label, "activation_checkpoint": c.ac, "reason": c.reason}
+                        for c in tried
+                    ],
+                },
+                indent=2,
+            )
+        )
     else:
         print(render_recommendation(chosen, tried))
     return 0 if chosen is not None else 1

@@ -2,7 +2,8 @@
 
 ::
 
-    python -m trainer.prepare_data data=jsonl data.path=/data/web data.tokenizer=tok.json out=/data/web_tok num_proc=8
+    python -m trainer.prepare_data data=jsonl data.path=/data/web data.tokenizer=tok.json out=/data/web_tok
+    num_proc=8
     python -m trainer.prepare_data data=hub data.path=roneneldan/TinyStories out=/data/tinystories
     python -m trainer.prepare_data data=builtin out=/data/stdlib          # the built-in corpus
     torchrun ... trainer/main.py data=tokens data.path=/data/web_tok data.tokenizer=tok.json

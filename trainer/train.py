@@ -104,10 +104,16 @@ class Trainer:
         self.spec = get_spec(cfg.model.family)
         self._validate_and_load_data()  # 1. everything that needs no process group
         self._init_process_group()  # 2. process group and mesh
-        self.ft: Optional[FaultTolerance] = None  # torchft replica groups (trainer/resilience/fault_tolerance.py)
+        self.ft: Optional[FaultTolerance] = (
+            None  # torchft replica groups (trainer/resilience/fault_tolerance.py)
+        )
         if cfg.parallelism.fault_tolerance.enable:
             self.ft = FaultTolerance(
-                cfg, rank=self.rank, world_size=self.world_size, device=self.device, dump_folder=cfg.job.dump_folder
+                cfg,
+                rank=self.rank,
+                world_size=self.world_size,
+                device=self.device,
+                dump_folder=cfg.job.dump_folder,
             )
         self._build_operations()  # timeouts, preemption, profiling
         self._write_run_folder()  # 3. run folder, identical on every rank
@@ -129,13 +135,21 @@ class Trainer:
         # Fault tolerance: this process is one replica group; dp_replicate counts the groups.
         check_environment(cfg)
         self.parallelism = group_parallelism(self.parallelism)
-        self.batch_size = group_batch_size(cfg.parallelism, t.global_batch_size)  # this group's sequences per step
+        self.batch_size = group_batch_size(
+            cfg.parallelism, t.global_batch_size
+        )  # this group's sequences per step
         self.device = resolve_device(t.device, self.local_rank)
         self.dims = validated_dims(
-            self.parallelism, self.world_size, spec=self.spec, model_args=cfg.model, seq_len=t.seq_len,
-            global_batch_size=self.batch_size, micro_batch_size=t.micro_batch_size, compile=t.compile,
+            self.parallelism,
+            self.world_size,
+            spec=self.spec,
+            model_args=cfg.model,
+            seq_len=t.seq_len,
+            global_batch_size=self.batch_size,
+            micro_batch_size=t.micro_batch_size,
+            compile=t.compile,
             device_type=self.device.type,
-        )  # fmt: skip
+        )
         self.grad_accum_steps = self.dims.grad_accum_steps(self.batch_size, t.micro_batch_size)
         self.local_batch_size = self.dims.local_batch_size(self.batch_size)
         if not cfg.checkpoint.create_seed:  # metrics.memory_check: will this layout fit on this host?
@@ -144,21 +158,43 @@ class Trainer:
         check_vocab_size(self.tokenizer, cfg.model.vocab_size)
         dp_rank = self.dims.dp_rank_of(self.rank)  # the mesh confirms it once built
         self.train_loader = build_dataloader(
-            cfg.data, self.tokenizer, split="train", seq_len=t.seq_len, global_batch_size=self.batch_size,
-            dp_rank=dp_rank, dp_size=self.dims.dp, seed=t.seed,
-        )  # fmt: skip
+            cfg.data,
+            self.tokenizer,
+            split="train",
+            seq_len=t.seq_len,
+            global_batch_size=self.batch_size,
+            dp_rank=dp_rank,
+            dp_size=self.dims.dp,
+            seed=t.seed,
+        )
         self.val_loader: Optional[DataLoader] = None
         if t.eval_freq > 0:
             self.val_loader = build_dataloader(
-                cfg.data, self.tokenizer, split="validation", seq_len=t.seq_len,
-                global_batch_size=t.micro_batch_size * self.dims.dp, dp_rank=dp_rank, dp_size=self.dims.dp,
+                cfg.data,
+                self.tokenizer,
+                split="validation",
+                seq_len=t.seq_len,
+                global_batch_size=t.micro_batch_size * self.dims.dp,
+                dp_rank=dp_rank,
+                dp_size=self.dims.dp,
                 seed=t.seed,
-            )  # fmt: skip
+            )
         # Named validation sets (eval.validation), each its own loss, at the same steps.
-        self.named_val_loaders = build_validation_loaders(
-            validation_sources(cfg.eval), cfg.data, self.tokenizer, seq_len=t.seq_len, batch_size=t.micro_batch_size * self.dims.dp,
-            dp_rank=dp_rank, dp_size=self.dims.dp, seed=t.seed, default_steps=t.eval_steps,
-        ) if t.eval_freq > 0 else {}  # fmt: skip
+        self.named_val_loaders = (
+            build_validation_loaders(
+                validation_sources(cfg.eval),
+                cfg.data,
+                self.tokenizer,
+                seq_len=t.seq_len,
+                batch_size=t.micro_batch_size * self.dims.dp,
+                dp_rank=dp_rank,
+                dp_size=self.dims.dp,
+                seed=t.seed,
+                default_steps=t.eval_steps,
+            )
+            if t.eval_freq > 0
+            else {}
+        )
         # Downstream tasks (eval.tasks): read and tokenized here, so a bad file fails on every rank.
         # Rows are padded to a multiple of what context / sequence parallelism split.
         align = (2 * self.dims.cp if self.dims.cp > 1 else 1) * self.dims.tp
@@ -196,7 +232,8 @@ class Trainer:
         torch.manual_seed(self.cfg.training.seed)
 
     def _build_operations(self) -> None:
-        """Collective timeouts + hang reports (trainer/resilience/watchdog.py), SIGTERM/SIGUSR1 (trainer/resilience/preemption.py,
+        """Collective timeouts + hang reports (trainer/resilience/watchdog.py), SIGTERM/SIGUSR1
+        (trainer/resilience/preemption.py,
         collective: every rank builds it) and the profiler."""
         cfg = self.cfg
         self.comm = CommMonitor(
@@ -251,7 +288,9 @@ class Trainer:
 
             cp_mesh = self.dims.cp_mesh
             self.step_context.batch_sharder = cp_batch_sharder(cp_mesh, p.cp_load_balance)
-            self.step_context.extra.extend(cp_contexts(cp_mesh, impl=p.cp_impl, load_balance=p.cp_load_balance))
+            self.step_context.extra.extend(
+                cp_contexts(cp_mesh, impl=p.cp_impl, load_balance=p.cp_load_balance)
+            )
         # ``model`` runs the step: the module (DDP-wrapped when replicated) or, under PP, this
         # rank's Pipeline (its stages + the schedule). ``model_parts``: the unwrapped modules (one
         # without PP, this rank's stages with PP) that everything else takes: train/eval mode,
@@ -259,9 +298,16 @@ class Trainer:
         self.pipeline: Optional[Pipeline] = None
         if self.dims.pp > 1:
             self.pipeline = parallelize_pipeline(
-                model, self.spec, self.dims, p, options, micro_batch_size=t.micro_batch_size,
-                local_batch_size=self.local_batch_size, loss_fn=token_loss_sum, step_context=self.step_context,
-            )  # fmt: skip
+                model,
+                self.spec,
+                self.dims,
+                p,
+                options,
+                micro_batch_size=t.micro_batch_size,
+                local_batch_size=self.local_batch_size,
+                loss_fn=token_loss_sum,
+                step_context=self.step_context,
+            )
             self.model = self.pipeline
         else:
             self.model = parallelize(model, self.spec, self.dims, p, options)
@@ -271,9 +317,15 @@ class Trainer:
         self.parameters = list(dict.fromkeys(p for part in self.model_parts for p in part.parameters()))
         # MoE families: per-step expert statistics, aux-loss weight and expert-bias update.
         self.load_balancer = LoadBalancer.build(
-            self.model_parts, self.spec, self.dims, cfg.model, tokens_per_step=t.global_batch_size * t.seq_len,
-            forwards_per_step=self.pipeline.n_microbatches if self.pipeline is not None else self.grad_accum_steps,
-        )  # fmt: skip
+            self.model_parts,
+            self.spec,
+            self.dims,
+            cfg.model,
+            tokens_per_step=t.global_batch_size * t.seq_len,
+            forwards_per_step=self.pipeline.n_microbatches
+            if self.pipeline is not None
+            else self.grad_accum_steps,
+        )
         # Multi-token prediction (DeepSeek-V3): its gradient weight per step and its logged mtp_loss.
         self.mtp_stats = MTPStats.build(
             self.model_parts, self.spec, cfg.model, self.dims, tokens_per_step=t.global_batch_size * t.seq_len
@@ -287,11 +339,16 @@ class Trainer:
             else None
         )
         self.optimizer = build_optimizer(
-            self.model_parts, self.cfg.optimizer, device_type=self.device.type, shard_mesh=shard_mesh,
+            self.model_parts,
+            self.cfg.optimizer,
+            device_type=self.device.type,
+            shard_mesh=shard_mesh,
             adamw_modules=self.spec.first_modules + self.spec.last_modules,
-        )  # fmt: skip
+        )
         self.lr_scheduler = build_lr_scheduler(self.optimizer, self.cfg.lr_scheduler, self.cfg.training.steps)
-        self.qk_clip = build_qk_clip(self.model_parts, self.spec, self.cfg, self.dims)  # None unless qk_clip_tau > 0
+        self.qk_clip = build_qk_clip(
+            self.model_parts, self.spec, self.cfg, self.dims
+        )  # None unless qk_clip_tau > 0
         self.state = TrainState()
         # test-only (trainer/resilience/guards.py): MESHWRIGHT_TEST_NAN_AT=<rank>@<step> injects a NaN
         install_test_nan_hook(self.model, self.rank, lambda: self.state.step + 1)
@@ -299,12 +356,20 @@ class Trainer:
     def _build_checkpointer(self) -> None:
         cfg = self.cfg
         self.checkpointer = Checkpointer(
-            cfg.checkpoint, dump_folder=self.dump_folder, model_parts=self.model_parts, optimizer=self.optimizer,
-            lr_scheduler=self.lr_scheduler, dataloader=self.train_loader, train_state=self.state,
-            seed=cfg.training.seed, device=self.device,
+            cfg.checkpoint,
+            dump_folder=self.dump_folder,
+            model_parts=self.model_parts,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            dataloader=self.train_loader,
+            train_state=self.state,
+            seed=cfg.training.seed,
+            device=self.device,
             info=model_info(cfg.model, cfg.data.tokenizer, describe_layout(self.dims, self.parallelism)),
-            full_shapes=self.full_shapes, hf_target=(self.spec, cfg.model), shared_folder=self.ft is not None,
-        )  # fmt: skip
+            full_shapes=self.full_shapes,
+            hf_target=(self.spec, cfg.model),
+            shared_folder=self.ft is not None,
+        )
         self.checkpointer.load()
         if self.ft is not None:  # healing payload; the torchft step from a resumed checkpoint
             self.ft.attach(self)
@@ -314,10 +379,17 @@ class Trainer:
         self.tokens_per_step = self.batch_size * t.seq_len
         self.param_counts = self.spec.param_counts(cfg.model)
         self.metrics = MetricsLogger(
-            self.log_folder, cfg.metrics, is_writer=self.rank == 0, device=self.device,
-            flops_per_token=self.spec.flops_per_token(cfg.model, t.seq_len), tokens_per_step=self.tokens_per_step,
-            world_size=self.world_size, total_steps=t.steps, resume_step=self.state.step, run_name=cfg.job.name,
-        )  # fmt: skip
+            self.log_folder,
+            cfg.metrics,
+            is_writer=self.rank == 0,
+            device=self.device,
+            flops_per_token=self.spec.flops_per_token(cfg.model, t.seq_len),
+            tokens_per_step=self.tokens_per_step,
+            world_size=self.world_size,
+            total_steps=t.steps,
+            resume_step=self.state.step,
+            run_name=cfg.job.name,
+        )
         self.comm_ledger: Optional[CommLedger] = None
         if cfg.metrics.comm_ledger:
             names = (*self.dims.mesh_dim_names, *self.dims.flat_views, DP_REPLICATE_CP)
@@ -339,7 +411,8 @@ class Trainer:
         active = f" ({counts.active / 1e6:.2f}M active)" if counts.active != counts.total else ""
         logger.info(
             f"model {cfg.model.name} ({self.spec.family}): {counts.total / 1e6:.2f}M params{active} | world "
-            f"{self.world_size} = pp {d.pp} x dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x cp {d.cp} "
+            f"{self.world_size} = pp {d.pp} x dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x cp "
+            f"{d.cp} "
             f"x tp {d.tp} | global batch {t.global_batch_size} x {t.seq_len} tokens, micro batch "
             f"{t.micro_batch_size}, {accumulation} | device {self.device}"
         )
@@ -372,10 +445,17 @@ class Trainer:
         if loader_positions is not None:
             step_batch.positions = loader_positions.to(self.device, non_blocking=True)
         elif block_causal:
-            step_batch.positions = document_positions(step_batch.inputs, self.tokenizer.bos_id, self.tokenizer.eos_id)
-        if self.mtp_stats is not None and loader is self.train_loader:  # MTP ids/targets, whole sequence (before CP)
+            step_batch.positions = document_positions(
+                step_batch.inputs, self.tokenizer.bos_id, self.tokenizer.eos_id
+            )
+        if (
+            self.mtp_stats is not None and loader is self.train_loader
+        ):  # MTP ids/targets, whole sequence (before CP)
             step_batch.mtp_inputs, step_batch.mtp_labels = mtp_targets(
-                step_batch.inputs, step_batch.labels, self.spec.mtp_depth(self.cfg.model), step_batch.positions
+                step_batch.inputs,
+                step_batch.labels,
+                self.spec.mtp_depth(self.cfg.model),
+                step_batch.positions,
             )
         return self.step_context.shard_batch(step_batch)
 
@@ -494,10 +574,18 @@ class Trainer:
         batch = self.step_context.shard_batch(StepBatch(inputs, labels))
         if self.pipeline is not None:
             return self.pipeline.forward_loss_sum(
-                batch.inputs, batch.labels, batch.positions, loss_fn=row_stats, out_shape=(len(inputs), len(ROW_STATS))
+                batch.inputs,
+                batch.labels,
+                batch.positions,
+                loss_fn=row_stats,
+                out_shape=(len(inputs), len(ROW_STATS)),
             )
         with self.step_context():
-            logits = self.model(batch.inputs) if batch.positions is None else self.model(batch.inputs, batch.positions)
+            logits = (
+                self.model(batch.inputs)
+                if batch.positions is None
+                else self.model(batch.inputs, batch.positions)
+            )
             return row_stats(logits, batch.labels)
 
     @torch.no_grad()
@@ -508,9 +596,12 @@ class Trainer:
         self._train_mode(False)
         try:
             return self.task_evaluator.run(
-                self._row_stats, dp_rank=self.dims.dp_rank_of(self.rank), dp_size=self.dims.dp, device=self.device,
+                self._row_stats,
+                dp_rank=self.dims.dp_rank_of(self.rank),
+                dp_size=self.dims.dp,
+                device=self.device,
                 reduce_group=self.dims.loss_mesh.get_group() if self.dims.dp_cp > 1 else None,
-            )  # fmt: skip
+            )
         finally:
             self._train_mode(True)
 
@@ -518,7 +609,9 @@ class Trainer:
         """The named validation sets (at the validation steps) and the tasks (``eval.freq``), logged."""
         t = self.cfg.training
         if self.named_val_loaders and (step % t.eval_freq == 0 or step == t.steps):
-            named = {name: self.evaluate(loader, steps) for name, (loader, steps) in self.named_val_loaders.items()}
+            named = {
+                name: self.evaluate(loader, steps) for name, (loader, steps) in self.named_val_loaders.items()
+            }
             self.state.history.append(self.metrics.log_validation(step, named))
         if self.task_evaluator is not None and self.task_evaluator.due(step, t.steps):
             start = time.perf_counter()
@@ -532,7 +625,9 @@ class Trainer:
     def _ledger_for(self, step: int) -> contextlib.AbstractContextManager:
         """The communication and memory ledgers around ``step`` if that step is logged (they measure
         the steps they report: every step of a run issues the same collectives), else nothing."""
-        ledgers = [x for x in (self.comm_ledger, self.memory_ledger) if x is not None and self._is_logged(step)]
+        ledgers = [
+            x for x in (self.comm_ledger, self.memory_ledger) if x is not None and self._is_logged(step)
+        ]
         if not ledgers:
             return contextlib.nullcontext()
         stack = contextlib.ExitStack()
@@ -581,7 +676,9 @@ class Trainer:
                     if self.memory_ledger is not None:  # saved tensors, states, buffers (a collective)
                         extra["memory"] = self.memory_ledger.collect(self.parameters)
                     lr = self.lr_scheduler.get_last_lr()[0]
-                    record = self.metrics.log_step(step, global_loss.item(), grad_norm.item(), lr, extra=extra)
+                    record = self.metrics.log_step(
+                        step, global_loss.item(), grad_norm.item(), lr, extra=extra
+                    )
                     self.state.history.append(record)
                 if self.val_loader is not None and (step % t.eval_freq == 0 or step == t.steps):
                     eval_loss, eval_tokens = self.evaluate()

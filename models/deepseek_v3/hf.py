@@ -114,22 +114,35 @@ class DeepSeekV3HF:
             dtype=dtype,
         )
         cfg.update(
-            num_key_value_heads=args.n_heads, head_dim=args.qk_rope_head_dim, intermediate_size=args.hidden_dim,
-            moe_intermediate_size=args.moe_hidden_dim, n_routed_experts=args.num_experts,
-            n_shared_experts=args.num_shared_experts, num_experts_per_tok=args.top_k,
-            routed_scaling_factor=args.route_scale, norm_topk_prob=bool(args.route_norm), n_group=args.n_group,
-            topk_group=args.topk_group, first_k_dense_replace=args.first_k_dense, q_lora_rank=args.q_lora_rank,
-            kv_lora_rank=args.kv_lora_rank, qk_nope_head_dim=args.qk_nope_head_dim,
-            qk_rope_head_dim=args.qk_rope_head_dim, v_head_dim=args.v_head_dim,
-            rope_interleave=bool(args.hf_rope_interleave), attention_bias=False, num_nextn_predict_layers=0,
-        )  # fmt: skip
+            num_key_value_heads=args.n_heads,
+            head_dim=args.qk_rope_head_dim,
+            intermediate_size=args.hidden_dim,
+            moe_intermediate_size=args.moe_hidden_dim,
+            n_routed_experts=args.num_experts,
+            n_shared_experts=args.num_shared_experts,
+            num_experts_per_tok=args.top_k,
+            routed_scaling_factor=args.route_scale,
+            norm_topk_prob=bool(args.route_norm),
+            n_group=args.n_group,
+            topk_group=args.topk_group,
+            first_k_dense_replace=args.first_k_dense,
+            q_lora_rank=args.q_lora_rank,
+            kv_lora_rank=args.kv_lora_rank,
+            qk_nope_head_dim=args.qk_nope_head_dim,
+            qk_rope_head_dim=args.qk_rope_head_dim,
+            v_head_dim=args.v_head_dim,
+            rope_interleave=bool(args.hf_rope_interleave),
+            attention_bias=False,
+            num_nextn_predict_layers=0,
+        )
         return cfg
 
     def args_from_hf_config(self, cfg: dict[str, Any]) -> dict[str, Any]:
         """Our ``DeepSeekV3Args`` fields from a ``deepseek_v3`` ``config.json``."""
         if cfg.get("model_type") != self.model_type:
             raise ConfigError(
-                f"config.json has model_type={cfg.get('model_type')!r}; the deepseek_v3 family reads 'deepseek_v3'."
+                f"config.json has model_type={cfg.get('model_type')!r}; the deepseek_v3 family reads "
+                "'deepseek_v3'."
             )
         if cfg.get("attention_bias"):
             raise ConfigError("config.json has attention_bias=true; meshwright's MLA has no biases.")
@@ -140,7 +153,8 @@ class DeepSeekV3HF:
         top_k, norm = cfg["num_experts_per_tok"], bool(cfg.get("norm_topk_prob", True))
         if top_k == 1 and norm:
             raise ConfigError(
-                "config.json has num_experts_per_tok=1 and norm_topk_prob=true: transformers renormalises the "
+                "config.json has num_experts_per_tok=1 and norm_topk_prob=true: transformers renormalises "
+                "the "
                 "one routing weight to 1, meshwright keeps the router score."
             )
         theta, scaling = rope_scaling_from_hf(cfg)

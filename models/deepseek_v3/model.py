@@ -132,7 +132,8 @@ class DeepSeekV3Args(MoEArgs):
             )
         if self.n_kv_heads is not None or self.qk_norm or self.attn_head_dim is not None:
             raise ConfigError(
-                "model.n_kv_heads / qk_norm / attn_head_dim are Llama-attention keys; multi-head latent attention "
+                "model.n_kv_heads / qk_norm / attn_head_dim are Llama-attention keys; multi-head latent "
+                "attention "
                 "has one latent per token: leave them null/false and set kv_lora_rank, qk_nope_head_dim, "
                 "qk_rope_head_dim, v_head_dim."
             )
@@ -145,7 +146,8 @@ class DeepSeekV3Args(MoEArgs):
             raise ConfigError(f"model.mtp_loss_weight={w!r} must be a finite number >= 0.")
         if self.mtp_depth and self.tie_embeddings:
             raise ConfigError(
-                "model.mtp_depth > 0 with model.tie_embeddings=true is not supported; DeepSeek-V3 unties them."
+                "model.mtp_depth > 0 with model.tie_embeddings=true is not supported; DeepSeek-V3 unties "
+                "them."
             )
 
     @property
@@ -195,7 +197,8 @@ class MLAttention(nn.Module):
         self.core = core if core is not None else LatentAttentionCore(args.attention_mask)
 
     def init_weights(self, init: ParamInit, prefix: str, std: float, out_std: float) -> None:
-        """Projections into attention: truncated normal (std); ``wo``: depth-scaled ``out_std``; norms ones."""
+        """Projections into attention: truncated normal (std); ``wo``: depth-scaled ``out_std``; norms
+        ones."""
         for name in ("wq", "wq_a", "wq_b", "wkv_a", "wkv_b"):
             if hasattr(self, name):
                 init.trunc_normal(f"{prefix}.{name}.weight", getattr(self, name).weight, std, 2.0)
@@ -273,9 +276,16 @@ class MTPModules(nn.ModuleDict):
     (FSDP: the MTP modules share a unit with the final norm and the head) sees one call."""
 
     def forward(
-        self, h: Tensor, embs: list[Tensor], labels: Tensor, *, rope_cache: Tensor, positions: Optional[Tensor],
-        head: Callable[[Tensor], Tensor], loss_fn: Callable[[Tensor, Tensor], Tensor],
-    ) -> Tensor:  # fmt: skip
+        self,
+        h: Tensor,
+        embs: list[Tensor],
+        labels: Tensor,
+        *,
+        rope_cache: Tensor,
+        positions: Optional[Tensor],
+        head: Callable[[Tensor], Tensor],
+        loss_fn: Callable[[Tensor, Tensor], Tensor],
+    ) -> Tensor:
         """(D, 2): per depth k, the summed cross-entropy and the number of targets. Module k runs on all S
         positions: position i combines the previous depth's hidden state at i with ``embs[k-1]`` at i (the
         embedding of token i+k) and predicts ``labels[..., k-1]`` at i (token i+k+1, ``IGNORE_INDEX``
@@ -285,13 +295,17 @@ class MTPModules(nn.ModuleDict):
         for k, module in enumerate(self.values()):
             h = module(h, embs[k], rope_cache=rope_cache, positions=positions)  # (B, S, H)
             target = labels[..., k]  # (B, S)
-            out.append(torch.stack([loss_fn(head(h), target).float(), (target != IGNORE_INDEX).sum().float()]))
+            out.append(
+                torch.stack([loss_fn(head(h), target).float(), (target != IGNORE_INDEX).sum().float()])
+            )
         return torch.stack(out)
 
 
 def mtp_loss_sum(logits: Tensor, labels: Tensor) -> Tensor:
     """Summed cross-entropy of (B, S, V) ``logits`` against (B, S) ``labels`` (``IGNORE_INDEX`` skipped)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
 
 
 def shifted_tokens(tokens: Tensor, depth: int) -> tuple[Tensor, Tensor]:
@@ -341,9 +355,12 @@ class DeepSeekV3Transformer(MoETransformer):
         self.mtp_records = []
 
     def forward(
-        self, tokens: Tensor, positions: Optional[Tensor] = None, mtp_inputs: Optional[Tensor] = None,
+        self,
+        tokens: Tensor,
+        positions: Optional[Tensor] = None,
+        mtp_inputs: Optional[Tensor] = None,
         mtp_labels: Optional[Tensor] = None,
-    ) -> Tensor:  # fmt: skip
+    ) -> Tensor:
         """Token ids (B, S) -> next-token logits (B, S, V) (stage-friendly like ``Transformer``). With
         MTP modules, a whole model and gradients enabled, the MTP loss also flows into backward.
         ``mtp_inputs`` / ``mtp_labels`` (B, S, D): per depth k, the id of token i+k and the target
@@ -368,8 +385,15 @@ class DeepSeekV3Transformer(MoETransformer):
         for layer in self.layers.values():
             h = layer(h, rope_cache=self.rope_cache, positions=positions)  # (B, S, H)
         if train_mtp:
-            stats = self.mtp(h, embs, mtp_labels, rope_cache=self.rope_cache, positions=positions,
-                             head=lambda x: self.output(self.norm(x)), loss_fn=self.mtp_loss_fn)  # (D, 2)  # fmt: skip
+            stats = self.mtp(
+                h,
+                embs,
+                mtp_labels,
+                rope_cache=self.rope_cache,
+                positions=positions,
+                head=lambda x: self.output(self.norm(x)),
+                loss_fn=self.mtp_loss_fn,
+            )  # (D, 2)
             if not _recomputing():
                 self.mtp_records.append(stats.detach())
             # objective: mtp_loss_weight / D * summed MTP cross-entropy per token of the step (the
@@ -488,9 +512,13 @@ TP_PLAN: dict[str, str] = {
 }
 # MTP modules: their block (dense FFN) as the main blocks; the two norms on the residual-stream layout
 # (sequence-sharded under SP) and the token-wise projection replicated, run on this rank's tokens.
-TP_PLAN.update({
-    "mtp.*.enorm": "norm",
-    "mtp.*.hnorm": "norm",
-    "mtp.*.proj": "replicate",
-    **{f"mtp.*.block.{k[len('layers.*.'):]}": v for k, v in TP_PLAN.items() if k.startswith("layers.*.")},
-})  # fmt: skip
+TP_PLAN.update(
+    {
+        "mtp.*.enorm": "norm",
+        "mtp.*.hnorm": "norm",
+        "mtp.*.proj": "replicate",
+        **{
+            f"mtp.*.block.{k[len('layers.*.') :]}": v for k, v in TP_PLAN.items() if k.startswith("layers.*.")
+        },
+    }
+)

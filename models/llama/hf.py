@@ -14,8 +14,14 @@ from models.common import RopeScaling
 from models.errors import ConfigError
 from models.llama.model import LlamaArgs
 
-__all__ = ["LLAMA_HF_LAYER_NAMES", "LLAMA_HF_TOP_NAMES", "LlamaHF", "decoder_hf_config", "rope_scaling_from_hf",
-           "rope_scaling_to_hf"]  # fmt: skip
+__all__ = [
+    "LLAMA_HF_LAYER_NAMES",
+    "LLAMA_HF_TOP_NAMES",
+    "LlamaHF",
+    "decoder_hf_config",
+    "rope_scaling_from_hf",
+    "rope_scaling_to_hf",
+]
 
 # --------------------------------------------------------------------------------------------
 # Hugging Face adapter (LlamaForCausalLM)
@@ -65,13 +71,18 @@ def rope_scaling_to_hf(scaling: RopeScaling, theta: float) -> Optional[dict[str,
             original_max_position_embeddings=scaling.original_max_seq_len,
             beta_fast=scaling.beta_fast,
             beta_slow=scaling.beta_slow,
-            **{k: getattr(scaling, k) for k in ("mscale", "mscale_all_dim", "attention_factor") if getattr(scaling, k)},
+            **{
+                k: getattr(scaling, k)
+                for k in ("mscale", "mscale_all_dim", "attention_factor")
+                if getattr(scaling, k)
+            },
         )
     return out
 
 
-def finish_state_from_hf(state: dict[str, Any], hf_state: dict[str, Any], used: set[str], args: Any,
-                         fmt: str) -> dict[str, Any]:  # fmt: skip
+def finish_state_from_hf(
+    state: dict[str, Any], hf_state: dict[str, Any], used: set[str], args: Any, fmt: str
+) -> dict[str, Any]:
     """The end of a stacked-expert reader (MoE, DeepSeek-V3): every HF tensor was read (the rotary
     ``inv_freq`` buffers aside), else a ConfigError naming one; a tied head is the embedding."""
     extra = sorted(k for k in hf_state if k not in used and not k.endswith("rotary_emb.inv_freq"))
@@ -101,12 +112,17 @@ def rope_scaling_from_hf(cfg: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     out: dict[str, Any] = {"type": kind, "factor": float(rope["factor"])}
     if kind == "yarn":
         if rope.get("truncate", True) is False:
-            raise ConfigError("config.json sets rope truncate=false; meshwright's YaRN truncates (as DeepSeek-V3).")
+            raise ConfigError(
+                "config.json sets rope truncate=false; meshwright's YaRN truncates (as DeepSeek-V3)."
+            )
         out.update(
-            original_max_seq_len=int(rope.get("original_max_position_embeddings") or cfg["max_position_embeddings"]),
-            beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
+            original_max_seq_len=int(
+                rope.get("original_max_position_embeddings") or cfg["max_position_embeddings"]
+            ),
+            beta_fast=float(rope.get("beta_fast") or 32),
+            beta_slow=float(rope.get("beta_slow") or 1),
             **{k: float(rope.get(k) or 0.0) for k in ("mscale", "mscale_all_dim", "attention_factor")},
-        )  # fmt: skip
+        )
     if kind == "llama3":
         out.update(
             low_freq_factor=float(rope["low_freq_factor"]),
@@ -170,12 +186,18 @@ class LlamaHF:
                 "train it as model.family=qwen3 (exported as Qwen3ForCausalLM)."
             )
         return {
-            **decoder_hf_config(args, architecture=self.architecture, model_type=self.model_type, bos_id=bos_id,
-                                eos_id=eos_id, dtype=dtype),
+            **decoder_hf_config(
+                args,
+                architecture=self.architecture,
+                model_type=self.model_type,
+                bos_id=bos_id,
+                eos_id=eos_id,
+                dtype=dtype,
+            ),
             "intermediate_size": args.hidden_dim,
             "attention_bias": False,
             "mlp_bias": False,
-        }  # fmt: skip
+        }
 
     def args_from_hf_config(self, cfg: dict[str, Any]) -> dict[str, Any]:
         """Our ``LlamaArgs`` fields from a HF ``config.json`` (refuses what we cannot represent)."""

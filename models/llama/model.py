@@ -117,14 +117,16 @@ class LlamaArgs(ModelArgs):
         if self.attn_head_dim is None and self.dim % self.n_heads != 0:
             raise ConfigError(
                 f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}; "
-                f"choose dim as a multiple of n_heads (e.g. dim={self.n_heads * max(1, round(self.dim / self.n_heads))})"
+                "choose dim as a multiple of n_heads (e.g. "
+                f"dim={self.n_heads * max(1, round(self.dim / self.n_heads))})"
                 " or set model.attn_head_dim explicitly."
             )
         if self.head_dim % 2 != 0:
             source = (
-                f"model.attn_head_dim={self.attn_head_dim}" if self.attn_head_dim is not None
+                f"model.attn_head_dim={self.attn_head_dim}"
+                if self.attn_head_dim is not None
                 else f"head_dim = model.dim / model.n_heads = {self.dim}/{self.n_heads} = {self.head_dim}"
-            )  # fmt: skip
+            )
             raise ConfigError(
                 f"{source} is odd; rotary embeddings need an even head size: change attn_head_dim, dim or "
                 "n_heads."

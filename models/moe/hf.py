@@ -33,7 +33,8 @@ logger = logging.getLogger("meshwright")
 # Attention, norms and embeddings use Llama's names. MoE layers (Mixtral / Qwen3-MoE):
 #
 #   layers.{i}.moe.router.gate.weight   block_sparse_moe.gate.weight  / mlp.gate.weight
-#   layers.{i}.moe.experts.w1[j]        block_sparse_moe.experts.{j}.w1.weight / mlp.experts.{j}.gate_proj.weight
+# layers.{i}.moe.experts.w1[j]        block_sparse_moe.experts.{j}.w1.weight /
+# mlp.experts.{j}.gate_proj.weight
 #   layers.{i}.moe.experts.w3[j]        ...experts.{j}.w3.weight  / mlp.experts.{j}.up_proj.weight
 #   layers.{i}.moe.experts.w2[j]        ...experts.{j}.w2.weight  / mlp.experts.{j}.down_proj.weight
 #   layers.{i}.attention.q_norm/k_norm  self_attn.q_norm / self_attn.k_norm (Qwen3)
@@ -80,7 +81,8 @@ class MoEHF:
             problems.append("moe_layer_freq != 1")
         if problems:
             raise ConfigError(
-                f"the MoE model cannot be written as Hugging Face {fmt}: {', '.join(problems)} have no equivalent there."
+                f"the MoE model cannot be written as Hugging Face {fmt}: {', '.join(problems)} have no "
+                "equivalent there."
             )
         return fmt
 
@@ -89,23 +91,35 @@ class MoEHF:
     ) -> dict:
         fmt = self.format_of(args)
         cfg: dict[str, Any] = {
-            **decoder_hf_config(args, architecture=_ARCHITECTURES[fmt], model_type=fmt, bos_id=bos_id, eos_id=eos_id,
-                                dtype=dtype),
+            **decoder_hf_config(
+                args,
+                architecture=_ARCHITECTURES[fmt],
+                model_type=fmt,
+                bos_id=bos_id,
+                eos_id=eos_id,
+                dtype=dtype,
+            ),
             "num_experts_per_tok": args.top_k,
             "output_router_logits": False,
             "router_aux_loss_coef": args.aux_loss_coeff,
-        }  # fmt: skip
+        }
         if fmt == "mixtral":
             cfg.update(
                 intermediate_size=args.moe_hidden_dim, num_local_experts=args.num_experts, sliding_window=None
             )
         else:
             cfg.update(
-                intermediate_size=args.hidden_dim, moe_intermediate_size=args.moe_hidden_dim,
-                num_experts=args.num_experts, num_local_experts=args.num_experts, norm_topk_prob=bool(args.route_norm and args.top_k > 1), decoder_sparse_step=1,
-                mlp_only_layers=list(range(args.first_k_dense)), attention_bias=False,
-                use_sliding_window=False, sliding_window=None,
-            )  # fmt: skip
+                intermediate_size=args.hidden_dim,
+                moe_intermediate_size=args.moe_hidden_dim,
+                num_experts=args.num_experts,
+                num_local_experts=args.num_experts,
+                norm_topk_prob=bool(args.route_norm and args.top_k > 1),
+                decoder_sparse_step=1,
+                mlp_only_layers=list(range(args.first_k_dense)),
+                attention_bias=False,
+                use_sliding_window=False,
+                sliding_window=None,
+            )
         return cfg
 
     def args_from_hf_config(self, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -116,27 +130,15 @@ class MoEHF:
             raise ConfigError(
                 f"config.json has model_type={fmt!r}; the moe family reads {list(self.model_types)}."
             )
-        if cfg.get("attention_bias"):
-            raise ConfigError("config.json has attention_bias=true; meshwright's attention has no biases.")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ConfigError(
-                f"config.json has hidden_act={cfg['hidden_act']!r}; meshwright's experts are SwiGLU (silu)."
-            )
-        max_pos = cfg.get("max_position_embeddings", 2048)
-        window = cfg.get("sliding_window") if fmt == "mixtral" or cfg.get("use_sliding_window") else None
-        if window is not None and window < max_pos:
-            raise ConfigError(
-                f"config.json has sliding_window={window} (below max_position_embeddings={max_pos}"
-                f"{', use_sliding_window=true' if fmt == 'qwen3_moe' else ''}); meshwright's attention is "
-                f"full causal, without a sliding window."
-            )
+        _refuse_attention_and_mlp(cfg, fmt)
         top_k = cfg["num_experts_per_tok"]
         route_norm = True if fmt == "mixtral" else bool(cfg.get("norm_topk_prob", False))
         if top_k == 1 and route_norm:
             field = "" if fmt == "mixtral" else " and norm_topk_prob=true"
             raise ConfigError(
                 f"config.json has num_experts_per_tok=1{field}: {fmt} renormalises the one routing weight to "
-                f"1, meshwright keeps the router score; they route the same tokens but scale them differently."
+                "1, meshwright keeps the router score; they route the same tokens but scale them "
+                "differently."
             )
         training_only = {k: cfg[k] for k in ("router_jitter_noise", "attention_dropout") if cfg.get(k)}
         if training_only:
@@ -158,7 +160,7 @@ class MoEHF:
             "norm_eps": cfg.get("rms_norm_eps", 1e-6),
             "rope_theta": theta,
             "rope_scaling": scaling,
-            "max_seq_len": max_pos,
+            "max_seq_len": cfg.get("max_position_embeddings", 2048),
             "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
             "top_k": top_k,
             "score_func": "softmax",
@@ -169,21 +171,28 @@ class MoEHF:
         }
         if fmt == "mixtral":
             out.update(
-                num_experts=cfg["num_local_experts"], moe_hidden_dim=cfg["intermediate_size"],
-                ffn_hidden_dim=cfg["intermediate_size"], qk_norm=False, first_k_dense=0,
-            )  # fmt: skip
+                num_experts=cfg["num_local_experts"],
+                moe_hidden_dim=cfg["intermediate_size"],
+                ffn_hidden_dim=cfg["intermediate_size"],
+                qk_norm=False,
+                first_k_dense=0,
+            )
             return out
         step = cfg.get("decoder_sparse_step", 1)
         dense = sorted(cfg.get("mlp_only_layers") or [])
         if step != 1 or dense != list(range(len(dense))):
             raise ConfigError(
-                f"config.json: decoder_sparse_step={step}, mlp_only_layers={dense}; meshwright reads Qwen3-MoE with "
+                f"config.json: decoder_sparse_step={step}, mlp_only_layers={dense}; meshwright reads "
+                "Qwen3-MoE with "
                 f"every layer sparse except a leading run of dense layers."
             )
         out.update(
-            num_experts=cfg.get("num_experts", cfg.get("num_local_experts")), moe_hidden_dim=cfg["moe_intermediate_size"],
-            ffn_hidden_dim=cfg["intermediate_size"], qk_norm=True, first_k_dense=len(dense),
-        )  # fmt: skip
+            num_experts=cfg.get("num_experts", cfg.get("num_local_experts")),
+            moe_hidden_dim=cfg["moe_intermediate_size"],
+            ffn_hidden_dim=cfg["intermediate_size"],
+            qk_norm=True,
+            first_k_dense=len(dense),
+        )
         return out
 
     # -- names ------------------------------------------------------------------------
@@ -191,11 +200,13 @@ class MoEHF:
         fmt = self.format_of(args)
         moe_prefix, _ = _EXPERT_NAMES[fmt]
         names = {k + ".weight": v + ".weight" for k, v in LLAMA_HF_LAYER_NAMES.items()}
-        names.update({
-            "attention.q_norm.weight": "self_attn.q_norm.weight",
-            "attention.k_norm.weight": "self_attn.k_norm.weight",
-            "moe.router.gate.weight": f"{moe_prefix}.gate.weight",
-        })  # fmt: skip
+        names.update(
+            {
+                "attention.q_norm.weight": "self_attn.q_norm.weight",
+                "attention.k_norm.weight": "self_attn.k_norm.weight",
+                "moe.router.gate.weight": f"{moe_prefix}.gate.weight",
+            }
+        )
         return names
 
     def hf_names_of(self, name: str, args: MoEArgs) -> list[str]:
@@ -271,3 +282,21 @@ class MoEHF:
             else:
                 state[name] = torch.stack([hf_state[n] for n in hf_names])
         return finish_state_from_hf(state, hf_state, used, args, self.format_of(args))
+
+
+def _refuse_attention_and_mlp(cfg: dict[str, Any], fmt: Any) -> None:
+    """``ConfigError`` for attention biases, a non-SwiGLU activation or a sliding window."""
+    if cfg.get("attention_bias"):
+        raise ConfigError("config.json has attention_bias=true; meshwright's attention has no biases.")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ConfigError(
+            f"config.json has hidden_act={cfg['hidden_act']!r}; meshwright's experts are SwiGLU (silu)."
+        )
+    max_pos = cfg.get("max_position_embeddings", 2048)
+    window = cfg.get("sliding_window") if fmt == "mixtral" or cfg.get("use_sliding_window") else None
+    if window is not None and window < max_pos:
+        raise ConfigError(
+            f"config.json has sliding_window={window} (below max_position_embeddings={max_pos}"
+            f"{', use_sliding_window=true' if fmt == 'qwen3_moe' else ''}); meshwright's attention is "
+            f"full causal, without a sliding window."
+        )

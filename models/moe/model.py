@@ -136,12 +136,15 @@ class MoEArgs(LlamaArgs):
             )
         if self.n_group > 1 and self.top_k > self.topk_group * (self.num_experts // self.n_group):
             raise ConfigError(
-                f"model.top_k={self.top_k} exceeds the {self.topk_group * (self.num_experts // self.n_group)} experts "
-                f"of the topk_group={self.topk_group} groups a token may use; raise topk_group or lower top_k."
+                f"model.top_k={self.top_k} exceeds the "
+                f"{self.topk_group * (self.num_experts // self.n_group)} experts "
+                f"of the topk_group={self.topk_group} groups a token may use; raise topk_group or lower "
+                "top_k."
             )
         if self.top_k > self.num_experts:
             raise ConfigError(
-                f"model.top_k={self.top_k} exceeds model.num_experts={self.num_experts}: a token cannot pick more "
+                f"model.top_k={self.top_k} exceeds model.num_experts={self.num_experts}: a token cannot pick "
+                "more "
                 f"experts than exist; use top_k <= {self.num_experts}."
             )
         for value, allowed, key in (
@@ -158,7 +161,8 @@ class MoEArgs(LlamaArgs):
             raise ConfigError(f"model.route_scale={self.route_scale!r} must be a positive number.")
         if not self.moe_layer_ids:
             raise ConfigError(
-                f"no layer is an MoE layer (model.n_layers={self.n_layers}, first_k_dense={self.first_k_dense}, "
+                f"no layer is an MoE layer (model.n_layers={self.n_layers}, "
+                f"first_k_dense={self.first_k_dense}, "
                 f"moe_layer_freq={self.moe_layer_freq}); lower first_k_dense or use the llama family."
             )
 
@@ -423,7 +427,9 @@ class MoE(nn.Module):
         w = weights.reshape(-1)[order].unsqueeze(-1).to(out_rows.dtype)  # (N, 1)
         # Under autocast the experts return bf16 copies of fp32 tokens: the k copies of a token are
         # summed in the tokens' dtype (the residual stream's), as a dense MLP's output joins it.
-        return tokens.new_zeros(T, tokens.shape[1]).index_add(0, token, (out_rows * w).to(tokens.dtype))  # (T, H)
+        return tokens.new_zeros(T, tokens.shape[1]).index_add(
+            0, token, (out_rows * w).to(tokens.dtype)
+        )  # (T, H)
 
     def _drop_over_capacity(
         self, flat: Tensor, order: Tensor, counts: Tensor, T: int

@@ -42,9 +42,11 @@ class Qwen3HF(LlamaHF):
         cfg = super().to_hf_config(args, bos_id=bos_id, eos_id=eos_id, dtype=dtype)
         cfg.pop("mlp_bias")
         cfg.update(
-            use_sliding_window=False, sliding_window=None, max_window_layers=args.n_layers,
+            use_sliding_window=False,
+            sliding_window=None,
+            max_window_layers=args.n_layers,
             layer_types=["full_attention"] * args.n_layers,
-        )  # fmt: skip
+        )
         return cfg
 
     def args_from_hf_config(self, cfg: dict[str, Any]) -> dict[str, Any]:

@@ -24,8 +24,9 @@ CPU = torch.device("cpu")
 
 def _script(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, SCRIPT, *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, SCRIPT, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.mark.parametrize(
@@ -120,13 +121,27 @@ def test_child_part_failure_and_timeout_are_reported(tmp_path) -> None:
 def _results(eager_losses: list[float], compiled_losses: list[float], tp_losses: list[float]) -> dict:
     """Part results as the children write them, without running anything."""
     env = {"gpu_count": 2, "gpu_name": "NVIDIA H100 80GB HBM3", "matmul_bf16_tflops": 700.0}
-    train = {"tokens_per_sec": 40000.0, "tflops": 330.0, "mfu_pct_datasheet": 33.4, "peak_memory_gib": 28.0,
-             "planned_memory_gib": 30.1, "memory_over_plan": 0.93, "first_loss": 11.8, "last_loss": 5.0}  # fmt: skip
+    train = {
+        "tokens_per_sec": 40000.0,
+        "tflops": 330.0,
+        "mfu_pct_datasheet": 33.4,
+        "peak_memory_gib": 28.0,
+        "planned_memory_gib": 30.1,
+        "memory_over_plan": 0.93,
+        "first_loss": 11.8,
+        "last_loss": 5.0,
+    }
     ref = [6.6, 5.9, 5.1, 4.4]
     norms = [3.4, 2.6, 2.1, 1.9]
     ok = {"status": "pass", "reason": None, "wall_s": 10.0}
-    art = {"profile_trace": "/o/runs/train_1b_eager/profile/step-25/rank0.trace.json", "profile_trace_bytes": 9,
-           "memory_snapshot": "/o/m.pickle", "memory_snapshot_bytes": 5, "top_ops": "/o/t.txt", "top_ops_bytes": 3}  # fmt: skip
+    art = {
+        "profile_trace": "/o/runs/train_1b_eager/profile/step-25/rank0.trace.json",
+        "profile_trace_bytes": 9,
+        "memory_snapshot": "/o/m.pickle",
+        "memory_snapshot_bytes": 5,
+        "top_ops": "/o/t.txt",
+        "top_ops_bytes": 3,
+    }
     return {
         "environment": {**ok, "numbers": env},
         "numerics_adamw": {**ok, "numbers": {"max_rel_err": 1e-7, "fused_vs_foreach": float("nan")}},
@@ -142,8 +157,9 @@ def _results(eager_losses: list[float], compiled_losses: list[float], tp_losses:
 
 def test_summary_from_part_results_follows_the_schema(tmp_path) -> None:
     results = _results([11.8, 9.0, 5.0], [11.81, 9.02, 5.01], [6.6, 5.9, 5.9, 4.4])
-    summary = gc.build_summary(results, quick=True, out=str(tmp_path), gpus=2, started_utc="2026-01-01T00:00:00Z",
-                               wall_s=100.0)  # fmt: skip
+    summary = gc.build_summary(
+        results, quick=True, out=str(tmp_path), gpus=2, started_utc="2026-01-01T00:00:00Z", wall_s=100.0
+    )
     gc.validate_summary(summary)
     json.dumps(summary, allow_nan=False)  # strict JSON: the NaN below became "nan"
     assert {p["name"]: p for p in summary["parts"]}["numerics_adamw"]["numbers"]["fused_vs_foreach"] == "nan"
@@ -165,15 +181,27 @@ def test_summary_from_part_results_follows_the_schema(tmp_path) -> None:
     assert summary["counts"] == {"pass": 8, "fail": 3, "skip": 0} and summary["ok"] is False
     assert summary["environment"]["gpu_name"].startswith("NVIDIA") and summary["tolerances"] == gc.TOLERANCES
 
-    diverged = gc.build_summary(_results([11.8, 9.0, 5.0], [11.8, 9.9, 5.0], [6.6, 5.9, 5.1, 4.4]), quick=False,
-                                out="o", gpus=2, started_utc="t", wall_s=1.0)  # fmt: skip
+    diverged = gc.build_summary(
+        _results([11.8, 9.0, 5.0], [11.8, 9.9, 5.0], [6.6, 5.9, 5.1, 4.4]),
+        quick=False,
+        out="o",
+        gpus=2,
+        started_utc="t",
+        wall_s=1.0,
+    )
     cmp = {p["name"]: p for p in diverged["parts"]}["numerics_compile_vs_eager"]
     assert cmp["status"] == "fail" and "at step 2" in cmp["reason"]
 
 
 def test_schema_validator_names_what_is_wrong() -> None:
-    good = gc.build_summary({"environment": {"status": "pass", "reason": None, "numbers": {}, "wall_s": 1.0}},
-                            quick=False, out="o", gpus=1, started_utc="t", wall_s=1.0)  # fmt: skip
+    good = gc.build_summary(
+        {"environment": {"status": "pass", "reason": None, "numbers": {}, "wall_s": 1.0}},
+        quick=False,
+        out="o",
+        gpus=1,
+        started_utc="t",
+        wall_s=1.0,
+    )
     gc.validate_summary(good)
     assert good["ok"] is True and good["counts"] == {"pass": 1, "fail": 0, "skip": 0}
     cases = {
@@ -216,8 +244,9 @@ def test_metrics_of_a_real_run(tmp_path) -> None:
 
     dump = tmp_path / "run"
     cmd = gc.trainer_command(1, [*TINY, "training.steps=4", "training.device=cpu", f"job.dump_folder={dump}"])
-    proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     records = gc.read_metrics(str(dump))
     s = gc.summarize_training(records, warmup=1, exclude=(3,))
@@ -234,8 +263,17 @@ def test_numerics_checks_on_cpu(monkeypatch) -> None:
     """The numerics functions with device=cpu in fp32, where torch runs them: FlexAttention's
     forward (eager) vs SDPA with the dense block-causal mask, grouped GEMM vs padded experts
     (forward and backward), fused vs foreach AdamW, KV-cache generation."""
-    flex = gpu_probes.check_flex_attention(CPU, dtype=torch.float32, batch=2, seq_len=256, n_heads=4, n_kv_heads=2,
-                                           head_dim=32, backward=False, compiled=False)  # fmt: skip
+    flex = gpu_probes.check_flex_attention(
+        CPU,
+        dtype=torch.float32,
+        batch=2,
+        seq_len=256,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=32,
+        backward=False,
+        compiled=False,
+    )
     assert flex["shape"]["documents_per_window"] >= 4 and flex["max_rel_err"] < 1e-5, flex
 
     calls = []
@@ -247,13 +285,22 @@ def test_numerics_checks_on_cpu(monkeypatch) -> None:
     adamw = gpu_probes.check_adamw(CPU, steps=3)
     assert adamw["relative_update"] > 1e-4 and adamw["max_rel_err"] < 1e-5, adamw
 
-    gen = gpu_probes.generation_speed(CPU, preset="debug", dtype=torch.float32, prompt_len=16, new_tokens=8,
-                                      compare_tokens=4)  # fmt: skip
+    gen = gpu_probes.generation_speed(
+        CPU, preset="debug", dtype=torch.float32, prompt_len=16, new_tokens=8, compare_tokens=4
+    )
     assert gen["greedy_match_without_cache"] and gen["decode_tokens_per_s"] > 0, gen
     env = gpu_probes.environment()
     assert env["torch"] == torch.__version__ and env["missing_for_training"] == []
-    print(json.dumps({"flex": flex["max_rel_err"], "grouped": experts["max_rel_err"], "adamw": adamw,
-                      "generation_tok_s": gen["decode_tokens_per_s"]}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "flex": flex["max_rel_err"],
+                "grouped": experts["max_rel_err"],
+                "adamw": adamw,
+                "generation_tok_s": gen["decode_tokens_per_s"],
+            }
+        )
+    )
 
 
 _WITHOUT_HYDRA = """
@@ -279,8 +326,14 @@ def test_runs_without_hydra(tmp_path) -> None:
     """Where hydra-core and omegaconf are missing the script still imports, the probes run, and
     every training part fails at once with the reason (before any trainer command starts)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    proc = subprocess.run([sys.executable, "-c", _WITHOUT_HYDRA, str(tmp_path)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_HYDRA, str(tmp_path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.splitlines()[-1])
     assert out["missing"] == ["hydra", "omegaconf"] and out["adamw"] < 1e-5

@@ -29,7 +29,11 @@ LAYOUTS = {  # name -> (model overrides, data-parallel degree, layout overrides)
     "ddp_x4": ("dense", 4, ["parallelism.dp_replicate=4", "parallelism.dp_shard=1"]),
     "fsdp_x4": ("dense", 4, ["parallelism.dp_shard=4"]),
     "tp2_fsdp2": ("dense", 2, ["parallelism.tp=2", "parallelism.dp_shard=2"]),
-    "pp2_fsdp2": ("dense", 2, ["parallelism.pp=2", "parallelism.dp_shard=2", "parallelism.pp_microbatches=2"]),
+    "pp2_fsdp2": (
+        "dense",
+        2,
+        ["parallelism.pp=2", "parallelism.dp_shard=2", "parallelism.pp_microbatches=2"],
+    ),
     "cp2_fsdp2": ("dense", 2, ["parallelism.cp=2", "parallelism.dp_shard=2"]),
     "ep2_fsdp4": ("moe", 4, ["parallelism.ep=2", "parallelism.dp_shard=4"]),
 }
@@ -38,11 +42,15 @@ LAYOUTS = {  # name -> (model overrides, data-parallel degree, layout overrides)
 def _overrides(tmp: str, dp: int) -> list[str]:
     notes = os.path.join(tmp, "notes.jsonl")
     return [
-        f"training.micro_batch_size={8 // dp}", "training.eval_freq=1", "training.eval_steps=2",
-        "eval.tasks=[next_line,complete_word]", "eval.limit=10", "eval.batch_size=3",
+        f"training.micro_batch_size={8 // dp}",
+        "training.eval_freq=1",
+        "training.eval_steps=2",
+        "eval.tasks=[next_line,complete_word]",
+        "eval.limit=10",
+        "eval.batch_size=3",
         "+eval.validation.stdlib={source:builtin,max_documents:120}",
         f"+eval.validation.notes={{source:json,path:{notes},split:all,steps:2}}",
-    ]  # fmt: skip
+    ]
 
 
 def _evaluate(cfg) -> dict:  # noqa: ANN001
@@ -55,7 +63,10 @@ def _evaluate(cfg) -> dict:  # noqa: ANN001
             "tasks": {name: r.metrics for name, r in tasks.items()},
             "details": {name: r.details for name, r in tasks.items()},
             "validation": trainer.evaluate(),
-            "sets": {name: trainer.evaluate(loader, steps) for name, (loader, steps) in trainer.named_val_loaders.items()},
+            "sets": {
+                name: trainer.evaluate(loader, steps)
+                for name, (loader, steps) in trainer.named_val_loaders.items()
+            },
         }
     finally:
         trainer.close()
@@ -74,7 +85,11 @@ def _loglik_rows(result: dict) -> list[float]:
 
 
 def _greedy(result: dict) -> list:
-    return [(d.get("is_greedy"), d.get("exact_match")) for n in sorted(result["details"]) for d in result["details"][n]]
+    return [
+        (d.get("is_greedy"), d.get("exact_match"))
+        for n in sorted(result["details"])
+        for d in result["details"][n]
+    ]
 
 
 def _rel(a: float, b: float) -> float:
@@ -88,18 +103,27 @@ def test_validation_and_tasks_match_single_process_under_every_layout(tmp_path, 
         for name in ("this.py", "abc.py", "keyword.py", "bisect.py"):
             f.write(json.dumps({"text": open(os.path.join(root, name), encoding="utf-8").read()}) + "\n")
     models = {"dense": [*DEBUG_SHAPES, f"checkpoint.initial_load_path={debug_run.checkpoint}"], "moe": MOE}
-    refs = {m: _evaluate(tiny_config(os.path.join(tmp, f"ref_{m}"), *ov, *_overrides(tmp, 1)))
-            for m, ov in models.items()}  # fmt: skip
-    cfgs = {name: tiny_config(os.path.join(tmp, name), *models[m], *ov, *_overrides(tmp, dp))
-            for name, (m, dp, ov) in LAYOUTS.items()}  # fmt: skip
+    refs = {
+        m: _evaluate(tiny_config(os.path.join(tmp, f"ref_{m}"), *ov, *_overrides(tmp, 1)))
+        for m, ov in models.items()
+    }
+    cfgs = {
+        name: tiny_config(os.path.join(tmp, name), *models[m], *ov, *_overrides(tmp, dp))
+        for name, (m, dp, ov) in LAYOUTS.items()
+    }
     per_rank = run_distributed(_worker, 4, cfgs, timeout=1800)
-    table = [f"{'layout':<12} {'val loss':>10} {'rel diff':>9} {'named sets rel':>14} {'loglik rows':>11} "
-             f"{'max rel':>9} {'next_line acc/norm/bytes':>26} {'complete_word em':>16}"]  # fmt: skip
+    table = [
+        f"{'layout':<12} {'val loss':>10} {'rel diff':>9} {'named sets rel':>14} {'loglik rows':>11} "
+        f"{'max rel':>9} {'next_line acc/norm/bytes':>26} {'complete_word em':>16}"
+    ]
     for m, ref in refs.items():
         tasks = ref["tasks"]
-        table.append(f"{'1 proc ' + m:<12} {ref['validation'][0]:>10.6f} {'':>9} {'':>14} {len(_loglik_rows(ref)):>11} "
-                     f"{'':>9} {tasks['next_line']['acc']:>8.3f}/{tasks['next_line']['acc_norm']:.3f}/"
-                     f"{tasks['next_line']['acc_bytes']:.3f} {tasks['complete_word']['exact_match']:>16.3f}")  # fmt: skip
+        table.append(
+            f"{'1 proc ' + m:<12} {ref['validation'][0]:>10.6f} {'':>9} {'':>14} "
+            f"{len(_loglik_rows(ref)):>11} "
+            f"{'':>9} {tasks['next_line']['acc']:>8.3f}/{tasks['next_line']['acc_norm']:.3f}/"
+            f"{tasks['next_line']['acc_bytes']:.3f} {tasks['complete_word']['exact_match']:>16.3f}"
+        )
     failures = []
     for name, (m, _, _) in LAYOUTS.items():
         ref, got = refs[m], per_rank[0][name]
@@ -111,10 +135,14 @@ def test_validation_and_tasks_match_single_process_under_every_layout(tmp_path, 
         rows_ref, rows_got = _loglik_rows(ref), _loglik_rows(got)
         ll_rel = max(_rel(a, b) for a, b in zip(rows_ref, rows_got))
         tasks = got["tasks"]
-        table.append(f"{name:<12} {got['validation'][0]:>10.6f} {val_rel:>9.1e} {sets_rel:>14.1e} {len(rows_got):>11} "
-                     f"{ll_rel:>9.1e} {tasks['next_line']['acc']:>8.3f}/{tasks['next_line']['acc_norm']:.3f}/"
-                     f"{tasks['next_line']['acc_bytes']:.3f} {tasks['complete_word']['exact_match']:>16.3f}")  # fmt: skip
-        if got["validation"][1] != ref["validation"][1] or any(got["sets"][s][1] != ref["sets"][s][1] for s in ref["sets"]):
+        table.append(
+            f"{name:<12} {got['validation'][0]:>10.6f} {val_rel:>9.1e} {sets_rel:>14.1e} {len(rows_got):>11} "
+            f"{ll_rel:>9.1e} {tasks['next_line']['acc']:>8.3f}/{tasks['next_line']['acc_norm']:.3f}/"
+            f"{tasks['next_line']['acc_bytes']:.3f} {tasks['complete_word']['exact_match']:>16.3f}"
+        )
+        if got["validation"][1] != ref["validation"][1] or any(
+            got["sets"][s][1] != ref["sets"][s][1] for s in ref["sets"]
+        ):
             failures.append(f"{name}: validation token counts differ")
         if max(val_rel, sets_rel, ll_rel) > RTOL or len(rows_got) != len(rows_ref):
             failures.append(f"{name}: relative difference {max(val_rel, sets_rel, ll_rel):.1e} > {RTOL}")

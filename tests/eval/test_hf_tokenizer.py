@@ -39,7 +39,10 @@ def test_byte_tokenizer_export_loads_in_autotokenizer_with_our_ids(debug_run) ->
             n_tokens += len(ids)
         generation = json.load(open(os.path.join(folder, "generation_config.json")))
         assert (generation["bos_token_id"], generation["eos_token_id"]) == (ours.bos_id, ours.eos_id)
-        print(f"{os.path.basename(folder)}: AutoTokenizer == ByteTokenizer on {len(docs)} documents, {n_tokens} ids")
+        print(
+            f"{os.path.basename(folder)}: AutoTokenizer == ByteTokenizer on {len(docs)} documents, "
+            f"{n_tokens} ids"
+        )
 
 
 def test_pipeline_greedy_tokens_equal_trainer_generate(debug_run) -> None:
@@ -53,9 +56,13 @@ def test_pipeline_greedy_tokens_equal_trainer_generate(debug_run) -> None:
         for prompt in prompts:
             prompt_ids = [tokenizer.bos_id, *tokenizer.encode(prompt)]
             want = generate(model, prompt_ids, max_new_tokens=32, temperature=0, eos_id=tokenizer.eos_id)
-            out = pipe(prompt, do_sample=False, max_new_tokens=32, return_tensors=True)[0]["generated_token_ids"]
+            out = pipe(prompt, do_sample=False, max_new_tokens=32, return_tensors=True)[0][
+                "generated_token_ids"
+            ]
             assert list(out) == want, (folder, prompt)
-            text = pipe(prompt, do_sample=False, max_new_tokens=32, return_full_text=False)[0]["generated_text"]
+            text = pipe(prompt, do_sample=False, max_new_tokens=32, return_full_text=False)[0][
+                "generated_text"
+            ]
             assert text == tokenizer.decode(want[len(prompt_ids) :])
     print(f"pipeline greedy tokens == trainer.generate on {len(prompts)} prompts x 2 folders (32 new tokens)")
 
@@ -69,8 +76,14 @@ def test_hf_tokenizer_run_ships_its_files(tmp_path) -> None:
     docs = _validation_documents(6)
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
-                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))  # fmt: skip
+    bpe.train_from_iterator(
+        docs,
+        trainers.BpeTrainer(
+            vocab_size=400,
+            special_tokens=["<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     src = tmp_path / "tok"
     src.mkdir()
     bpe.save(str(src / "tokenizer.json"))

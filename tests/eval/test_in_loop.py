@@ -23,7 +23,12 @@ def test_tasks_and_named_validation_are_logged(debug_run) -> None:
     events = EventAccumulator(os.path.join(debug_run.folder, "tb"))
     events.Reload()
     scalars = set(events.Tags()["scalars"])
-    assert {"tasks/next_line/acc_norm", "tasks/complete_word/exact_match", "validation/stdlib/loss",
-            "validation/stdlib/perplexity", "eval_loss"} <= scalars  # fmt: skip
+    assert {
+        "tasks/next_line/acc_norm",
+        "tasks/complete_word/exact_match",
+        "validation/stdlib/loss",
+        "validation/stdlib/perplexity",
+        "eval_loss",
+    } <= scalars
     (acc_norm,) = events.Scalars("tasks/next_line/acc_norm")
     assert acc_norm.step == 30 and abs(acc_norm.value - tasks["tasks"]["next_line"]["acc_norm"]) < 1e-6

@@ -22,21 +22,52 @@ transformers = pytest.importorskip("transformers", reason="transformers (the dev
 
 ATOL = 1e-5  # fp32 logits of |logits| ~ 1..3; measured <= 1e-6 (a few ulps)
 
-_SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
-              num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
-              num_experts_per_tok=3, n_group=4, topk_group=2, first_k_dense_replace=1, kv_lora_rank=16,
-              qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, max_position_embeddings=64,
-              routed_scaling_factor=2.5, initializer_range=0.15, attn_implementation="eager")  # fmt: skip
+_SHAPE = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_shared_experts=1,
+    n_routed_experts=8,
+    num_experts_per_tok=3,
+    n_group=4,
+    topk_group=2,
+    first_k_dense_replace=1,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=6,
+    max_position_embeddings=64,
+    routed_scaling_factor=2.5,
+    initializer_range=0.15,
+    attn_implementation="eager",
+)
 _DEFAULT = {"rope_type": "default", "rope_theta": 10000.0}
-_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 8,
-         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip
+_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "original_max_position_embeddings": 8,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
 CASES = {
     "no_q_lora": dict(q_lora_rank=None, rope_parameters=_DEFAULT),
     "q_lora_yarn": dict(q_lora_rank=12, rope_parameters=_YARN),
     "q_lora_rotate_half": dict(q_lora_rank=12, rope_parameters=_DEFAULT, rope_interleave=False),
-    "yarn_mscales_differ": dict(q_lora_rank=None, rope_parameters={**_YARN, "mscale": 0.707, "mscale_all_dim": 0.5},
-                                n_group=1, topk_group=1, norm_topk_prob=False),
-}  # fmt: skip
+    "yarn_mscales_differ": dict(
+        q_lora_rank=None,
+        rope_parameters={**_YARN, "mscale": 0.707, "mscale_all_dim": 0.5},
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=False,
+    ),
+}
 
 
 def _hf_model(case: str) -> transformers.PreTrainedModel:
@@ -163,9 +194,11 @@ def test_preset_parameter_counts_match_published() -> None:
         counts = spec.param_counts(args)
         assert n == counts.total  # the analytic count is the built model's
         matmul_active = counts.active - counts.embedding
-        print(f"\n{name}: total {n / 1e9:.2f}B (published {total / 1e9:g}B, {n / total - 1:+.2%}), active "
-              f"{matmul_active / 1e9:.2f}B (published {active / 1e9:g}B, {matmul_active / active - 1:+.2%}; "
-              f"{counts.active / 1e9:.2f}B with the embedding lookup)")  # fmt: skip
+        print(
+            f"\n{name}: total {n / 1e9:.2f}B (published {total / 1e9:g}B, {n / total - 1:+.2%}), active "
+            f"{matmul_active / 1e9:.2f}B (published {active / 1e9:g}B, {matmul_active / active - 1:+.2%}; "
+            f"{counts.active / 1e9:.2f}B with the embedding lookup)"
+        )
         assert abs(n / total - 1) < 0.02
         assert abs(matmul_active / active - 1) < ACTIVE_RTOL.get(name, 0.02)
 
@@ -177,8 +210,20 @@ def _tiny_args(**overrides):
     from tests.configs import make_config
 
     base = make_config("model=deepseek_v3_debug").model
-    fields = dict(dim=64, n_layers=3, n_heads=4, vocab_size=97, ffn_hidden_dim=96, max_seq_len=24, q_lora_rank=32,
-                  kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, moe_hidden_dim=32)  # fmt: skip
+    fields = dict(
+        dim=64,
+        n_layers=3,
+        n_heads=4,
+        vocab_size=97,
+        ffn_hidden_dim=96,
+        max_seq_len=24,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        moe_hidden_dim=32,
+    )
     import dataclasses
 
     return dataclasses.replace(base, **{**fields, **overrides})
@@ -209,8 +254,10 @@ def test_latent_kv_cache_matches_full_recompute() -> None:
     torch.testing.assert_close(torch.cat([first, *rest], dim=1), full, rtol=1e-5, atol=1e-5)
     expanded = args.n_heads * (args.qk_head_dim + args.v_head_dim)
     assert per_token == args.kv_lora_rank + args.qk_rope_head_dim
-    print(f"\nMLA KV cache: {per_token} numbers per token and layer vs {expanded} expanded K/V "
-          f"({expanded / per_token:.1f}x less); greedy tokens identical with and without the cache")  # fmt: skip
+    print(
+        f"\nMLA KV cache: {per_token} numbers per token and layer vs {expanded} expanded K/V "
+        f"({expanded / per_token:.1f}x less); greedy tokens identical with and without the cache"
+    )
 
 
 # -- MTP: gradient of LM loss + weight / D * summed MTP loss per token, reported loss next-token only ---
@@ -247,7 +294,8 @@ def test_mtp_adds_its_weighted_loss_to_the_gradient_only() -> None:
         prev = module.block(x, rope_cache=model.rope_cache)
         mtp.append(
             F.cross_entropy(
-                model.output(model.norm(prev[:, : n - 1])).flatten(0, 1), tokens[:, k + 1 :].flatten(),
+                model.output(model.norm(prev[:, : n - 1])).flatten(0, 1),
+                tokens[:, k + 1 :].flatten(),
                 reduction="sum",
             )
         )
@@ -255,10 +303,16 @@ def test_mtp_adds_its_weighted_loss_to_the_gradient_only() -> None:
     assert stats[:, 1].tolist() == [2 * (16 - k - 1) for k in (1, 2)]
     # standalone (no trainer): weight / D * summed MTP cross-entropy per token of the forward
     (lm + 0.5 / 2 * torch.stack(mtp).sum() / tokens.numel()).backward()
-    worst = max(((got[n] - p.grad).abs().max() / p.grad.abs().max().clamp(min=1e-12)).item()
-                for n, p in model.named_parameters() if p.grad is not None)  # fmt: skip
+    worst = max(
+        ((got[n] - p.grad).abs().max() / p.grad.abs().max().clamp(min=1e-12)).item()
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    )
     assert all(got[n].abs().sum() > 0 for n in got if n.startswith("mtp."))
-    print(f"\nMTP gradient vs explicit LM + 0.5 / D * MTP sum per token objective: max relative difference {worst:.1e}")
+    print(
+        "\nMTP gradient vs explicit LM + 0.5 / D * MTP sum per token objective: max relative difference "
+        f"{worst:.1e}"
+    )
     assert worst < 1e-5
 
 
@@ -294,14 +348,20 @@ def test_mtp_targets_stop_at_packed_document_boundaries() -> None:
     doc_of = [0] * len(doc_a) + [1] * (len(doc_b) + 1)
     window = doc_a + doc_b + [after]
     for k in (1, 2):
-        want = [window[i + k + 1] if i + k + 1 < len(window) and doc_of[i + k + 1] == doc_of[i] else -100
-                for i in range(len(doc_a + doc_b))]  # fmt: skip
+        want = [
+            window[i + k + 1] if i + k + 1 < len(window) and doc_of[i + k + 1] == doc_of[i] else -100
+            for i in range(len(doc_a + doc_b))
+        ]
         assert targets[0, :, k - 1].tolist() == want
     counts = packed[:, 1].tolist()
-    assert counts == (alone_a[:, 1] + alone_b[:, 1]).tolist() == [7 + 12, 6 + 11]  # a: 9 - k - 1, b: 14 - k - 1
+    assert (
+        counts == (alone_a[:, 1] + alone_b[:, 1]).tolist() == [7 + 12, 6 + 11]
+    )  # a: 9 - k - 1, b: 14 - k - 1
     torch.testing.assert_close(packed[:, 0], alone_a[:, 0] + alone_b[:, 0], rtol=1e-5, atol=1e-5)
-    print(f"\npacked documents: MTP targets per depth {counts} (ignored across the boundary), loss sums "
-          f"{packed[:, 0].tolist()} = separate documents' {(alone_a[:, 0] + alone_b[:, 0]).tolist()}")
+    print(
+        f"\npacked documents: MTP targets per depth {counts} (ignored across the boundary), loss sums "
+        f"{packed[:, 0].tolist()} = separate documents' {(alone_a[:, 0] + alone_b[:, 0]).tolist()}"
+    )
 
 
 # -- the debug preset trains from ./launch.sh; MTP layouts it cannot run are refused -------------------
@@ -322,12 +382,26 @@ def test_debug_preset_trains_from_launch_sh(tmp_path) -> None:
         env.pop(key, None)
     dump = tmp_path / "run"
     proc = subprocess.run(
-        ["./launch.sh", "+experiment=deepseek_v3_debug", "training.steps=12", "training.seq_len=128",
-         "training.global_batch_size=8", "lr_scheduler.warmup_steps=3", "metrics.log_freq=4",
-         "training.eval_freq=12", "training.eval_steps=1", "data.max_documents=300", "metrics.tensorboard=false",
-         f"job.dump_folder={dump}"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            "./launch.sh",
+            "+experiment=deepseek_v3_debug",
+            "training.steps=12",
+            "training.seq_len=128",
+            "training.global_batch_size=8",
+            "lr_scheduler.warmup_steps=3",
+            "metrics.log_freq=4",
+            "training.eval_freq=12",
+            "training.eval_steps=1",
+            "data.max_documents=300",
+            "metrics.tensorboard=false",
+            f"job.dump_folder={dump}",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     train = [r for r in map(json.loads, (dump / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     losses, mtp = [r["loss"] for r in train], [r["mtp_loss"] for r in train]
@@ -342,13 +416,22 @@ def test_mtp_with_a_layout_it_cannot_run_is_refused(axis: str) -> None:
     from parallelisms.validate import validated_dims
     from tests.configs import make_config
 
-    cfg = make_config("+experiment=deepseek_v3_debug", "parallelism.ep=1", f"parallelism.{axis}=2",
-                      "parallelism.dp_shard=1")  # fmt: skip
+    cfg = make_config(
+        "+experiment=deepseek_v3_debug", "parallelism.ep=1", f"parallelism.{axis}=2", "parallelism.dp_shard=1"
+    )
     t = cfg.training
     with pytest.raises(ConfigError, match=f"model.mtp_depth=1 with parallelism.{axis}=2"):
-        validated_dims(cfg.parallelism, 2, spec=get_spec("deepseek_v3"), model_args=cfg.model, seq_len=t.seq_len,
-                       global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size, compile=False,
-                       device_type="cpu")  # fmt: skip
+        validated_dims(
+            cfg.parallelism,
+            2,
+            spec=get_spec("deepseek_v3"),
+            model_args=cfg.model,
+            seq_len=t.seq_len,
+            global_batch_size=t.global_batch_size,
+            micro_batch_size=t.micro_batch_size,
+            compile=False,
+            device_type="cpu",
+        )
 
 
 # -- the planner on DeepSeek-V3 ----------------------------------------------------------------------
@@ -368,7 +451,9 @@ def test_plan_of_the_deepseek_v3_layout_and_mla_activations(capsys) -> None:
     spec = get_spec("deepseek_v3")
 
     def by_tp(args) -> tuple[float, float]:
-        return tuple(layer_activation_bytes(spec, args, tp=tp, sequence_parallel=True, act_bytes=2) for tp in (1, 2))
+        return tuple(
+            layer_activation_bytes(spec, args, tp=tp, sequence_parallel=True, act_bytes=2) for tp in (1, 2)
+        )
 
     small, large = by_tp(_tiny_args(kv_lora_rank=16)), by_tp(_tiny_args(kv_lora_rank=64))
     # a larger KV latent costs the same bytes per token at tp=1 and tp=2: latents are not split ...

@@ -13,8 +13,9 @@ from models.llama import LlamaArgs, Transformer
 
 @pytest.mark.parametrize("n_kv_heads", [2, 4])
 def test_kv_cache_matches_full_recompute(n_kv_heads: int) -> None:
-    args = LlamaArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=n_kv_heads, vocab_size=97, ffn_hidden_dim=96,
-                     max_seq_len=24)  # fmt: skip
+    args = LlamaArgs(
+        dim=64, n_layers=3, n_heads=4, n_kv_heads=n_kv_heads, vocab_size=97, ffn_hidden_dim=96, max_seq_len=24
+    )
     model = Transformer(args)
     model.init_weights(seed=1)
     model.eval()
@@ -29,7 +30,8 @@ def test_kv_cache_matches_full_recompute(n_kv_heads: int) -> None:
     assert cached == plain and len(cached) == len(prompt) + 40
     assert all(type(m.core).__name__ == "AttentionCore" for m in model.modules() if hasattr(m, "core"))
     print(
-        f"greedy tokens identical; no-cache {t_plain:.3f}s vs cache {t_cached:.3f}s: {t_plain / t_cached:.2f}x"
+        f"greedy tokens identical; no-cache {t_plain:.3f}s vs cache {t_cached:.3f}s: "
+        f"{t_plain / t_cached:.2f}x"
     )
 
 
@@ -54,8 +56,9 @@ def test_kv_cache_logits_equal_full_forward() -> None:
 
 def test_kv_cache_speed_on_the_debug_shapes() -> None:
     """No window slide: the cache runs one token per step instead of the whole context."""
-    args = LlamaArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=512, ffn_hidden_dim=768,
-                     max_seq_len=512)  # fmt: skip
+    args = LlamaArgs(
+        dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=512, ffn_hidden_dim=768, max_seq_len=512
+    )
     model = Transformer(args)
     model.init_weights(seed=3)
     model.eval()
@@ -68,5 +71,7 @@ def test_kv_cache_speed_on_the_debug_shapes() -> None:
         times[use_cache] = time.perf_counter() - start
     assert outs[True] == outs[False]
     ratio = times[False] / times[True]
-    print(f"debug shapes, 128 greedy tokens: {128 / times[False]:.0f} tok/s without cache, "
-          f"{128 / times[True]:.0f} tok/s with cache ({ratio:.2f}x)")  # fmt: skip
+    print(
+        f"debug shapes, 128 greedy tokens: {128 / times[False]:.0f} tok/s without cache, "
+        f"{128 / times[True]:.0f} tok/s with cache ({ratio:.2f}x)"
+    )

@@ -29,6 +29,7 @@ def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:
 def param_count(args: LlamaArgs) -> int:
     return param_counts(args).total
 
+
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "model"
 
 # Published parameter counts (model cards / papers).

@@ -26,8 +26,11 @@ def test_presets_match_published_counts(name: str) -> None:
     cfg = make_config(f"model={name}")
     total, active = PUBLISHED_MOE[name]
     counts = MOE_SPEC.param_counts(cfg.model)
-    print(f"{name}: total {counts.total / 1e9:.2f}B (published {total / 1e9}B), active {counts.active / 1e9:.2f}B "
-          f"(published {active / 1e9}B)")  # fmt: skip
+    print(
+        f"{name}: total {counts.total / 1e9:.2f}B (published {total / 1e9}B), active "
+        f"{counts.active / 1e9:.2f}B "
+        f"(published {active / 1e9}B)"
+    )
     assert abs(counts.total - total) / total < 0.02
     assert abs(counts.active - active) / active < 0.02
     with torch.device("meta"):
@@ -81,7 +84,6 @@ def test_matches_a_per_token_loop() -> None:
     torch.testing.assert_close(out.reshape(-1, 32), want, rtol=1e-5, atol=1e-5)
 
 
-
 def test_bf16_autocast_matches_fp32_within_bf16_tolerance() -> None:
     """Under bf16 autocast the experts return bf16 rows for fp32 tokens (``training.mixed_precision=bf16``):
     the combine must accept them (it crashed in ``index_add``) and stay close to the fp32 layer."""
@@ -96,6 +98,7 @@ def test_bf16_autocast_matches_fp32_within_bf16_tolerance() -> None:
     err = ((out - want).abs().max() / want.abs().max()).item()
     print(f"MoE layer bf16 autocast vs fp32: max error {err:.2e} of the output's range")
     assert err < 3e-2, err
+
 
 @pytest.mark.parametrize("kind", ["global", "sequence"])
 def test_aux_loss_changes_gradients_not_outputs(kind: str) -> None:
@@ -176,9 +179,15 @@ def test_ep_layout_checks(model: str, kw: dict, world: int, needle: str) -> None
         setattr(cfg.parallelism, key, value)
     with pytest.raises(ConfigError, match=needle):
         validated_dims(
-            cfg.parallelism, world, spec=get_spec(cfg.model.family), model_args=cfg.model, seq_len=256,
-            global_batch_size=24, micro_batch_size=2, compile=compile,
-        )  # fmt: skip
+            cfg.parallelism,
+            world,
+            spec=get_spec(cfg.model.family),
+            model_args=cfg.model,
+            seq_len=256,
+            global_batch_size=24,
+            micro_batch_size=2,
+            compile=compile,
+        )
 
 
 def test_ep_mesh_coordinates() -> None:

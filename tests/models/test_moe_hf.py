@@ -36,23 +36,49 @@ ATOL = 2e-5  # fp32 logits, |logits| <= ~5 here; measured 4e-6 .. 6e-6 (a few ul
 LOSS_RTOL = 1e-5  # first training loss vs transformers' loss on the same batch
 
 # moe_debug's shape (configs/model/moe_debug.yaml): the Mixtral folder trains with model=moe_debug as is.
-_SHAPE = dict(vocab_size=512, hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-              max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0, num_experts_per_tok=2,
-              tie_word_embeddings=False)  # fmt: skip
+_SHAPE = dict(
+    vocab_size=512,
+    hidden_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    num_experts_per_tok=2,
+    tie_word_embeddings=False,
+)
 CONFIGS = {
-    "mixtral": lambda **kw: transformers.MixtralConfig(**{**_SHAPE, "intermediate_size": 256, "num_local_experts": 8, **kw}),
-    "qwen3_moe": lambda **kw: transformers.Qwen3MoeConfig(**{**_SHAPE, "head_dim": 64, "intermediate_size": 512,
-                                                             "moe_intermediate_size": 128, "num_experts": 8,
-                                                             "norm_topk_prob": False, "mlp_only_layers": [0],
-                                                             "decoder_sparse_step": 1, **kw}),
-}  # fmt: skip
+    "mixtral": lambda **kw: transformers.MixtralConfig(
+        **{**_SHAPE, "intermediate_size": 256, "num_local_experts": 8, **kw}
+    ),
+    "qwen3_moe": lambda **kw: transformers.Qwen3MoeConfig(
+        **{
+            **_SHAPE,
+            "head_dim": 64,
+            "intermediate_size": 512,
+            "moe_intermediate_size": 128,
+            "num_experts": 8,
+            "norm_topk_prob": False,
+            "mlp_only_layers": [0],
+            "decoder_sparse_step": 1,
+            **kw,
+        }
+    ),
+}
 MODELS = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 # model=moe_debug plus these overrides has each folder's shape.
 RUN_OVERRIDES = {
     "mixtral": (),
-    "qwen3_moe": ("model.qk_norm=true", "model.attn_head_dim=64", "model.first_k_dense=1",
-                  "model.ffn_hidden_dim=512", "model.moe_hidden_dim=128", "model.route_norm=false"),
-}  # fmt: skip
+    "qwen3_moe": (
+        "model.qk_norm=true",
+        "model.attn_head_dim=64",
+        "model.first_k_dense=1",
+        "model.ffn_hidden_dim=512",
+        "model.moe_hidden_dim=128",
+        "model.route_norm=false",
+    ),
+}
 KINDS = list(CONFIGS)
 PROMPT = "def main():"
 
@@ -155,8 +181,10 @@ def test_import_matches_transformers_logits(folders, kind: str) -> None:
     expected = ours.state_dict()
     assert sliced.state_dict().keys() == expected.keys()
     assert all(torch.equal(v, expected[k]) for k, v in sliced.state_dict().items())
-    print(f"{MODELS[kind]}: import max |logit diff| vs transformers = {diff:.2e} (max |logit| "
-          f"{want.abs().max().item():.1f}, atol {ATOL:g})")  # fmt: skip
+    print(
+        f"{MODELS[kind]}: import max |logit diff| vs transformers = {diff:.2e} (max |logit| "
+        f"{want.abs().max().item():.1f}, atol {ATOL:g})"
+    )
     assert diff <= ATOL
 
 
@@ -269,10 +297,26 @@ def test_generate_cli_on_a_transformers_folder(folders, kind: str) -> None:
     folder, hf = folders[kind]
     new_tokens = 6
     proc = subprocess.run(
-        [sys.executable, "-m", "trainer.generate", folder, "--prompt", PROMPT, "--temperature", "0",
-         "--max-new-tokens", str(new_tokens), "--device", "cpu"],
-        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "trainer.generate",
+            folder,
+            "--prompt",
+            PROMPT,
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            str(new_tokens),
+            "--device",
+            "cpu",
+        ],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     tok = build_tokenizer(os.path.join(folder, "tokenizer.json"))
     ids = [tok.bos_id, *tok.encode(PROMPT)]
@@ -287,9 +331,17 @@ def test_generate_cli_on_a_transformers_folder(folders, kind: str) -> None:
 # -- (c) trainer/main.py checkpoint.initial_load_hf=<folder> --------------------------------------
 
 
-_RUN = ("training.steps=2", "training.seq_len=64", "training.global_batch_size=2", "training.micro_batch_size=2",
-        "training.eval_freq=0", "training.device=cpu", "data.max_documents=40", "metrics.log_freq=1",
-        "metrics.tensorboard=false")  # fmt: skip
+_RUN = (
+    "training.steps=2",
+    "training.seq_len=64",
+    "training.global_batch_size=2",
+    "training.micro_batch_size=2",
+    "training.eval_freq=0",
+    "training.device=cpu",
+    "data.max_documents=40",
+    "metrics.log_freq=1",
+    "metrics.tensorboard=false",
+)
 
 
 @pytest.mark.slow  # a training process (~5-10 s on 2 cores)
@@ -305,8 +357,12 @@ def test_initial_load_hf_run_starts_from_transformers_weights(folders, kind: str
     dump = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "trainer/main.py", *overrides, f"job.dump_folder={dump}"],
-        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-3000:]
     assert "initial weights from Hugging Face folder" in log
@@ -316,15 +372,24 @@ def test_initial_load_hf_run_starts_from_transformers_weights(folders, kind: str
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
 
     cfg = make_config(*overrides)
-    loader = build_dataloader(cfg.data, build_tokenizer(cfg.data.tokenizer), split="train",
-                              seq_len=cfg.training.seq_len, global_batch_size=cfg.training.global_batch_size,
-                              dp_rank=0, dp_size=1, seed=cfg.training.seed)  # fmt: skip
+    loader = build_dataloader(
+        cfg.data,
+        build_tokenizer(cfg.data.tokenizer),
+        split="train",
+        seq_len=cfg.training.seq_len,
+        global_batch_size=cfg.training.global_batch_size,
+        dp_rank=0,
+        dp_size=1,
+        seed=cfg.training.seed,
+    )
     try:
         batch = loader.next_batch()
     finally:
         loader.close()
     logits = _logits(hf, batch.inputs)
     want = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), ignore_index=IGNORE_INDEX).item()
-    print(f"{MODELS[kind]} -> model=moe_debug {' '.join(RUN_OVERRIDES[kind])}: first loss {losses[0]:.6f}, "
-          f"transformers {want:.6f} (rel diff {abs(losses[0] - want) / want:.1e}); second {losses[1]:.6f}")  # fmt: skip
+    print(
+        f"{MODELS[kind]} -> model=moe_debug {' '.join(RUN_OVERRIDES[kind])}: first loss {losses[0]:.6f}, "
+        f"transformers {want:.6f} (rel diff {abs(losses[0] - want) / want:.1e}); second {losses[1]:.6f}"
+    )
     assert abs(losses[0] - want) <= LOSS_RTOL * want

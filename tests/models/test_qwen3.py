@@ -44,12 +44,24 @@ PUBLISHED = {
 MOE_PUBLISHED = {"qwen3_30b_a3b": (30.5e9, 3.3e9)}  # (total, active)
 
 # Small random Qwen3 configs: the features the family must read.
-_BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=256,
-             rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1e6}, initializer_range=0.1)  # fmt: skip
+_BASE = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    initializer_range=0.1,
+)
 HF_CONFIGS = {
-    "gqa_head_dim_untied": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False),
+    "gqa_head_dim_untied": dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False
+    ),
     "gqa_tied": dict(num_attention_heads=4, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True),
-    "mha_head_dim_tied": dict(num_attention_heads=2, num_key_value_heads=2, head_dim=48, tie_word_embeddings=True),
+    "mha_head_dim_tied": dict(
+        num_attention_heads=2, num_key_value_heads=2, head_dim=48, tie_word_embeddings=True
+    ),
 }
 
 
@@ -88,8 +100,11 @@ def test_transformers_folder_imports_and_our_export_loads_back(tmp_path, kind: s
     spec, args, _ = read_hf(hf_dir)
     cfg = HF_CONFIGS[kind]
     assert spec.family == "qwen3" and args.qk_norm and args.rope_theta == 1e6
-    assert (args.head_dim, args.kv_heads, args.tie_embeddings) == (cfg["head_dim"], cfg["num_key_value_heads"],
-                                                                    cfg["tie_word_embeddings"])  # fmt: skip
+    assert (args.head_dim, args.kv_heads, args.tie_embeddings) == (
+        cfg["head_dim"],
+        cfg["num_key_value_heads"],
+        cfg["tie_word_embeddings"],
+    )
     import_diff = (_logits(ours, tokens) - want).abs().max().item()
 
     # Export (sharded: several files and an index) -> transformers.
@@ -97,17 +112,34 @@ def test_transformers_folder_imports_and_our_export_loads_back(tmp_path, kind: s
     files = save_hf(ours.state_dict(), spec, args, out_dir, max_shard_bytes=40_000)
     assert "model.safetensors.index.json" in files
     back = transformers.Qwen3ForCausalLM.from_pretrained(out_dir).eval()
-    assert back.config.head_dim == cfg["head_dim"] and back.config.tie_word_embeddings == cfg["tie_word_embeddings"]
+    assert (
+        back.config.head_dim == cfg["head_dim"]
+        and back.config.tie_word_embeddings == cfg["tie_word_embeddings"]
+    )
     export_diff = (_logits(back, tokens) - want).abs().max().item()
     scale = want.abs().max().item()
-    print(f"qwen3 {kind}: max |logit| {scale:.2f}; import max |dlogit| {import_diff:.2e}, export {export_diff:.2e}")
+    print(
+        f"qwen3 {kind}: max |logit| {scale:.2f}; import max |dlogit| {import_diff:.2e}, export "
+        f"{export_diff:.2e}"
+    )
     assert import_diff <= ATOL and export_diff <= ATOL
 
 
 def test_our_model_exports_to_transformers_with_equal_logits(tmp_path) -> None:
-    """Our own weights (seed init, gains randomised; untied, GQA, head_dim 32 != 64 / 4) -> Qwen3ForCausalLM."""
-    args = Qwen3Args(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, attn_head_dim=32, vocab_size=300,
-                     ffn_hidden_dim=96, max_seq_len=128, tie_embeddings=False, init_std=0.1)  # fmt: skip
+    """Our own weights (seed init, gains randomised; untied, GQA, head_dim 32 != 64 / 4) ->
+    Qwen3ForCausalLM."""
+    args = Qwen3Args(
+        dim=64,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=2,
+        attn_head_dim=32,
+        vocab_size=300,
+        ffn_hidden_dim=96,
+        max_seq_len=128,
+        tie_embeddings=False,
+        init_std=0.1,
+    )
     spec = get_spec("qwen3")
     model = spec.build(args)
     model.init_weights(seed=3)
@@ -145,15 +177,19 @@ def test_preset_counts_match_transformers_and_published(name: str) -> None:
     assert counts.total == ours == theirs, (counts.total, ours, theirs)
     if name in PUBLISHED:
         published = PUBLISHED[name]
-        print(f"{name}: {counts.total / 1e9:.3f}B parameters (transformers {theirs / 1e9:.3f}B), "
-              f"published {published / 1e9:.1f}B: {counts.total / published - 1:+.2%}")  # fmt: skip
+        print(
+            f"{name}: {counts.total / 1e9:.3f}B parameters (transformers {theirs / 1e9:.3f}B), "
+            f"published {published / 1e9:.1f}B: {counts.total / published - 1:+.2%}"
+        )
         assert abs(counts.total / published - 1) < 0.02
         assert args.qk_norm and args.head_dim == 128 and args.vocab_size == 151936 and args.rope_theta == 1e6
         assert args.tie_embeddings == (name in ("qwen3_0.6b", "qwen3_1.7b", "qwen3_4b"))
     else:
         total, active = MOE_PUBLISHED[name]
-        print(f"{name}: {counts.total / 1e9:.3f}B total, {counts.active / 1e9:.3f}B active (published "
-              f"{total / 1e9:.1f}B / {active / 1e9:.1f}B); q/k norm {args.qk_norm}, head_dim {args.head_dim}")  # fmt: skip
+        print(
+            f"{name}: {counts.total / 1e9:.3f}B total, {counts.active / 1e9:.3f}B active (published "
+            f"{total / 1e9:.1f}B / {active / 1e9:.1f}B); q/k norm {args.qk_norm}, head_dim {args.head_dim}"
+        )
         assert abs(counts.total / total - 1) < 0.02 and abs(counts.active / active - 1) < 0.02
         assert args.qk_norm and args.head_dim == 128
 
@@ -167,8 +203,9 @@ def test_bad_qwen3_input_is_refused() -> None:
     with pytest.raises(ConfigError, match="no equivalent in Hugging Face LlamaForCausalLM.*family=qwen3"):
         LlamaHF().to_hf_config(llama, bos_id=None, eos_id=None, dtype="float32")  # ... but not export them
     hf = Qwen3HF()
-    sliding = transformers.Qwen3Config(**_BASE, **HF_CONFIGS["gqa_tied"], use_sliding_window=True, sliding_window=16,
-                                       max_window_layers=0).to_dict()  # fmt: skip
+    sliding = transformers.Qwen3Config(
+        **_BASE, **HF_CONFIGS["gqa_tied"], use_sliding_window=True, sliding_window=16, max_window_layers=0
+    ).to_dict()
     with pytest.raises(ConfigError, match="use_sliding_window=true"):
         hf.args_from_hf_config(sliding)
     with pytest.raises(ConfigError, match="attention_bias=true"):
@@ -193,11 +230,25 @@ def test_qwen3_debug_trains_from_launch_sh(tmp_path) -> None:
         env.pop(key, None)
     dump = tmp_path / "run"
     proc = subprocess.run(
-        ["./launch.sh", "+experiment=qwen3_debug", "training.steps=12", "training.seq_len=128", "metrics.log_freq=1",
-         "training.eval_freq=12", "training.eval_steps=1", "checkpoint.interval=12", "data.max_documents=300",
-         "metrics.tensorboard=false", f"job.dump_folder={dump}"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            "./launch.sh",
+            "+experiment=qwen3_debug",
+            "training.steps=12",
+            "training.seq_len=128",
+            "metrics.log_freq=1",
+            "training.eval_freq=12",
+            "training.eval_steps=1",
+            "checkpoint.interval=12",
+            "data.max_documents=300",
+            "metrics.tensorboard=false",
+            f"job.dump_folder={dump}",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r]
@@ -206,7 +257,12 @@ def test_qwen3_debug_trains_from_launch_sh(tmp_path) -> None:
     assert len(losses) == 12 and losses[-1] < losses[0] - 2.0 and len(evals) == 1
     marker = json.loads((dump / "checkpoints" / "step-12" / "checkpoint.json").read_text())
     model = marker["model"]
-    assert (model["family"], model["qk_norm"], model["attn_head_dim"], model["tie_embeddings"]) == ("qwen3", True, 64, True)
+    assert (model["family"], model["qk_norm"], model["attn_head_dim"], model["tie_embeddings"]) == (
+        "qwen3",
+        True,
+        64,
+        True,
+    )
 
 
 def test_generation_with_kv_cache_matches_transformers_greedy(tmp_path) -> None:
@@ -216,7 +272,9 @@ def test_generation_with_kv_cache_matches_transformers_greedy(tmp_path) -> None:
     from trainer.checkpoint.load import load_model
 
     torch.manual_seed(0)
-    config = transformers.Qwen3Config(**{**_BASE, "num_hidden_layers": 3}, **HF_CONFIGS["gqa_head_dim_untied"])
+    config = transformers.Qwen3Config(
+        **{**_BASE, "num_hidden_layers": 3}, **HF_CONFIGS["gqa_head_dim_untied"]
+    )
     theirs = transformers.Qwen3ForCausalLM(config).eval()
     _randomise_gains(theirs, 2)
     theirs.save_pretrained(str(tmp_path))
@@ -226,7 +284,8 @@ def test_generation_with_kv_cache_matches_transformers_greedy(tmp_path) -> None:
     cached = generate(ours, prompt, max_new_tokens=new, temperature=0, use_cache=True)
     plain = generate(ours, prompt, max_new_tokens=new, temperature=0, use_cache=False)
     with torch.no_grad():
-        hf = theirs.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)[0].tolist()  # fmt: skip
+        hf = theirs.generate(
+            torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0].tolist()
     print(f"qwen3 greedy, {new} new tokens: cached == uncached == transformers: {cached == plain == hf}")
     assert cached == plain == hf and len(cached) == len(prompt) + new

@@ -102,14 +102,25 @@ def test_flex_block_mask_matches_dense_mask() -> None:
         (dict(cp=4, seq_len=30, load_balance="none"), "divisible by 4 = cp"),
         (dict(cp=2, seq_len=36, tp=4), "sequence parallelism"),
         (dict(cp=2, cp_impl="ring"), "cp_impl=allgather"),
-        (dict(cp=2, cp_impl="ring", device_type="cuda", attention_mask="block_causal"), "only model.attention_mask=causal"),
+        (
+            dict(cp=2, cp_impl="ring", device_type="cuda", attention_mask="block_causal"),
+            "only model.attention_mask=causal",
+        ),
         (dict(cp=2, cp_impl="ulysses"), "parallelism.cp_impl='ulysses'"),
         (dict(cp=2, load_balance="zigzag"), "parallelism.cp_load_balance='zigzag'"),
     ],
 )
 def test_validate_cp_rejects(kw: dict, needle: str) -> None:
-    args = dict(cp=2, cp_impl="allgather", load_balance="headtail", tp=1, sequence_parallel=True,
-                seq_len=32, device_type="cpu", attention_mask="causal")  # fmt: skip
+    args = dict(
+        cp=2,
+        cp_impl="allgather",
+        load_balance="headtail",
+        tp=1,
+        sequence_parallel=True,
+        seq_len=32,
+        device_type="cpu",
+        attention_mask="causal",
+    )
     args.update(kw)
     with pytest.raises(ConfigError, match=needle.replace("*", r"\*").replace("(", r"\(")):
         validate_cp(**args)
@@ -121,13 +132,23 @@ def test_parallel_dims_accepts_cp_and_rejects_bad_combinations() -> None:
     from tests.configs import make_config
 
     def dims(world: int, *ov: str) -> ParallelDims:
-        cfg = make_config("model=debug", "training.seq_len=64", "training.global_batch_size=8",
-                          "training.micro_batch_size=2", *ov)  # fmt: skip
+        cfg = make_config(
+            "model=debug",
+            "training.seq_len=64",
+            "training.global_batch_size=8",
+            "training.micro_batch_size=2",
+            *ov,
+        )
         t = cfg.training
         return validated_dims(
-            cfg.parallelism, world, spec=get_spec("llama"), model_args=cfg.model, seq_len=t.seq_len,
-            global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
-        )  # fmt: skip
+            cfg.parallelism,
+            world,
+            spec=get_spec("llama"),
+            model_args=cfg.model,
+            seq_len=t.seq_len,
+            global_batch_size=t.global_batch_size,
+            micro_batch_size=t.micro_batch_size,
+        )
 
     d = dims(2, "parallelism.cp=2")
     assert (d.dp, d.cp, d.dp_cp, d.fsdp_enabled, d.ddp_enabled) == (1, 2, 2, True, False)
@@ -139,11 +160,22 @@ def test_parallel_dims_accepts_cp_and_rejects_bad_combinations() -> None:
     d = dims(4, "parallelism.cp=2")
     assert [d.dp_rank_of(r) for r in range(4)] == [0, 0, 1, 1]
     with pytest.raises(ConfigError, match="sharded_optimizer=true with parallelism.cp=2"):
-        dims(4, "parallelism.cp=2", "parallelism.dp_replicate=2", "parallelism.dp_shard=1",
-             "parallelism.ddp.sharded_optimizer=true")  # fmt: skip
+        dims(
+            4,
+            "parallelism.cp=2",
+            "parallelism.dp_replicate=2",
+            "parallelism.dp_shard=1",
+            "parallelism.ddp.sharded_optimizer=true",
+        )
     with pytest.raises(ConfigError, match="zero-bubble"):
-        dims(4, "parallelism.cp=2", "parallelism.pp=2", "parallelism.dp_shard=1",
-             "parallelism.pp_schedule=ZBVZeroBubble", "parallelism.pp_stages_per_rank=2")  # fmt: skip
+        dims(
+            4,
+            "parallelism.cp=2",
+            "parallelism.pp=2",
+            "parallelism.dp_shard=1",
+            "parallelism.pp_schedule=ZBVZeroBubble",
+            "parallelism.pp_stages_per_rank=2",
+        )
     with pytest.raises(ConfigError, match="cp_impl=allgather"):
         dims(2, "parallelism.cp=2", "parallelism.cp_impl=ring")
     with pytest.raises(ConfigError, match="training.seq_len=72 is not divisible by 16"):
@@ -269,8 +301,11 @@ PARITY = {  # name -> (world size, reference, overrides)
 
 def _curves(history: list[dict]) -> dict[str, list[float]]:
     steps = [r for r in history if "loss" in r]
-    return {"steps": [r["step"] for r in steps], "losses": [r["loss"] for r in steps],
-            "norms": [r["grad_norm"] for r in steps]}  # fmt: skip
+    return {
+        "steps": [r["step"] for r in steps],
+        "losses": [r["loss"] for r in steps],
+        "norms": [r["grad_norm"] for r in steps],
+    }
 
 
 def _write_docs(tmp: str) -> str:
@@ -279,12 +314,33 @@ def _write_docs(tmp: str) -> str:
     import random
 
     rng = random.Random(0)
-    words = ["def", "return", "self", "import", "x", "y", "for", "in", "range", "if", "else", "print", "(", ")",
-             ":", "=", "+", "1", "0"]  # fmt: skip
+    words = [
+        "def",
+        "return",
+        "self",
+        "import",
+        "x",
+        "y",
+        "for",
+        "in",
+        "range",
+        "if",
+        "else",
+        "print",
+        "(",
+        ")",
+        ":",
+        "=",
+        "+",
+        "1",
+        "0",
+    ]
     path = os.path.join(tmp, "docs.jsonl")
     with open(path, "w", encoding="utf-8") as f:
         for _ in range(400):
-            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(2, 8)))}) + "\n")
+            f.write(
+                json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(2, 8)))}) + "\n"
+            )
     return path
 
 
@@ -307,7 +363,9 @@ def _run(cfg: TrainConfig, until: int | None = None) -> tuple[dict, int]:
 
 def _world_configs(tmp: str, world_size: int) -> dict[str, TrainConfig]:
     """The configs of one launch, composed in the test process (once, not on every rank)."""
-    cfgs = {name: _config(os.path.join(tmp, name), *ov) for name, (w, _, ov) in PARITY.items() if w == world_size}
+    cfgs = {
+        name: _config(os.path.join(tmp, name), *ov) for name, (w, _, ov) in PARITY.items() if w == world_size
+    }
     if world_size == 2:
         cfgs["straight"] = _config(os.path.join(tmp, "straight"), CP2, *CKPT)
         cfgs["resumed"] = _config(os.path.join(tmp, "resumed"), CP2, *CKPT)
@@ -315,7 +373,10 @@ def _world_configs(tmp: str, world_size: int) -> dict[str, TrainConfig]:
             ("cp2_to_fsdp2", os.path.join(tmp, "straight"), ["parallelism.dp_shard=2"]),
             ("single_to_cp2", os.path.join(tmp, "ref_causal"), [CP2]),
         ):
-            load = [f"checkpoint.initial_load_path={source}/checkpoints/step-4", "checkpoint.initial_load_model_only=false"]
+            load = [
+                f"checkpoint.initial_load_path={source}/checkpoints/step-4",
+                "checkpoint.initial_load_model_only=false",
+            ]
             cfgs[name] = _config(os.path.join(tmp, name), *ov, *load)
     return cfgs
 
@@ -349,11 +410,16 @@ def cp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        refs = {name: _run(_config(os.path.join(tmp, f"ref_{name}"), *ov))[0] for name, ov in REFERENCES.items()}
+        refs = {
+            name: _run(_config(os.path.join(tmp, f"ref_{name}"), *ov))[0] for name, ov in REFERENCES.items()
+        }
     finally:
         torch.set_num_threads(threads)
     assert not dist.is_initialized()
-    runs = {world: run_distributed(_world_worker, world, _world_configs(tmp, world), timeout=900) for world in (2, 4)}
+    runs = {
+        world: run_distributed(_world_worker, world, _world_configs(tmp, world), timeout=900)
+        for world in (2, 4)
+    }
     return {"refs": refs, "runs": runs}
 
 
@@ -375,8 +441,10 @@ def test_cp_layout_matches_single_process(name: str, cp_runs: dict) -> None:
     got, ref = per_rank[0], cp_runs["refs"][ref_name]
     assert got["steps"] == ref["steps"] == list(range(1, 9))
     rel_loss, rel_norm = _max_rel(got["losses"], ref["losses"]), _max_rel(got["norms"], ref["norms"])
-    print(f"{name}: max relative difference vs 1 process over 8 steps: loss {rel_loss:.2e}, "
-          f"grad norm {rel_norm:.2e}")  # fmt: skip
+    print(
+        f"{name}: max relative difference vs 1 process over 8 steps: loss {rel_loss:.2e}, "
+        f"grad norm {rel_norm:.2e}"
+    )
     assert rel_loss < RTOL and rel_norm < RTOL, (name, got, ref)
     for other in per_rank[1:]:  # every rank logs the same global numbers
         assert other == got
@@ -393,14 +461,10 @@ def test_exact_resume_under_cp(cp_runs: dict) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "name, source", [("cp2_to_fsdp2", "straight"), ("single_to_cp2", "ref")]
-)
+@pytest.mark.parametrize("name, source", [("cp2_to_fsdp2", "straight"), ("single_to_cp2", "ref")])
 def test_reshard_to_and_from_cp(name: str, source: str, cp_runs: dict) -> None:
     got = cp_runs["runs"][2][0][name]
-    want = (
-        cp_runs["runs"][2][0]["resume"]["straight"] if source == "straight" else cp_runs["refs"]["causal"]
-    )
+    want = cp_runs["runs"][2][0]["resume"]["straight"] if source == "straight" else cp_runs["refs"]["causal"]
     assert got["steps"] == [5]
     rel = abs(got["losses"][0] - want["losses"][4]) / want["losses"][4]
     print(f"{name}: step-5 loss after loading the step-4 checkpoint: relative difference {rel:.2e}")

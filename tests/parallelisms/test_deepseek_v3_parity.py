@@ -25,18 +25,30 @@ from tests.parity import Case, GroupedRuns, assert_parallel_run, assert_parity
 pytestmark = pytest.mark.slow
 
 DS = [
-    "model=deepseek_v3_debug", "model.n_kv_heads=null", "model.q_lora_rank=32", "model.kv_lora_rank=16",
-    "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8", "model.v_head_dim=12", "model.moe_hidden_dim=32",
-    "model.bias_update_coeff=0.01", "model.aux_loss_coeff=0.01",
-]  # fmt: skip
+    "model=deepseek_v3_debug",
+    "model.n_kv_heads=null",
+    "model.q_lora_rank=32",
+    "model.kv_lora_rank=16",
+    "model.qk_nope_head_dim=8",
+    "model.qk_rope_head_dim=8",
+    "model.v_head_dim=12",
+    "model.moe_hidden_dim=32",
+    "model.bias_update_coeff=0.01",
+    "model.aux_loss_coeff=0.01",
+]
 # C: A without the auxiliary loss, for CP: the MoE aux loss (global or per sequence) is computed over the
 # tokens of one forward, which under CP are a rank's shard of each sequence, so it is another objective.
 CONFIGS = {
     "A": DS,
     "B": [*DS, "model.mtp_depth=1", "training.grad_clip=0"],
     "C": [*DS, "model.aux_loss_coeff=0"],
-    "D": [*DS, "model.aux_loss_coeff=0", "model.mtp_depth=2", "training.grad_clip=0",
-          "model.attention_mask=block_causal"],  # packed documents: MTP targets stop at their boundaries
+    "D": [
+        *DS,
+        "model.aux_loss_coeff=0",
+        "model.mtp_depth=2",
+        "training.grad_clip=0",
+        "model.attention_mask=block_causal",
+    ],  # packed documents: MTP targets stop at their boundaries
 }
 EP2 = ["parallelism.ep=2", "parallelism.dp_shard=2"]
 DDP2 = ["parallelism.dp_replicate=2", "parallelism.dp_shard=1"]
@@ -48,8 +60,16 @@ LAYOUTS = {  # name -> (world, config, overrides)
     "ep2_mtp_noclip": (2, "B", EP2),
     "tp2": (2, "A", ["parallelism.tp=2", "parallelism.dp_shard=1"]),
     "tp2_mtp_noclip": (2, "D", ["parallelism.tp=2", "parallelism.dp_shard=1"]),
-    "tp2_nosp_mtp_noclip": (2, "D", ["parallelism.tp=2", "parallelism.dp_shard=1",
-                                     "parallelism.sequence_parallel=false", "parallelism.loss_parallel=false"]),
+    "tp2_nosp_mtp_noclip": (
+        2,
+        "D",
+        [
+            "parallelism.tp=2",
+            "parallelism.dp_shard=1",
+            "parallelism.sequence_parallel=false",
+            "parallelism.loss_parallel=false",
+        ],
+    ),
     "cp2_mtp_noclip": (2, "D", ["parallelism.cp=2", "parallelism.dp_shard=1"]),
     "cp2": (2, "C", ["parallelism.cp=2", "parallelism.dp_shard=1"]),
     "pp2": (2, "A", ["parallelism.pp=2", "parallelism.dp_shard=1"]),
@@ -81,7 +101,9 @@ def test_deepseek_v3_layout_matches_single_process(layout: str, runs: GroupedRun
     got = runs.get(layout)
     assert_parallel_run(ref, got, label=f"deepseek_v3 {layout}")
     if config in ("B", "D"):  # the logged MTP loss too (mean over depths, microbatches, dp x cp ranks)
-        worst = assert_parity(ref["history"], got["history"], metrics=("mtp_loss",), label=f"{layout} mtp_loss")
+        worst = assert_parity(
+            ref["history"], got["history"], metrics=("mtp_loss",), label=f"{layout} mtp_loss"
+        )
         print(f"{layout}: mtp_loss max relative difference {worst['mtp_loss']:.2e}")
 
 
@@ -97,11 +119,14 @@ def test_mla_context_parallel_gathers_latents(runs: GroupedRuns) -> None:
     rank0 = ranks["0"] if "0" in ranks else ranks[0]
     print(f"\nledger, rank 0, one step: {rank0}")
     gathered = rank0["all_gather"]["cp"]["bytes"]
-    # per step and rank: its dp share of the batch (cp does not split it) of seq_len tokens, every layer, forward
+    # per step and rank: its dp share of the batch (cp does not split it) of seq_len tokens, every layer,
+    # forward
     tokens = t.global_batch_size // 2 * t.seq_len
     per_token_layer = gathered / (tokens * a.n_layers)
     latent = (a.kv_lora_rank + a.qk_rope_head_dim) * 4
     expanded = a.n_heads * (a.qk_head_dim + a.v_head_dim) * 4
-    print(f"\nMLA cp=2: all-gathered {per_token_layer:.1f} bytes per token and layer (latent {latent} B) vs "
-          f"{expanded} B of expanded K/V: {expanded / per_token_layer:.1f}x less")  # fmt: skip
+    print(
+        f"\nMLA cp=2: all-gathered {per_token_layer:.1f} bytes per token and layer (latent {latent} B) vs "
+        f"{expanded} B of expanded K/V: {expanded / per_token_layer:.1f}x less"
+    )
     assert per_token_layer == latent

@@ -106,8 +106,10 @@ def _layer_grads(rank: int, world_size: int) -> dict:
     x = x_all[rank].clone().requires_grad_()
     out = ep_layer(x)
     out.pow(2).sum().backward()
-    errors = {"output": (out - ref_out[rank * 3 : rank * 3 + 3]).abs().max().item(),
-              "input_grad": (x.grad - ref_x.grad[rank]).abs().max().item()}  # fmt: skip
+    errors = {
+        "output": (out - ref_out[rank * 3 : rank * 3 + 3]).abs().max().item(),
+        "input_grad": (x.grad - ref_x.grad[rank]).abs().max().item(),
+    }
     for name, p in ep_layer.named_parameters():
         grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
         want = ref[name].chunk(world_size)[rank] if isinstance(p, DTensor) else None

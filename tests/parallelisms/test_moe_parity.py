@@ -24,9 +24,12 @@ pytestmark = pytest.mark.slow
 
 RTOL = 1e-5
 MOE = [
-    "model=moe_debug", "model.moe_hidden_dim=64", "model.first_k_dense=1", "model.num_shared_experts=1",
+    "model=moe_debug",
+    "model.moe_hidden_dim=64",
+    "model.first_k_dense=1",
+    "model.num_shared_experts=1",
     "model.qk_norm=true",
-]  # fmt: skip
+]
 CONFIGS = {
     "A": MOE,
     "B": [
@@ -36,7 +39,7 @@ CONFIGS = {
         "model.aux_loss_type=sequence",
         "training.grad_clip=0",
         "training.deterministic=true",
-    ],  # fmt: skip
+    ],
 }
 EP2 = ["parallelism.ep=2", "parallelism.dp_shard=2"]
 DDP2 = ["parallelism.dp_replicate=2", "parallelism.dp_shard=1"]
@@ -60,8 +63,11 @@ def _records(history: list[dict]) -> list[tuple[float, float]]:
 
 def _biases(trainer) -> dict[str, list[float]]:
     """Plain lists: tensors would travel between processes through shared memory."""
-    return {f"{name}.expert_bias": moe.expert_bias.tolist()
-            for part in trainer.model_parts for name, moe in trainer.spec.moe_layers(part)}  # fmt: skip
+    return {
+        f"{name}.expert_bias": moe.expert_bias.tolist()
+        for part in trainer.model_parts
+        for name, moe in trainer.spec.moe_layers(part)
+    }
 
 
 def _train(cfg: TrainConfig) -> dict:
@@ -92,13 +98,22 @@ def _configs(tmp: str, runs: list[str], resumes: list[str]) -> dict[str, tuple[s
     """name -> ("train" or "resume", config): one launch's runs, composed in the test process."""
     out = {}
     for name in runs:
-        config, folder, overrides = (name, f"ref_{name}", []) if name in CONFIGS else (LAYOUTS[name][1], name, LAYOUTS[name][2])
+        config, folder, overrides = (
+            (name, f"ref_{name}", []) if name in CONFIGS else (LAYOUTS[name][1], name, LAYOUTS[name][2])
+        )
         out[name] = ("train", tiny_config(os.path.join(tmp, folder), *CONFIGS[config], *overrides))
     path = os.path.join(tmp, SOURCE, "checkpoints", "step-4")
     for name in resumes:
-        out[name] = ("resume", tiny_config(os.path.join(tmp, name), *CONFIGS["B"], *RESUMES[name],
-                                           f"checkpoint.initial_load_path={path}",
-                                           "checkpoint.initial_load_model_only=false"))  # fmt: skip
+        out[name] = (
+            "resume",
+            tiny_config(
+                os.path.join(tmp, name),
+                *CONFIGS["B"],
+                *RESUMES[name],
+                f"checkpoint.initial_load_path={path}",
+                "checkpoint.initial_load_model_only=false",
+            ),
+        )
     return out
 
 
@@ -112,7 +127,9 @@ def results(tmp_path_factory) -> dict:
     out = run_distributed(_worker, 1, _configs(tmp, list(CONFIGS), []))[0]
     two = [n for n, (w, _, _) in LAYOUTS.items() if w == 2]
     out.update(run_distributed(_worker, 2, _configs(tmp, two, list(RESUMES)))[0])
-    out.update(run_distributed(_worker, 4, _configs(tmp, [n for n, (w, _, _) in LAYOUTS.items() if w == 4], []))[0])
+    out.update(
+        run_distributed(_worker, 4, _configs(tmp, [n for n, (w, _, _) in LAYOUTS.items() if w == 4], []))[0]
+    )
     return out
 
 
@@ -129,7 +146,8 @@ def test_moe_layout_matches_single_process(layout: str, results: dict) -> None:
     assert len(got) == len(ref) == 8 and ref[-1][0] < ref[0][0]
     loss_rel, norm_rel = _max_rel(got, ref)
     print(
-        f"{layout}: max relative difference vs 1 process over 8 steps: loss {loss_rel:.1e}, grad norm {norm_rel:.1e}"
+        f"{layout}: max relative difference vs 1 process over 8 steps: loss {loss_rel:.1e}, grad norm "
+        f"{norm_rel:.1e}"
     )
     assert loss_rel < RTOL and norm_rel < RTOL, (layout, got, ref)
     # Tokens per expert are all-reduced to the same global counts in every layout (step 1 under

@@ -31,9 +31,12 @@ pytestmark = pytest.mark.slow
 
 MUON = ["optimizer=muon", "optimizer.muon.ns_dtype=float32"]
 MOE = [
-    "model=moe_debug", "model.moe_hidden_dim=64", "model.first_k_dense=1", "model.num_shared_experts=1",
+    "model=moe_debug",
+    "model.moe_hidden_dim=64",
+    "model.first_k_dense=1",
+    "model.num_shared_experts=1",
     "model.qk_norm=true",
-]  # fmt: skip
+]
 DDP = ["parallelism.dp_replicate=2", "parallelism.dp_shard=1"]
 LAYOUTS = {  # name -> (world, model, overrides)
     "custom_ddp_x2": (2, "dense", DDP),
@@ -86,11 +89,19 @@ class TorchMuonAdamW(torch.optim.Optimizer):
             else:
                 matrices.append(p)
         self.muon = torch.optim.Muon(
-            matrices, **{k: muon[k] for k in ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "eps",
-                                              "adjust_lr_fn")}, ns_coefficients=muon["ns_coefficients"],
-        )  # fmt: skip
+            matrices,
+            **{
+                k: muon[k]
+                for k in ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "eps", "adjust_lr_fn")
+            },
+            ns_coefficients=muon["ns_coefficients"],
+        )
         self.adamw = torch.optim.AdamW(
-            [{k: g[k] for k in ("params", "lr", "betas", "eps", "weight_decay")} for g in groups if not g["use_muon"]],
+            [
+                {k: g[k] for k in ("params", "lr", "betas", "eps", "weight_decay")}
+                for g in groups
+                if not g["use_muon"]
+            ],
             foreach=True,
         )
         self.all_params = [p for g in groups for p in g["params"]]
@@ -123,7 +134,9 @@ def use_torch_muon(trainer) -> Optional[dict]:  # noqa: ANN001
 
     torch_muon._zeropower_via_newtonschulz = _fp32_newton_schulz
     cfg = trainer.cfg
-    groups = muon_param_groups(trainer.model_parts, cfg.optimizer, trainer.spec.first_modules + trainer.spec.last_modules)
+    groups = muon_param_groups(
+        trainer.model_parts, cfg.optimizer, trainer.spec.first_modules + trainer.spec.last_modules
+    )
     trainer.optimizer = TorchMuonAdamW(groups)
     trainer.lr_scheduler = build_lr_scheduler(trainer.optimizer, cfg.lr_scheduler, cfg.training.steps)
     return record_qk_clip(trainer, {})
@@ -137,7 +150,9 @@ def count_work(trainer) -> dict:  # noqa: ANN001
         observed["steps"] += 1
         state = trainer.optimizer.state
         bufs = [s["momentum_buffer"] for s in state.values() if "momentum_buffer" in s]
-        observed["momentum_numel"] = sum((b.to_local() if hasattr(b, "to_local") else b).numel() for b in bufs)
+        observed["momentum_numel"] = sum(
+            (b.to_local() if hasattr(b, "to_local") else b).numel() for b in bufs
+        )
         inner = getattr(trainer.optimizer, "inner_optimizer", trainer.optimizer)
         observed["ns_calls"] = inner.ns_calls
         if hasattr(inner, "plan") and inner.process_group is not None:
@@ -175,8 +190,9 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     for model, noclip in sorted(needed):
         clip = "noclip" if noclip else "clip"
         extra = [NO_CLIP] if noclip else []
-        cases[f"{model}_{clip}"] = Case(1, tiny_config(str(tmp / f"{model}_{clip}"), *_overrides(model, extra)),
-                                        setup=use_torch_muon)  # fmt: skip
+        cases[f"{model}_{clip}"] = Case(
+            1, tiny_config(str(tmp / f"{model}_{clip}"), *_overrides(model, extra)), setup=use_torch_muon
+        )
     cases["dense_ours"] = Case(1, tiny_config(str(tmp / "dense_ours"), *_overrides("dense", [])))
     return gather_cases(cases, world=1)
 
@@ -185,7 +201,10 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> GroupedRuns:
     tmp = tmp_path_factory.mktemp("muon")
     return GroupedRuns(
-        {name: Case(world, tiny_config(str(tmp / name), *_overrides(model, ov)), setup=count_work) for name, (world, model, ov) in LAYOUTS.items()}
+        {
+            name: Case(world, tiny_config(str(tmp / name), *_overrides(model, ov)), setup=count_work)
+            for name, (world, model, ov) in LAYOUTS.items()
+        }
     )
 
 
@@ -215,17 +234,27 @@ def test_layout_matches_torch_muon(layout: str, runs: GroupedRuns, references: d
         assert sum(want) > 0, want
         logged = [r["qk_clipped_heads"] for r in got["history"] if "loss" in r]  # metrics.jsonl
         assert logged == want, logged
-        print(f"muon_{layout}: heads clipped per step {want}, max logit per step "
-              f"{[round(s['max_logit'], 3) for s in ref['observed'][0]['qk_clip']]}")
+        print(
+            f"muon_{layout}: heads clipped per step {want}, max logit per step "
+            f"{[round(s['max_logit'], 3) for s in ref['observed'][0]['qk_clip']]}"
+        )
 
 
 def _muon_numel(run: dict) -> int:
     """Elements of the Muon matrices of a run (its final parameters, full)."""
-    return sum(t.numel() for name, t in run["params"].items() if t.ndim >= 2 and not name.startswith(("tok_embeddings", "output")))
+    return sum(
+        t.numel()
+        for name, t in run["params"].items()
+        if t.ndim >= 2 and not name.startswith(("tok_embeddings", "output"))
+    )
 
 
-@pytest.mark.parametrize("layout", ["custom_ddp_x2", "fsdp_x2_noclip", "hsdp_2x2", "fsdp_tp_2x2_noclip", "moe_ep_x2", "pp2_fsdp2"])
-def test_each_matrix_is_orthogonalised_once_and_momentum_is_not_replicated(layout: str, runs: GroupedRuns) -> None:
+@pytest.mark.parametrize(
+    "layout", ["custom_ddp_x2", "fsdp_x2_noclip", "hsdp_2x2", "fsdp_tp_2x2_noclip", "moe_ep_x2", "pp2_fsdp2"]
+)
+def test_each_matrix_is_orthogonalised_once_and_momentum_is_not_replicated(
+    layout: str, runs: GroupedRuns
+) -> None:
     """Summed over ranks: one Newton-Schulz call per unit (matrix or expert) per step, and exactly
     one copy of the momentum (no replica keeps it twice)."""
     got = runs.get(layout)
@@ -235,8 +264,10 @@ def test_each_matrix_is_orthogonalised_once_and_momentum_is_not_replicated(layou
     calls = [o["ns_calls"] for o in observed]
     assert sum(calls) == units * steps, (calls, units, steps)
     assert sum(o["momentum_numel"] for o in observed) == _muon_numel(got)
-    print(f"muon_{layout}: {units} matrices, NS calls per rank {calls} over {steps} steps, "
-          f"owner balance (max/mean NS FLOPs) {observed[0]['balance']:.3f}")
+    print(
+        f"muon_{layout}: {units} matrices, NS calls per rank {calls} over {steps} steps, "
+        f"owner balance (max/mean NS FLOPs) {observed[0]['balance']:.3f}"
+    )
 
 
 # -- checkpoints: resume bitwise, reshard across layouts ------------------------------------------
@@ -269,10 +300,18 @@ def _ckpt_worker(rank: int, world: int, sources: dict, targets: dict) -> dict:
     for name, cfg in targets.items():
         trainer = Trainer(cfg)
         got = _full_state(trainer)
-        want = {f"optimizer.{k}": v for k, v in load_full_state(cfg.checkpoint.initial_load_path, "optimizer.").items()}
+        want = {
+            f"optimizer.{k}": v
+            for k, v in load_full_state(cfg.checkpoint.initial_load_path, "optimizer.").items()
+        }
         momentum = sorted(k for k in want if k.endswith(".momentum_buffer"))
         mismatched = sorted(k for k in want if k not in got or not torch.equal(got[k], want[k]))
-        out[name] = {"history": trainer.train(), "mismatched": mismatched, "momentum": momentum, "step": trainer.state.step}
+        out[name] = {
+            "history": trainer.train(),
+            "mismatched": mismatched,
+            "momentum": momentum,
+            "step": trainer.state.step,
+        }
         trainer.close()
     return out
 
@@ -285,13 +324,20 @@ def test_checkpoint_resumes_bitwise_and_reshards(tmp_path) -> None:  # noqa: ANN
     from tests.parity import assert_parity, step_metrics
 
     common = [*MUON, "checkpoint.interval=4", NO_CLIP]
-    sources = {n: tiny_config(str(tmp_path / n), *common, "checkpoint.enable=true", *ov) for n, ov in CKPT_SOURCES.items()}
+    sources = {
+        n: tiny_config(str(tmp_path / n), *common, "checkpoint.enable=true", *ov)
+        for n, ov in CKPT_SOURCES.items()
+    }
     targets = {
-        n: tiny_config(str(tmp_path / n.replace("->", "_to_")), *common, *ov,
-                       f"checkpoint.initial_load_path={tmp_path / src / 'checkpoints' / 'step-4'}",
-                       "checkpoint.initial_load_model_only=false")
+        n: tiny_config(
+            str(tmp_path / n.replace("->", "_to_")),
+            *common,
+            *ov,
+            f"checkpoint.initial_load_path={tmp_path / src / 'checkpoints' / 'step-4'}",
+            "checkpoint.initial_load_model_only=false",
+        )
         for n, (src, ov) in CKPT_TARGETS.items()
-    }  # fmt: skip
+    }
     results = run_distributed(_ckpt_worker, 2, sources, targets, timeout=1200)[0]
     for name, (src, _) in CKPT_TARGETS.items():
         got = results[name]
@@ -303,5 +349,8 @@ def test_checkpoint_resumes_bitwise_and_reshards(tmp_path) -> None:  # noqa: ANN
             assert step_metrics(resumed) == step_metrics(ref), name  # bitwise
         worst = assert_parity(ref, resumed, label=name)
         step5 = abs(resumed[0]["loss"] - ref[0]["loss"])
-        print(f"muon checkpoint {name}: {'bitwise' if same_layout else 'resharded'}, next-step (5) loss "
-              f"difference {step5:.2e}, steps 5-8 max rel loss {worst['loss']:.1e} grad norm {worst['grad_norm']:.1e}")
+        print(
+            f"muon checkpoint {name}: {'bitwise' if same_layout else 'resharded'}, next-step (5) loss "
+            f"difference {step5:.2e}, steps 5-8 max rel loss {worst['loss']:.1e} grad norm "
+            f"{worst['grad_norm']:.1e}"
+        )

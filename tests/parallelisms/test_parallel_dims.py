@@ -73,7 +73,10 @@ def test_model_checks(kw: dict, args: LlamaArgs, seq_len: int, needle: str) -> N
             "sharded_optimizer=true with parallelism.tp=2",
         ),
         (("parallelism.cp=2", "training.seq_len=66"), r"seq_len=66 is not divisible by 4 = 2\*cp"),
-        (("parallelism.cp=2", "parallelism.cp_impl=ring"), "parallelism.cp_impl=allgather, which works on every device"),
+        (
+            ("parallelism.cp=2", "parallelism.cp_impl=ring"),
+            "parallelism.cp_impl=allgather, which works on every device",
+        ),
     ],
 )
 def test_unsupported_tp_compositions_are_config_errors(overrides: tuple[str, ...], needle: str) -> None:
@@ -84,9 +87,14 @@ def test_unsupported_tp_compositions_are_config_errors(overrides: tuple[str, ...
     t = cfg.training
     with pytest.raises(ConfigError, match=needle):
         validated_dims(
-            cfg.parallelism, 4, spec=LLAMA_SPEC, model_args=cfg.model, seq_len=t.seq_len,
-            global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
-        )  # fmt: skip
+            cfg.parallelism,
+            4,
+            spec=LLAMA_SPEC,
+            model_args=cfg.model,
+            seq_len=t.seq_len,
+            global_batch_size=t.global_batch_size,
+            micro_batch_size=t.micro_batch_size,
+        )
 
 
 @pytest.mark.parametrize(

@@ -109,19 +109,41 @@ PROBES = {  # name -> (overrides, setup)
 # 4 steps (not 8) keep the added test time small; every step's loss and grad norm is compared.
 QWEN3 = ["model=qwen3_debug", "model.attn_head_dim=32", "optimizer.lr=1e-3", "training.steps=4"]
 QWEN3_UNTIED = [*QWEN3, "model.tie_embeddings=false"]
-QWEN3_REFERENCES = {"qwen3_ref": QWEN3, "qwen3_ref_noclip": [*QWEN3, NO_CLIP],
-                    "qwen3_untied_ref_noclip": [*QWEN3_UNTIED, NO_CLIP]}  # fmt: skip
+QWEN3_REFERENCES = {
+    "qwen3_ref": QWEN3,
+    "qwen3_ref_noclip": [*QWEN3, NO_CLIP],
+    "qwen3_untied_ref_noclip": [*QWEN3_UNTIED, NO_CLIP],
+}
 QWEN3_LAYOUTS = {  # name -> (world, reference, overrides)
     "qwen3_fsdp_x2": (2, "qwen3_ref", [*QWEN3, "parallelism.dp_shard=2"]),
     "qwen3_custom_ddp_zero1_x2_noclip": (2, "qwen3_ref_noclip", [*QWEN3, *DDP, ZERO1, NO_CLIP]),
     "qwen3_tp2_sp": (2, "qwen3_ref", [*QWEN3, "parallelism.tp=2", "parallelism.dp_shard=1"]),
-    "qwen3_cp2_noclip": (2, "qwen3_ref_noclip", [*QWEN3, "parallelism.cp=2", "parallelism.dp_shard=1", NO_CLIP]),
-    "qwen3_pp2_1f1b_noclip": (2, "qwen3_untied_ref_noclip", [*QWEN3_UNTIED, "parallelism.pp=2", "parallelism.dp_shard=1", NO_CLIP]),
-    "qwen3_hsdp_2x2_noclip": (4, "qwen3_ref_noclip", [*QWEN3, "parallelism.dp_replicate=2", "parallelism.dp_shard=2", NO_CLIP]),
-    "qwen3_tp2_x_cp2": (4, "qwen3_ref", [*QWEN3, "parallelism.tp=2", "parallelism.cp=2", "parallelism.dp_shard=1"]),
-    "qwen3_pp2_x_tp2_noclip": (4, "qwen3_untied_ref_noclip",
-                               [*QWEN3_UNTIED, "parallelism.pp=2", "parallelism.tp=2", "parallelism.dp_shard=1", NO_CLIP]),
-}  # fmt: skip
+    "qwen3_cp2_noclip": (
+        2,
+        "qwen3_ref_noclip",
+        [*QWEN3, "parallelism.cp=2", "parallelism.dp_shard=1", NO_CLIP],
+    ),
+    "qwen3_pp2_1f1b_noclip": (
+        2,
+        "qwen3_untied_ref_noclip",
+        [*QWEN3_UNTIED, "parallelism.pp=2", "parallelism.dp_shard=1", NO_CLIP],
+    ),
+    "qwen3_hsdp_2x2_noclip": (
+        4,
+        "qwen3_ref_noclip",
+        [*QWEN3, "parallelism.dp_replicate=2", "parallelism.dp_shard=2", NO_CLIP],
+    ),
+    "qwen3_tp2_x_cp2": (
+        4,
+        "qwen3_ref",
+        [*QWEN3, "parallelism.tp=2", "parallelism.cp=2", "parallelism.dp_shard=1"],
+    ),
+    "qwen3_pp2_x_tp2_noclip": (
+        4,
+        "qwen3_untied_ref_noclip",
+        [*QWEN3_UNTIED, "parallelism.pp=2", "parallelism.tp=2", "parallelism.dp_shard=1", NO_CLIP],
+    ),
+}
 # A Qwen3ForCausalLM folder written by transformers, read per rank (checkpoint.initial_load_hf)
 # under FSDP x TP: each rank reads its slices only (q/k norm gains: FSDP-sharded, TP-replicated).
 QWEN3_HF_LOAD = "qwen3_hf_load_fsdp2_tp2"
@@ -140,7 +162,9 @@ def check_qwen3_hf_load(trainer) -> dict:  # noqa: ANN001
     got = full_params(trainer.model_parts)
     mismatched = [name for name in got if not torch.equal(got[name], want[name])]
     nbytes = load_hf_into(trainer.model_parts[0], hf_dir, spec, args)
-    files = sum(os.path.getsize(os.path.join(hf_dir, f)) for f in os.listdir(hf_dir) if f.endswith(".safetensors"))
+    files = sum(
+        os.path.getsize(os.path.join(hf_dir, f)) for f in os.listdir(hf_dir) if f.endswith(".safetensors")
+    )
     return {"checked": sorted(got), "mismatched": mismatched, "read": nbytes, "files": files}
 
 
@@ -148,10 +172,18 @@ def _write_qwen3_hf(folder: str) -> None:
     """transformers' own Qwen3ForCausalLM with the QWEN3 tiny shape, random weights and gains."""
     transformers = pytest.importorskip("transformers")
     config = transformers.Qwen3Config(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=2048, rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=True,
-    )  # fmt: skip
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     model = transformers.Qwen3ForCausalLM(config)
     with torch.no_grad():
@@ -173,9 +205,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> GroupedRuns:
         cases[name] = Case(world, tiny_config(str(tmp / name), *ov))
     hf_dir = str(tmp / "qwen3_hf")
     _write_qwen3_hf(hf_dir)
-    load = [*QWEN3, "parallelism.dp_shard=2", "parallelism.tp=2", "training.steps=1", f"checkpoint.initial_load_hf={hf_dir}"]
-    cases[QWEN3_HF_LOAD] = Case(4, tiny_config(str(tmp / QWEN3_HF_LOAD), *load), setup=check_qwen3_hf_load,
-                                params=False)  # fmt: skip
+    load = [
+        *QWEN3,
+        "parallelism.dp_shard=2",
+        "parallelism.tp=2",
+        "training.steps=1",
+        f"checkpoint.initial_load_hf={hf_dir}",
+    ]
+    cases[QWEN3_HF_LOAD] = Case(
+        4, tiny_config(str(tmp / QWEN3_HF_LOAD), *load), setup=check_qwen3_hf_load, params=False
+    )
     return GroupedRuns(cases)
 
 
@@ -199,7 +238,10 @@ def test_qwen3_hf_folder_loads_per_rank_under_fsdp_and_tp(runs: GroupedRuns) -> 
     observed = runs.get(QWEN3_HF_LOAD)["observed"]
     assert observed[0]["mismatched"] == [] and "layers.0.attention.q_norm.weight" in observed[0]["checked"]
     for rank, o in enumerate(observed):
-        print(f"{QWEN3_HF_LOAD} rank {rank}: read {o['read']} of {o['files']} bytes ({o['read'] / o['files']:.1%})")
+        print(
+            f"{QWEN3_HF_LOAD} rank {rank}: read {o['read']} of {o['files']} bytes "
+            f"({o['read'] / o['files']:.1%})"
+        )
         assert o["read"] <= 0.35 * o["files"]  # a quarter of every matrix, plus small replicated gains
 
 

@@ -70,36 +70,64 @@ def _train(cfg: TrainConfig, world_size: int, name: str) -> dict:
 
     t, p = cfg.training, cfg.parallelism
     dims = validated_dims(
-        p, world_size, spec=LLAMA_SPEC, model_args=cfg.model, seq_len=t.seq_len,
-        global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size, compile=t.compile,
-    )  # fmt: skip
+        p,
+        world_size,
+        spec=LLAMA_SPEC,
+        model_args=cfg.model,
+        seq_len=t.seq_len,
+        global_batch_size=t.global_batch_size,
+        micro_batch_size=t.micro_batch_size,
+        compile=t.compile,
+    )
     local_batch = dims.local_batch_size(t.global_batch_size)
     dims.build_mesh("cpu")
     dp_cp_group = dims.loss_mesh.get_group()
     dp_rank = dims.dp_rank
     tokenizer = build_tokenizer(cfg.data.tokenizer)
     loader = build_dataloader(
-        cfg.data, tokenizer, split="train", seq_len=t.seq_len, global_batch_size=t.global_batch_size,
-        dp_rank=dp_rank, dp_size=dims.dp, seed=t.seed,
-    )  # fmt: skip
+        cfg.data,
+        tokenizer,
+        split="train",
+        seq_len=t.seq_len,
+        global_batch_size=t.global_batch_size,
+        dp_rank=dp_rank,
+        dp_size=dims.dp,
+        seed=t.seed,
+    )
     val_loader = build_dataloader(
-        cfg.data, tokenizer, split="validation", seq_len=t.seq_len,
-        global_batch_size=EVAL_BATCH, dp_rank=dp_rank, dp_size=dims.dp, seed=t.seed,
-    )  # fmt: skip
+        cfg.data,
+        tokenizer,
+        split="validation",
+        seq_len=t.seq_len,
+        global_batch_size=EVAL_BATCH,
+        dp_rank=dp_rank,
+        dp_size=dims.dp,
+        seed=t.seed,
+    )
     torch.manual_seed(t.seed)
     with torch.device("meta"):
         model = Transformer(cfg.model)
     options = PartOptions(
-        device=torch.device("cpu"), init_weights=lambda m: m.init_weights(seed=t.seed, copy_fn=copy_full_into),
-        activation_checkpoint=t.activation_checkpoint, ac_selective=t.ac_selective,
-        ac_layer_interval=t.ac_layer_interval, compile=t.compile,
-    )  # fmt: skip
+        device=torch.device("cpu"),
+        init_weights=lambda m: m.init_weights(seed=t.seed, copy_fn=copy_full_into),
+        activation_checkpoint=t.activation_checkpoint,
+        ac_selective=t.ac_selective,
+        ac_layer_interval=t.ac_layer_interval,
+        compile=t.compile,
+    )
     pipe, pp_mesh = None, None
     if dims.pp > 1:
         pipe = parallelize_pipeline(
-            model, LLAMA_SPEC, dims, p, options, micro_batch_size=t.micro_batch_size, local_batch_size=local_batch,
-            loss_fn=token_loss_sum, step_context=StepContext(loss_parallel=dims.tp > 1 and p.loss_parallel),
-        )  # fmt: skip
+            model,
+            LLAMA_SPEC,
+            dims,
+            p,
+            options,
+            micro_batch_size=t.micro_batch_size,
+            local_batch_size=local_batch,
+            loss_fn=token_loss_sum,
+            step_context=StepContext(loss_parallel=dims.tp > 1 and p.loss_parallel),
+        )
         parts, pp_mesh = pipe.model_parts, pipe.pp_mesh
     else:
         parts = [parallelize(model, LLAMA_SPEC, dims, p, options)]
@@ -456,9 +484,14 @@ def test_debug_pp_preset_validates_on_2_and_4_ranks(world: int) -> None:
     cfg = make_config("+experiment=debug_pp")
     p, t = cfg.parallelism, cfg.training
     validated_dims(
-        p, world, spec=LLAMA_SPEC, model_args=cfg.model, seq_len=t.seq_len,
-        global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
-    )  # fmt: skip
+        p,
+        world,
+        spec=LLAMA_SPEC,
+        model_args=cfg.model,
+        seq_len=t.seq_len,
+        global_batch_size=t.global_batch_size,
+        micro_batch_size=t.micro_batch_size,
+    )
 
 
 def test_405b_4d_split_is_balanced() -> None:

@@ -92,12 +92,21 @@ def test_plan_is_data_with_expected_styles() -> None:
     ],
 )
 def test_async_tp_requirements(kw: dict, needle: str) -> None:
-    cfg = ParallelismConfig(tp=2, async_tp=kw["async_tp"], sequence_parallel=kw.get("sequence_parallel", True))
+    cfg = ParallelismConfig(
+        tp=2, async_tp=kw["async_tp"], sequence_parallel=kw.get("sequence_parallel", True)
+    )
     with pytest.raises(ConfigError, match=needle):
         validated_dims(
-            cfg, 2, spec=LLAMA_SPEC, model_args=LlamaArgs(**ARGS), seq_len=32, global_batch_size=2,
-            micro_batch_size=1, compile=kw["compile"], device_type=kw["device_type"],
-        )  # fmt: skip
+            cfg,
+            2,
+            spec=LLAMA_SPEC,
+            model_args=LlamaArgs(**ARGS),
+            seq_len=32,
+            global_batch_size=2,
+            micro_batch_size=1,
+            compile=kw["compile"],
+            device_type=kw["device_type"],
+        )
 
 
 @pytest.mark.parametrize(

@@ -25,8 +25,13 @@ from tests.slurm_cluster import SlurmCluster, start_cluster, unavailable
 pytestmark = pytest.mark.slow
 
 STEPS = 30
-RUN = ("+experiment=debug", *TINY, f"training.steps={STEPS}", "training.deterministic=true",
-       "checkpoint.interval=100")  # fmt: skip
+RUN = (
+    "+experiment=debug",
+    *TINY,
+    f"training.steps={STEPS}",
+    "training.deterministic=true",
+    "checkpoint.interval=100",
+)
 DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
 
 
@@ -88,10 +93,15 @@ def cluster(tmp_path_factory, reference) -> Iterator[SlurmCluster]:
 
 def _submit(cluster: SlurmCluster, dump: str) -> str:
     return cluster.run(
-        "sbatch", "--parsable", "--nodes=2", f"--output={cluster.root}/batch-%j.out",
+        "sbatch",
+        "--parsable",
+        "--nodes=2",
+        f"--output={cluster.root}/batch-%j.out",
         f"--export=ALL,CPU_RANKS_PER_NODE=2,HEAD_PORT={free_port()}",
-        os.path.join(REPO, "slurm", "train.sbatch"), *RUN, f"job.dump_folder={dump}",
-    ).strip()  # fmt: skip
+        os.path.join(REPO, "slurm", "train.sbatch"),
+        *RUN,
+        f"job.dump_folder={dump}",
+    ).strip()
 
 
 def _job_logs(cluster: SlurmCluster, job: str, dump: str) -> str:
@@ -151,7 +161,8 @@ def test_scontrol_requeue_resumes_and_finishes(cluster: SlurmCluster, reference,
     assert state == "COMPLETED" and cluster.job_field(job, "ExitCode") == "0:0", logs[-5000:]
     assert int(cluster.job_field(job, "Restarts")) == 1
     print(
-        f"slurm requeue job {job}: {time.monotonic() - start:.1f}s ({time.monotonic() - requeued_at:.1f}s after requeue)"
+        f"slurm requeue job {job}: {time.monotonic() - start:.1f}s ({time.monotonic() - requeued_at:.1f}s "
+        "after requeue)"
     )
 
     # The first attempt stopped on SIGTERM with a checkpoint; the second resumed from it.
@@ -180,14 +191,28 @@ def test_fault_tolerant_sbatch_node_group_rejoins(cluster: SlurmCluster, tmp_pat
 
     ft = "parallelism.fault_tolerance"
     dump = str(tmp_path / "run")
-    args = ("+experiment=debug", *TINY, "training.steps=100000", "checkpoint.enable=false", *FT_FAST,
-            f"{ft}.min_replicas=1", f"{ft}.quorum_timeout_s=12", f"{ft}.hang_timeout_s=14", f"{ft}.startup_wait_s=10")  # fmt: skip
+    args = (
+        "+experiment=debug",
+        *TINY,
+        "training.steps=100000",
+        "checkpoint.enable=false",
+        *FT_FAST,
+        f"{ft}.min_replicas=1",
+        f"{ft}.quorum_timeout_s=12",
+        f"{ft}.hang_timeout_s=14",
+        f"{ft}.startup_wait_s=10",
+    )
     job = cluster.run(
-        "sbatch", "--parsable", "--nodes=2", f"--output={cluster.root}/batch-%j.out",
+        "sbatch",
+        "--parsable",
+        "--nodes=2",
+        f"--output={cluster.root}/batch-%j.out",
         f"--export=ALL,FT=1,CPU_RANKS_PER_NODE=1,HEAD_PORT={free_port()},FT_LIGHTHOUSE_PORT={free_port()},"
         f"{STEP_DELAY_ENV}=0.1",
-        os.path.join(REPO, "slurm", "train.sbatch"), *args, f"job.dump_folder={dump}",
-    ).strip()  # fmt: skip
+        os.path.join(REPO, "slurm", "train.sbatch"),
+        *args,
+        f"job.dump_folder={dump}",
+    ).strip()
 
     def records(group: int) -> list[dict]:
         path = os.path.join(group_folder(dump, group), "metrics.jsonl")
@@ -227,5 +252,7 @@ def test_fault_tolerant_sbatch_node_group_rejoins(cluster: SlurmCluster, tmp_pat
     shared = [r for r in g0 if r["step"] in sha]
     assert shared and all(sha[r["step"]] == r["ft/state_sha"] for r in shared)
     heal = next(r for r in g1 if r.get("ft/heal_s") and r["step"] > killed_at)
-    print(f"slurm FT job {job}: n2's group killed after step {killed_at}, n1 trained {len(alone)} steps alone, "
-          f"n2 healed at step {heal['step']} in {heal['ft/heal_s']:.2f}s; {len(shared)} steps bitwise equal")  # fmt: skip
+    print(
+        f"slurm FT job {job}: n2's group killed after step {killed_at}, n1 trained {len(alone)} steps alone, "
+        f"n2 healed at step {heal['step']} in {heal['ft/heal_s']:.2f}s; {len(shared)} steps bitwise equal"
+    )

@@ -163,7 +163,7 @@ def _bad_checkpoints(rank: int, world_size: int, tmp: str, hf_dir: str) -> dict:
                 copy("nomark", lambda p: os.remove(os.path.join(p, "checkpoint.json"))),
                 *fsdp,
                 "checkpoint.load_step=4",
-            )  # fmt: skip
+            )
         ),
         "other_model_dim": _error_of(
             tiny_config(copy("dim", lambda p: None), *fsdp, "model.ffn_hidden_dim=192")
@@ -189,8 +189,14 @@ def _bad_checkpoints(rank: int, world_size: int, tmp: str, hf_dir: str) -> dict:
     errors["nomark_resumed_step"] = trainer.state.step
     trainer.close()
     # Start from exported Hugging Face weights under FSDP.
-    trainer = Trainer(tiny_config(os.path.join(tmp, "from_hf"), *fsdp, "model.rope_theta=50000",
-                                  f"checkpoint.initial_load_hf={hf_dir}"))  # fmt: skip
+    trainer = Trainer(
+        tiny_config(
+            os.path.join(tmp, "from_hf"),
+            *fsdp,
+            "model.rope_theta=50000",
+            f"checkpoint.initial_load_hf={hf_dir}",
+        )
+    )
     from_hf = _full_model(trainer)
     trainer.close()
     # Start from the seed checkpoint (written with training.seed=7) under FSDP with seed 0.
@@ -202,8 +208,13 @@ def _bad_checkpoints(rank: int, world_size: int, tmp: str, hf_dir: str) -> dict:
     from_seed, seed_step = _full_model(trainer), trainer.state.step
     history = trainer.train()
     trainer.close()
-    return {"errors": errors, "from_hf": from_hf, "from_seed": from_seed, "seed_step": seed_step,
-            "seed_losses": [r["loss"] for r in history if "loss" in r]}  # fmt: skip
+    return {
+        "errors": errors,
+        "from_hf": from_hf,
+        "from_seed": from_seed,
+        "seed_step": seed_step,
+        "seed_losses": [r["loss"] for r in history if "loss" in r],
+    }
 
 
 def _logits(model, tokens: torch.Tensor) -> torch.Tensor:

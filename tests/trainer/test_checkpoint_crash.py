@@ -25,8 +25,12 @@ from trainer.config import TrainConfig
 
 pytestmark = pytest.mark.slow
 
-CHECKPOINTING = ("training.deterministic=true", "checkpoint.enable=true", "checkpoint.interval=2",
-                 "checkpoint.keep_latest=2")  # fmt: skip
+CHECKPOINTING = (
+    "training.deterministic=true",
+    "checkpoint.enable=true",
+    "checkpoint.interval=2",
+    "checkpoint.keep_latest=2",
+)
 COMMON = (*TINY, *CHECKPOINTING)
 
 # phase -> (extra overrides, complete checkpoints right after the kill)
@@ -138,7 +142,9 @@ def test_one_rank_killed_inside_a_save_resumes_bitwise(tmp_path) -> None:
     dumps = {name: str(tmp_path / name) for name in MULTI_CASES}
     for name, (kill_rank, phase, complete) in MULTI_CASES.items():
         with pytest.raises(DistributedError) as failure:
-            run_distributed(_crash_worker, 2, tiny_config(dumps[name], *MULTI), kill_rank, f"{phase}@6", timeout=600)
+            run_distributed(
+                _crash_worker, 2, tiny_config(dumps[name], *MULTI), kill_rank, f"{phase}@6", timeout=600
+            )
         # e.g. "rank 1: killed by signal SIGKILL ...", "rank 0: raised ... Connection closed by peer"
         print(
             f"{name}: "
@@ -150,7 +156,10 @@ def test_one_rank_killed_inside_a_save_resumes_bitwise(tmp_path) -> None:
         leftovers = [n for n in os.listdir(folder) if ".tmp-" in n]
         assert bool(leftovers) == (phase == "mid_write"), (name, os.listdir(folder))
 
-    cfgs = {name: tiny_config(dump, *MULTI) for name, dump in {"straight": str(tmp_path / "straight"), **dumps}.items()}
+    cfgs = {
+        name: tiny_config(dump, *MULTI)
+        for name, dump in {"straight": str(tmp_path / "straight"), **dumps}.items()
+    }
     results = run_distributed(_resume_worker, 2, cfgs, timeout=900)[0]
     straight = results["straight"]["history"]
     assert results["straight"]["start"] == 0 and sorted(step_metrics(straight)) == list(range(1, 9))

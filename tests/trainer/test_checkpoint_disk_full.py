@@ -28,8 +28,13 @@ from trainer.checkpoint.space import EXIT_DISK_FULL
 
 pytestmark = pytest.mark.slow
 
-RUN = (*TINY, "training.deterministic=true", "checkpoint.enable=true", "checkpoint.interval=2",
-       "checkpoint.keep_latest=0")  # fmt: skip
+RUN = (
+    *TINY,
+    "training.deterministic=true",
+    "checkpoint.enable=true",
+    "checkpoint.interval=2",
+    "checkpoint.keep_latest=0",
+)
 MESSAGE = re.compile(
     r"checkpoint step 4 could not be written: the disk holding (\S+) is full \(a checkpoint needs "
     r"about [\d.]+ MiB, [\d.]+ (KiB|MiB|B) are free (after removing the partial step-4 folder|when the "

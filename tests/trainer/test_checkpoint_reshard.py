@@ -92,8 +92,13 @@ def _source_config(tmp: str, name: str) -> TrainConfig:
 def _target_config(tmp: str, name: str) -> TrainConfig:
     source, _, overrides = PAIRS[name]
     path = os.path.join(tmp, source, "checkpoints", "step-4")
-    return tiny_config(os.path.join(tmp, name.replace("->", "_to_")), *COMMON, *overrides,
-                       f"checkpoint.initial_load_path={path}", "checkpoint.initial_load_model_only=false")  # fmt: skip
+    return tiny_config(
+        os.path.join(tmp, name.replace("->", "_to_")),
+        *COMMON,
+        *overrides,
+        f"checkpoint.initial_load_path={path}",
+        "checkpoint.initial_load_model_only=false",
+    )
 
 
 def _source(cfg: TrainConfig) -> dict:
@@ -113,8 +118,11 @@ def _target(cfg: TrainConfig) -> dict:
     got = _full_state(trainer)
     want = {f"model.{k}": v for k, v in load_full_state(path, "model.").items()}
     want.update({f"optimizer.{k}": v for k, v in load_full_state(path, "optimizer.").items()})
-    mismatched = sorted(k for k in want.keys() | got.keys() if k not in got or k not in want
-                        or not torch.equal(got[k], want[k]))  # fmt: skip
+    mismatched = sorted(
+        k
+        for k in want.keys() | got.keys()
+        if k not in got or k not in want or not torch.equal(got[k], want[k])
+    )
     step, samples = trainer.state.step, trainer.train_loader.samples_seen
     history = trainer.train(until_step=5)
     trainer.close()
@@ -127,7 +135,9 @@ def _target(cfg: TrainConfig) -> dict:
     }
 
 
-def _worker(rank: int, world_size: int, sources: dict[str, TrainConfig], targets: dict[str, TrainConfig]) -> dict:
+def _worker(
+    rank: int, world_size: int, sources: dict[str, TrainConfig], targets: dict[str, TrainConfig]
+) -> dict:
     out = {name: _source(cfg) for name, cfg in sources.items()}
     out.update({name: _target(cfg) for name, cfg in targets.items()})
     return out
@@ -149,6 +159,8 @@ def test_reshard_across_layouts(tmp_path) -> None:
         assert r["mismatched"] == [], (name, r["mismatched"][:5])
         assert r["num_tensors"] > 100 and r["step"] == 4 and r["samples"] == 4 * 8, (name, r)
         rel = assert_parity([results[source]], [r["step5"]], label=f"{name} step 5")
-        report.append(f"{name}: {r['num_tensors']} tensors, step-5 rel diff loss {rel['loss']:.1e}, "
-                      f"grad norm {rel['grad_norm']:.1e}")  # fmt: skip
+        report.append(
+            f"{name}: {r['num_tensors']} tensors, step-5 rel diff loss {rel['loss']:.1e}, "
+            f"grad norm {rel['grad_norm']:.1e}"
+        )
     print("\n".join(report))

@@ -2,7 +2,8 @@
 
 Each layout runs real Trainers inside a spawned process group (one launch per world size runs
 its layouts in turn, each in its own folder): the straight run, a run stopped after step 4 (it
-checkpoints there), and a fresh Trainer on the same folder that resumes. The async variant also resumes from a checkpoint that was written in the background
+checkpoints there), and a fresh Trainer on the same folder that resumes. The async variant also resumes
+from a checkpoint that was written in the background
 while later steps ran, proving the saved values are those of the saved step.
 
 Training draws from the global RNG (a test-only dropout hook on every block's feed-forward,
@@ -92,9 +93,16 @@ def _resume_worker(rank: int, world_size: int, tmp: str, overrides: list[str]) -
     torch.manual_seed(seed + trainer.state.step)
     unrestored = _losses(trainer.train())
     trainer.close()
-    return {"straight": straight, "first": first, "second": second, "from_two": from_two,
-            "resumed_step": resumed_step, "rng_drawn": rng_drawn, "rng_restored": rng_restored,
-            "unrestored": unrestored}  # fmt: skip
+    return {
+        "straight": straight,
+        "first": first,
+        "second": second,
+        "from_two": from_two,
+        "resumed_step": resumed_step,
+        "rng_drawn": rng_drawn,
+        "rng_restored": rng_restored,
+        "unrestored": unrestored,
+    }
 
 
 def _layouts_worker(rank: int, world_size: int, tmp: str, layouts: list[str]) -> dict[str, dict]:
@@ -142,24 +150,42 @@ def test_exact_resume(layout: str, resume_results: dict) -> None:
 def test_torchrun_restart_after_crash_resumes_exactly(tmp_path) -> None:
     """torchrun --max-restarts=1: a rank is SIGKILLed after step 5 in the first attempt; the
     restart resumes from step 4 and logs the same losses as an uninterrupted run."""
-    common = [*TINY, *DETERMINISTIC, "parallelism.dp_shard=2", "checkpoint.enable=true", "checkpoint.interval=2",
-              "checkpoint.keep_latest=2"]  # fmt: skip
+    common = [
+        *TINY,
+        *DETERMINISTIC,
+        "parallelism.dp_shard=2",
+        "checkpoint.enable=true",
+        "checkpoint.interval=2",
+        "checkpoint.keep_latest=2",
+    ]
     # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with the store shared between torchrun's rendezvous
     # and init_process_group, a restarted gloo group can read the dead attempt's addresses and
     # fail to connect (pytorch/pytorch#135712).
-    env = dict(os.environ, OMP_NUM_THREADS="1", MESHWRIGHT_TEST_CRASH_AT="after_step@5",
-               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # fmt: skip
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        MESHWRIGHT_TEST_CRASH_AT="after_step@5",
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+    )
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
 
     def start(dump: str, run_env: dict) -> subprocess.Popen:
-        cmd = ["torchrun", "--standalone", "--nproc_per_node=2", "--max-restarts=1", "trainer/main.py",
-               *common, f"job.dump_folder={dump}"]  # fmt: skip
+        cmd = [
+            "torchrun",
+            "--standalone",
+            "--nproc_per_node=2",
+            "--max-restarts=1",
+            "trainer/main.py",
+            *common,
+            f"job.dump_folder={dump}",
+        ]
         # Own session: on a timeout the workers die with torchrun instead of lingering. Output to
         # files: the two jobs run side by side, and a full pipe would stall one of them.
         with open(f"{dump}.out", "w") as out, open(f"{dump}.err", "w") as err:
-            return subprocess.Popen(cmd, cwd=REPO, env=run_env, stdout=out, stderr=err, text=True,
-                                    start_new_session=True)  # fmt: skip
+            return subprocess.Popen(
+                cmd, cwd=REPO, env=run_env, stdout=out, stderr=err, text=True, start_new_session=True
+            )
 
     def finish(proc: subprocess.Popen, dump: str) -> subprocess.CompletedProcess:
         try:
@@ -172,7 +198,10 @@ def test_torchrun_restart_after_crash_resumes_exactly(tmp_path) -> None:
 
     # The crashing job and the uninterrupted one run side by side.
     clean_env = {k: v for k, v in env.items() if k != "MESHWRIGHT_TEST_CRASH_AT"}
-    procs = {"crash": start(str(tmp_path / "crash"), env), "straight": start(str(tmp_path / "straight"), clean_env)}
+    procs = {
+        "crash": start(str(tmp_path / "crash"), env),
+        "straight": start(str(tmp_path / "straight"), clean_env),
+    }
     crashed, straight = (finish(procs[name], name) for name in ("crash", "straight"))
     assert crashed.returncode == 0, crashed.stderr[-3000:]
     assert straight.returncode == 0, straight.stderr[-3000:]

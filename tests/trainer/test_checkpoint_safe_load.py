@@ -210,9 +210,13 @@ def test_allow_list_is_exactly_the_dcp_metadata_globals() -> None:
     allowed = metadata_globals()
     modules = {m for m, _ in allowed}
     assert modules == {
-        "torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem", "torch",
-        "torch.serialization", "pathlib", "pathlib._local",
-    }  # fmt: skip
+        "torch.distributed.checkpoint.metadata",
+        "torch.distributed.checkpoint.filesystem",
+        "torch",
+        "torch.serialization",
+        "pathlib",
+        "pathlib._local",
+    }
     assert ("torch.serialization", "_get_layout") in allowed and ("torch", "Size") in allowed
     others = {n for m, n in allowed if m == "torch" and n != "Size"}
     assert {"float32", "bfloat16", "uint8"} <= others
@@ -229,12 +233,28 @@ ALLOWED_DESERIALIZATION = {
     ".metadata (find_class resolves only metadata_globals())",
 }
 _UNSAFE_ATTRS = {
-    ("pickle", "load"), ("pickle", "loads"), ("pickle", "Unpickler"), ("_pickle", "load"), ("_pickle", "loads"),
-    ("_pickle", "Unpickler"), ("marshal", "load"), ("marshal", "loads"), ("shelve", "open"), ("dill", "load"),
-    ("dill", "loads"), ("cloudpickle", "load"), ("cloudpickle", "loads"), ("yaml", "load"),
-    ("yaml", "unsafe_load"), ("yaml", "full_load"), ("yaml", "load_all"), ("yaml", "Loader"),
-    ("yaml", "UnsafeLoader"), ("yaml", "FullLoader"), ("joblib", "load"),
-}  # fmt: skip
+    ("pickle", "load"),
+    ("pickle", "loads"),
+    ("pickle", "Unpickler"),
+    ("_pickle", "load"),
+    ("_pickle", "loads"),
+    ("_pickle", "Unpickler"),
+    ("marshal", "load"),
+    ("marshal", "loads"),
+    ("shelve", "open"),
+    ("dill", "load"),
+    ("dill", "loads"),
+    ("cloudpickle", "load"),
+    ("cloudpickle", "loads"),
+    ("yaml", "load"),
+    ("yaml", "unsafe_load"),
+    ("yaml", "full_load"),
+    ("yaml", "load_all"),
+    ("yaml", "Loader"),
+    ("yaml", "UnsafeLoader"),
+    ("yaml", "FullLoader"),
+    ("joblib", "load"),
+}
 
 
 def _unsafe_uses(rel: str, source: str) -> list[tuple[str, int, str]]:
@@ -341,10 +361,15 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> str:
     ``async`` (step 1 written in the background) and ``fsdp`` (2 ranks, sharded)."""
     tmp = str(tmp_path_factory.mktemp("safe_load"))
     run_distributed(
-        _train, 1,
-        [tiny_config(os.path.join(tmp, "run"), *RUN, "checkpoint.interval=2", "metrics.comm_ledger=true"),
-         tiny_config(os.path.join(tmp, "async"), *RUN, "checkpoint.async_mode=async", "checkpoint.interval=1")],
-    )  # fmt: skip
+        _train,
+        1,
+        [
+            tiny_config(os.path.join(tmp, "run"), *RUN, "checkpoint.interval=2", "metrics.comm_ledger=true"),
+            tiny_config(
+                os.path.join(tmp, "async"), *RUN, "checkpoint.async_mode=async", "checkpoint.interval=1"
+            ),
+        ],
+    )
     run_distributed(_train, 2, [tiny_config(os.path.join(tmp, "fsdp"), *RUN, "checkpoint.interval=2", *FSDP)])
     return tmp
 
@@ -375,8 +400,9 @@ def _cli(*args: str) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    return subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def _craft_all(written: str, tmp: str) -> dict[str, str]:
@@ -392,8 +418,14 @@ def _craft_all(written: str, tmp: str) -> dict[str, str]:
     shutil.copytree(os.path.join(written, "run"), evil_yaml)
     with open(os.path.join(evil_yaml, "config.yaml"), "w", encoding="utf-8") as f:
         f.write(f'model: !!python/object/apply:builtins.open ["{os.path.join(tmp, "PWNED-yaml")}", "w"]\n')
-    return {"evil": evil, "evil_fsdp": evil_fsdp, "evil_bytes": evil_bytes, "bytes_file": bytes_file,
-            "evil_yaml": evil_yaml, "hf_out": os.path.join(tmp, "hf")}  # fmt: skip
+    return {
+        "evil": evil,
+        "evil_fsdp": evil_fsdp,
+        "evil_bytes": evil_bytes,
+        "bytes_file": bytes_file,
+        "evil_yaml": evil_yaml,
+        "hf_out": os.path.join(tmp, "hf"),
+    }
 
 
 def _run_folder(step: str) -> str:
@@ -409,25 +441,39 @@ def outcomes(written: str) -> dict:
     paths = _craft_all(written, tmp)
     evil = paths["evil"]
     clis = {
-        "initial_load_path": _cli("trainer/main.py", *TINY, "training.steps=2", f"job.dump_folder={tmp}/fresh",
-                                  f"checkpoint.initial_load_path={evil}"),
+        "initial_load_path": _cli(
+            "trainer/main.py",
+            *TINY,
+            "training.steps=2",
+            f"job.dump_folder={tmp}/fresh",
+            f"checkpoint.initial_load_path={evil}",
+        ),
         "generate": _cli("-m", "trainer.generate", evil, "--max-new-tokens", "2"),
         "export_hf": _cli("-m", "trainer.export_hf", evil, paths["hf_out"]),
-        "plan_run": _cli("-m", "trainer.plan", f"--run={_run_folder(evil)}", "cluster.gpus_per_node=1",
-                         "cluster.nodes=1"),
+        "plan_run": _cli(
+            "-m", "trainer.plan", f"--run={_run_folder(evil)}", "cluster.gpus_per_node=1", "cluster.nodes=1"
+        ),
         "plan_run_yaml": _cli("-m", "trainer.plan", f"--run={paths['evil_yaml']}"),
-    }  # fmt: skip
+    }
     cfgs = {  # checkpoint.enable=true: each resumes from the newest step of its run folder
         "resume_metadata": tiny_config(_run_folder(paths["evil_fsdp"]), *RUN, *FSDP),
         "resume_bytes": tiny_config(_run_folder(paths["evil_bytes"]), *RUN, *FSDP),
-        "model_only": tiny_config(os.path.join(tmp, "model_only"), "training.steps=2", *FSDP,
-                                  f"checkpoint.initial_load_path={paths['evil_bytes']}"),
-    }  # fmt: skip
+        "model_only": tiny_config(
+            os.path.join(tmp, "model_only"),
+            "training.steps=2",
+            *FSDP,
+            f"checkpoint.initial_load_path={paths['evil_bytes']}",
+        ),
+    }
     per_rank = run_distributed(_resume_errors, 2, cfgs)
     done = {name: (p.communicate(timeout=240), p.returncode) for name, p in clis.items()}
     pwned = sorted(name for name in os.listdir(tmp) if name.startswith("PWNED"))
-    return {"paths": paths, "per_rank": per_rank, "pwned": pwned,
-            "cli": {name: (rc, out, err) for name, ((out, err), rc) in done.items()}}  # fmt: skip
+    return {
+        "paths": paths,
+        "per_rank": per_rank,
+        "pwned": pwned,
+        "cli": {name: (rc, out, err) for name, ((out, err), rc) in done.items()},
+    }
 
 
 def _assert_clean_refusal(result: tuple[int, str, str], refusal: str) -> None:
@@ -451,7 +497,10 @@ def test_resume_refuses_crafted_metadata_and_bytes_entry_on_every_rank(outcomes:
     errors = per_rank[0]
     want = _metadata_message(paths["evil_fsdp"], f"{os.system.__module__}.system")
     assert want in errors["resume_metadata"], errors
-    want = f"{paths['bytes_file']}: refusing to unpickle bytes entry 'train_state.step': 'io.open' is not an allowed"
+    want = (
+        f"{paths['bytes_file']}: refusing to unpickle bytes entry 'train_state.step': "
+        "'io.open' is not an allowed"
+    )
     assert want in errors["resume_bytes"], errors
     # A model-only start reads no bytes entry: the weights of that checkpoint are intact and load.
     assert errors["model_only"] == "no error", errors

@@ -32,10 +32,21 @@ def test_launch_default_trains_and_leaves_run_folder(tmp_path) -> None:
     dump = tmp_path / "run"
     env = _env() | {"NPROC": "2"}
     proc = subprocess.run(
-        ["./launch.sh", "+experiment=debug", "training.steps=16", "metrics.log_freq=4", "training.eval_freq=8",
-         "data.max_documents=300", f"job.dump_folder={dump}"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            "./launch.sh",
+            "+experiment=debug",
+            "training.steps=16",
+            "metrics.log_freq=4",
+            "training.eval_freq=8",
+            "data.max_documents=300",
+            f"job.dump_folder={dump}",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (dump / "config.yaml").is_file()
     assert (dump / "checkpoints" / "step-16" / "checkpoint.json").is_file(), (
@@ -158,7 +169,8 @@ SWEEP: dict[str, list[tuple[list[str], str]]] = {
         (["{dir}", "{tmp}-hf", "--max-shard-size", "0"], "'0'"),
     ],
 }
-# The case of each command that also runs as `python -m trainer.X`, and the one run as `python trainer/main.py`.
+# The case of each command that also runs as `python -m trainer.X`, and the one run as `python
+# trainer/main.py`.
 REAL = {
     "trainer.main": 0,
     "trainer.plan": 0,
@@ -257,13 +269,22 @@ def test_launch_two_nodes_without_slurm_matches_one_node(tmp_path) -> None:
     endpoint = f"localhost:{free_port()}"
     nodes = [
         subprocess.Popen(
-            ["./launch.sh", *run, f"job.dump_folder={tmp_path / 'two_nodes'}"], cwd=REPO,
-            env=_env() | {"NNODES": "2", "NODE_RANK": str(r), "NPROC": "1", "RDZV_ENDPOINT": endpoint,
-                          "RDZV_ID": f"test-{os.getpid()}"},
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            ["./launch.sh", *run, f"job.dump_folder={tmp_path / 'two_nodes'}"],
+            cwd=REPO,
+            env=_env()
+            | {
+                "NNODES": "2",
+                "NODE_RANK": str(r),
+                "NPROC": "1",
+                "RDZV_ENDPOINT": endpoint,
+                "RDZV_ID": f"test-{os.getpid()}",
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for r in (0, 1)
-    ]  # fmt: skip
+    ]
     single = _torchrun(2, *run, f"job.dump_folder={tmp_path / 'one_node'}")
     assert single.returncode == 0, single.stderr[-3000:]
     for node in nodes:

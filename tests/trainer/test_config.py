@@ -35,7 +35,10 @@ def test_saved_config_yaml_reloads_with_its_family() -> None:
         (("model.family=nope",), "model.family='nope' is not a known model family"),
         (("model.rope_scaling.type=longrope",), "model.rope_scaling.type='longrope' is not one of"),
         (("metrics.comm_ledger=true", "training.compile=true"), "cannot run with training.compile=true"),
-        (("metrics.memory_ledger=true", "training.compile=true"), "memory_ledger=true cannot run with training.compile"),
+        (
+            ("metrics.memory_ledger=true", "training.compile=true"),
+            "memory_ledger=true cannot run with training.compile",
+        ),
         (("metrics.memory_check=maybe",), "metrics.memory_check='maybe' is not one of"),
     ],
 )

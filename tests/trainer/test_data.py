@@ -438,9 +438,15 @@ def test_config_errors_name_the_value(tmp_path: Path) -> None:
         load_documents(Cfg(source="json", path=path), "train")
     with pytest.raises(ConfigError, match="val_fraction=0.0"):  # no validation split
         build_dataloader(
-            Cfg(source="json", path=path, val_fraction=0.0), ByteTokenizer(), split="validation",
-            seq_len=2, global_batch_size=1, dp_rank=0, dp_size=1, seed=0,
-        )  # fmt: skip
+            Cfg(source="json", path=path, val_fraction=0.0),
+            ByteTokenizer(),
+            split="validation",
+            seq_len=2,
+            global_batch_size=1,
+            dp_rank=0,
+            dp_size=1,
+            seed=0,
+        )
     with pytest.raises(ConfigError, match="val_fraction=1.5"):
         load_documents(Cfg(val_fraction=1.5), "train")
     with pytest.raises(ConfigError, match="'csv'"):

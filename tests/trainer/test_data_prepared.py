@@ -195,8 +195,9 @@ def test_positions_of_long_real_documents_stay_below_seq_len(tmp_path: Path) -> 
     stream = DataConfig(source="json", path=str(tmp_path / "raw"), streaming=True, val_fraction=0.0)
     batches = {
         "memory": loader(builtin, seq_len=seq_len, global_batch_size=64).next_batch(),
-        "shards": loader(DataConfig(source="tokens", path=str(tmp_path / "prep")), seq_len=seq_len,
-                         global_batch_size=64).next_batch(),  # fmt: skip
+        "shards": loader(
+            DataConfig(source="tokens", path=str(tmp_path / "prep")), seq_len=seq_len, global_batch_size=64
+        ).next_batch(),
         "stream": loader(stream, seq_len=seq_len, global_batch_size=64).next_batch(),
     }
     assert same(batches["memory"], batches["shards"])

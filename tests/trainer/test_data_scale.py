@@ -1,6 +1,7 @@
 """Scale, suite-sized: prepare a 100 MB synthetic corpus and a 10 MB one; a fresh process opening
 each prepared folder and reading 50 batches must not use more memory or start-up time for the
-large one (peak RSS within 150 MB, opening + first batch within 5 s). The 2 GB version with the real Trainer is
+large one (peak RSS within 150 MB, opening + first batch within 5 s). The 2 GB version with the real
+Trainer is
 ``benchmarks/bench_data.py``; 100 MB (not 200) keeps this test under a minute on 2 busy cores
 (writing and preparing the corpus dominate; 200 MB doubles that).
 """
@@ -28,8 +29,8 @@ from trainer.config import DataConfig
 from trainer.data import build_dataloader
 from trainer.data.tokenizer import ByteTokenizer
 t0 = time.perf_counter()  # after the imports, whose time on a busy machine is noise here
-dl = build_dataloader(DataConfig(source="tokens", path=sys.argv[1]), ByteTokenizer(), split="train", seq_len=256,
-                      global_batch_size=16, dp_rank=0, dp_size=1, seed=0)
+dl = build_dataloader(DataConfig(source="tokens", path=sys.argv[1]), ByteTokenizer(), split="train",
+                      seq_len=256, global_batch_size=16, dp_rank=0, dp_size=1, seed=0)
 dl.next_batch()
 startup = time.perf_counter() - t0
 for _ in range(50):
@@ -41,8 +42,10 @@ print(json.dumps({"startup_s": startup, "rss_mb": resource.getrusage(resource.RU
 def _open(preps: list[Path]) -> list[dict]:
     """One fresh process per folder, run side by side."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
-    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(p)], env=env, stdout=subprocess.PIPE, text=True)
-             for p in preps]  # fmt: skip
+    procs = [
+        subprocess.Popen([sys.executable, "-c", CHILD, str(p)], env=env, stdout=subprocess.PIPE, text=True)
+        for p in preps
+    ]
     outs = [p.communicate()[0] for p in procs]
     assert all(p.returncode == 0 for p in procs)
     return [json.loads(out.strip().splitlines()[-1]) for out in outs]

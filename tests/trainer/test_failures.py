@@ -45,9 +45,10 @@ def test_rank_skipping_a_collective_stops_every_rank_naming_step_and_collective(
     first collective of step 4. Both time out after comm.train_timeout_s and exit 4, each naming
     its step and collective; torchrun is done within train_timeout_s + 30 s of the skip."""
     proc = _start(
-        str(tmp_path / "run"), f"comm.train_timeout_s={TRAIN_TIMEOUT_S}",
+        str(tmp_path / "run"),
+        f"comm.train_timeout_s={TRAIN_TIMEOUT_S}",
         env_extra={"MESHWRIGHT_TEST_SKIP_COLLECTIVE_AT": "1@3"},
-    )  # fmt: skip
+    )
     lines: list[str] = []
     skipped_at: list[float] = []
 
@@ -71,8 +72,11 @@ def test_rank_skipping_a_collective_stops_every_rank_naming_step_and_collective(
     assert elapsed <= TRAIN_TIMEOUT_S + 30, out[-3000:]
     reports = {}
     for rank in (0, 1):
-        m = re.search(rf"\[rank{rank}\] collective failed at step (\d+) \(collective timeout {TRAIN_TIMEOUT_S}s\): "
-                      r"(gloo:\w+) on process group (\S+) .* did not complete", out)  # fmt: skip
+        m = re.search(
+            rf"\[rank{rank}\] collective failed at step (\d+) \(collective timeout {TRAIN_TIMEOUT_S}s\): "
+            r"(gloo:\w+) on process group (\S+) .* did not complete",
+            out,
+        )
         assert m, out[-4000:]
         reports[rank] = (int(m.group(1)), m.group(2), m.group(3))
     assert reports[0][:2] == (3, "gloo:all_reduce"), reports  # the stop-flag agreement rank 1 left out
@@ -93,8 +97,11 @@ def test_nan_on_one_rank_stops_every_rank_before_the_step(tmp_path) -> None:
     out, _ = proc.communicate(timeout=400)
     assert proc.returncode != 0
     for rank in (0, 1):
-        assert re.search(rf"\[rank{rank}\] training stopped: non-finite loss on rank 1 at step 5 \(global gradient "
-                         r"norm nan\); every rank stopped before the optimizer step", out), out[-4000:]  # fmt: skip
+        assert re.search(
+            rf"\[rank{rank}\] training stopped: non-finite loss on rank 1 at step 5 \(global gradient "
+            r"norm nan\); every rank stopped before the optimizer step",
+            out,
+        ), out[-4000:]
     folder = os.path.join(dump, "checkpoints")
     assert complete_steps(folder) == [2, 4]
     assert sorted(os.listdir(folder)) == ["step-2", "step-4"]  # no leftover of a step-5 save

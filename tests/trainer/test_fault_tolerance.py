@@ -67,8 +67,12 @@ def test_two_groups_match_ddp(tmp_path) -> None:
     ref_dump = str(tmp_path / "ddp")
     ref = subprocess.run(
         ["./launch.sh", *RUN, "parallelism.dp_replicate=2", f"job.dump_folder={ref_dump}"],
-        cwd=REPO, env=clean_env(NPROC="2"), capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        cwd=REPO,
+        env=clean_env(NPROC="2"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert ref.returncode == 0, ref.stdout[-3000:]
     try:
         assert job.wait(timeout=600) == 0, job.log()
@@ -92,22 +96,34 @@ def test_two_groups_match_ddp(tmp_path) -> None:
     ddp_state = ddp_model.state_dict()
     weight_err = max((v - ddp_state[k]).abs().max().item() for k, v in ft_model.state_dict().items())
     print(
-        f"FT 2 groups vs DDP x2: max relative loss/grad-norm error {worst:.2e}, max weight error {weight_err:.2e}"
+        f"FT 2 groups vs DDP x2: max relative loss/grad-norm error {worst:.2e}, max weight error "
+        f"{weight_err:.2e}"
     )
     assert worst <= 1e-6 and weight_err <= 1e-6
 
 
 @pytest.mark.slow
 def test_failures_heal_and_resume(tmp_path) -> None:
-    """SIGKILL inside a step, SIGSTOP, then every group killed, in one job of 2 groups (min_replicas=1). The job is
+    """SIGKILL inside a step, SIGSTOP, then every group killed, in one job of 2 groups (min_replicas=1). The
+    job is
     long (steps=100000); the test stops it once every scenario has been seen."""
     job = FTJob(
         str(tmp_path / "ft"),
-        (*TINY, "training.steps=100000", "checkpoint.enable=true", "checkpoint.interval=10", "checkpoint.keep_latest=0",
-         *FT_FAST, f"{FT}.min_replicas=1", f"{FT}.quorum_timeout_s=12", f"{FT}.hang_timeout_s=14",
-         f"{FT}.startup_wait_s=10"),
-        step_delay_s=0.1, env={KILL_ENV: "1@6"},
-    )  # fmt: skip
+        (
+            *TINY,
+            "training.steps=100000",
+            "checkpoint.enable=true",
+            "checkpoint.interval=10",
+            "checkpoint.keep_latest=0",
+            *FT_FAST,
+            f"{FT}.min_replicas=1",
+            f"{FT}.quorum_timeout_s=12",
+            f"{FT}.hang_timeout_s=14",
+            f"{FT}.startup_wait_s=10",
+        ),
+        step_delay_s=0.1,
+        env={KILL_ENV: "1@6"},
+    )
 
     heal_times: list[float] = []
 
@@ -120,7 +136,8 @@ def test_failures_heal_and_resume(tmp_path) -> None:
         return True
 
     try:
-        # 1. Group 1 SIGKILLs itself after the forward of its first step >= 6 (test hook): group 0 is inside that step's
+        # 1. Group 1 SIGKILLs itself after the forward of its first step >= 6 (test hook): group 0 is inside
+        # that step's
         # gradient all-reduce when its peer disappears; it discards the step and keeps committing steps
         # alone; group 1 restarts and heals.
         job.wait_for(
@@ -128,8 +145,11 @@ def test_failures_heal_and_resume(tmp_path) -> None:
         )
         died = next(r for r in job.records(0) if r["ft/discarded_steps"])  # the step group 1 died in
         killed_at = died["step"] - 1
-        job.wait_for(lambda: any(r["step"] > killed_at and r["ft/participants"] == 1 for r in job.records(0)),
-                     60, "the survivor to commit a step alone")  # fmt: skip
+        job.wait_for(
+            lambda: any(r["step"] > killed_at and r["ft/participants"] == 1 for r in job.records(0)),
+            60,
+            "the survivor to commit a step alone",
+        )
         job.wait_for(lambda: healed_after(killed_at), 300, "group 1 to heal after SIGKILL")
         # 2. SIGSTOP group 1: the supervisor's hang watchdog kills it; it restarts and heals again.
         stopped_at = job.last_step(0)
@@ -163,9 +183,11 @@ def test_failures_heal_and_resume(tmp_path) -> None:
     assert first_run[killed_at - 1]["ft/participants"] == 2, first_run[killed_at - 1]
     assert any(killed_at < s < stopped_at for s in alone) and any(s > stopped_at for s in alone), alone
     median = sorted(r["step_time_s"] for r in first_run)[len(first_run) // 2]
-    print(f"survivor: median step {median:.2f}s; quorum changes (step, kind, s, discarded):",
-          [(x["step"], x["kind"], round(x["stall_s"], 2), x["discarded"]) for x in stalls(first_run)],
-          f"steps alone: {len(alone)}")  # fmt: skip
+    print(
+        f"survivor: median step {median:.2f}s; quorum changes (step, kind, s, discarded):",
+        [(x["step"], x["kind"], round(x["stall_s"], 2), x["discarded"]) for x in stalls(first_run)],
+        f"steps alone: {len(alone)}",
+    )
     print("group 1 heal times (s):", [round(t, 2) for t in heal_times])
     # Bitwise equal replicas: the same weights + optimizer digest wherever both groups logged a step.
     by_step: dict[int, set[str]] = {}
@@ -187,7 +209,8 @@ def test_failures_heal_and_resume(tmp_path) -> None:
         again = next(r for r in replay if r["step"] == step)
         assert again["loss"] == before[step]["loss"] and again["ft/state_sha"] == before[step]["ft/state_sha"]
     print(
-        f"all groups lost after step {lost_at}: resumed from step-{resumed_from}, steps {same} replayed bitwise"
+        f"all groups lost after step {lost_at}: resumed from step-{resumed_from}, steps {same} replayed "
+        "bitwise"
     )
     # Data accounting: step s trains samples [position, position + participants * b), the participant of
     # quorum rank r the r-th b of them; each committed step starts where the previous one ended (through

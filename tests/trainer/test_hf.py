@@ -111,7 +111,8 @@ def test_scaled_rope_imports_and_exports_with_transformers_logits(tmp_path, kind
     assert {k: rope[k] for k in ROPE[kind]} == ROPE[kind]
     export_diff = (_logits(back, tokens) - _logits(ours, tokens)).abs().max().item()
     print(
-        f"{kind}: import max |dlogit| {import_diff:.2e}, export {export_diff:.2e}, unscaled RoPE {unscaled_diff:.2f}"
+        f"{kind}: import max |dlogit| {import_diff:.2e}, export {export_diff:.2e}, unscaled RoPE "
+        f"{unscaled_diff:.2f}"
     )
     assert import_diff <= 1e-4 and export_diff <= 1e-4
     assert unscaled_diff > 100 * 1e-4  # the scaling matters at these positions
@@ -119,8 +120,15 @@ def test_scaled_rope_imports_and_exports_with_transformers_logits(tmp_path, kind
 
 def test_rope_config_fields_of_transformers_4_and_5() -> None:
     hf = LlamaHF()
-    base = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
-            "vocab_size": 300, "intermediate_size": 96, "max_position_embeddings": 512}  # fmt: skip
+    base = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "vocab_size": 300,
+        "intermediate_size": 96,
+        "max_position_embeddings": 512,
+    }
     llama3 = {k: v for k, v in ROPE["llama3"].items() if k != "rope_theta"}
     v5 = hf.args_from_hf_config({**base, "rope_parameters": ROPE["llama3"]})
     v4 = hf.args_from_hf_config({**base, "rope_theta": 10000.0, "rope_scaling": {**llama3, "type": "llama3"}})
@@ -236,12 +244,20 @@ def _load_38m(rank: int, world_size: int, tmp: str, hf_dir: str) -> dict:
     from trainer.train import Trainer
 
     out: dict = {}
-    trainer.checkpoint.hf.load_hf_into = _measured(trainer.checkpoint.hf.load_hf_into, out)  # the Checkpointer imports it late
+    trainer.checkpoint.hf.load_hf_into = _measured(
+        trainer.checkpoint.hf.load_hf_into, out
+    )  # the Checkpointer imports it late
     cfg = make_config(
-        "model=38m", f"job.dump_folder={tmp}/run38m", "parallelism.dp_shard=2", "training.seq_len=32",
-        "training.global_batch_size=4", "training.micro_batch_size=2", "data.max_documents=40",
-        "metrics.tensorboard=false", f"checkpoint.initial_load_hf={hf_dir}",
-    )  # fmt: skip
+        "model=38m",
+        f"job.dump_folder={tmp}/run38m",
+        "parallelism.dp_shard=2",
+        "training.seq_len=32",
+        "training.global_batch_size=4",
+        "training.micro_batch_size=2",
+        "data.max_documents=40",
+        "metrics.tensorboard=false",
+        f"checkpoint.initial_load_hf={hf_dir}",
+    )
     run = Trainer(cfg)  # training.seed=0 here, the export used seed 5: equality proves the load
     state = ModelState(run.model_parts).state_dict()
     local = sum(v.to_local().numel() * v.element_size() for v in state.values() if isinstance(v, DTensor))
@@ -276,9 +292,11 @@ def test_fsdp_hf_load_reads_only_each_ranks_share_38m(tmp_path) -> None:
     for rank, r in enumerate(results):
         print(
             f"rank {rank}: peak RSS growth during load_hf_into {r['peak_growth'] / 2**20:.1f} MiB = "
-            f"{r['peak_growth'] / model_bytes:.1%} of the model's {model_bytes / 2**20:.1f} MiB ({r['how']}); "
+            f"{r['peak_growth'] / model_bytes:.1%} of the model's {model_bytes / 2**20:.1f} MiB "
+            f"({r['how']}); "
             f"read {r['rchar'] / 2**20:.1f} MiB = {r['rchar'] / full_bytes:.1%} of the files (rchar), "
-            f"reader count {r['reported'] / full_bytes:.1%}; this rank's shard {r['local_bytes'] / model_bytes:.1%}"
+            f"reader count {r['reported'] / full_bytes:.1%}; this rank's shard "
+            f"{r['local_bytes'] / model_bytes:.1%}"
         )
         assert r["peak_growth"] <= 0.6 * model_bytes
         assert 0.45 * full_bytes <= r["rchar"] <= 0.6 * full_bytes
@@ -323,10 +341,15 @@ def test_last_save_in_hf_single_process_fsdp_and_tp(tmp_path) -> None:
 
     tmp = str(tmp_path)
     run_distributed(_train_and_save_hf, 1, tmp, {"single": ("checkpoint.enable=true",), "hf_only": ()})
-    run_distributed(_train_and_save_hf, 2, tmp, {
-        "fsdp": ("checkpoint.enable=true", "parallelism.dp_shard=2"),
-        "tp": ("checkpoint.enable=true", "parallelism.tp=2", "parallelism.dp_shard=1"),
-    })  # fmt: skip
+    run_distributed(
+        _train_and_save_hf,
+        2,
+        tmp,
+        {
+            "fsdp": ("checkpoint.enable=true", "parallelism.dp_shard=2"),
+            "tp": ("checkpoint.enable=true", "parallelism.tp=2", "parallelism.dp_shard=1"),
+        },
+    )
     tokens = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(0))
     tensors = {}
     for name in ("single", "hf_only", "fsdp", "tp"):

@@ -46,8 +46,9 @@ def test_38m_ddp_on_8_cpu_ranks_of_a_24_gib_host_is_stopped_with_fixes(
         again = fit.check_memory(compose_config("+experiment=38m_ddp", *overrides), torch.device("cpu"), 8, 8)
         assert again.fits, (fix, again.message)
     # Two ranks of the same host get 12 GiB each: the default layout of 2 ranks fits.
-    two = fit.check_memory(compose_config("+experiment=38m_ddp", "parallelism.dp_replicate=2"),
-                           torch.device("cpu"), 2, 2)  # fmt: skip
+    two = fit.check_memory(
+        compose_config("+experiment=38m_ddp", "parallelism.dp_replicate=2"), torch.device("cpu"), 2, 2
+    )
     assert two.fits and two.need_bytes == pytest.approx(result.need_bytes, rel=0.01)
 
 
@@ -73,8 +74,11 @@ def test_trainer_errors_before_any_output_or_warns(tmp_path, monkeypatch: pytest
         trainer.close()
     logged = capfd.readouterr()
     assert "metrics.memory_check=warn: the planned memory of a rank does not fit" in logged.out + logged.err
-    trainer = Trainer(tiny_config(str(tmp_path / "off"), "training.steps=1", "checkpoint.enable=false",
-                                  "metrics.memory_check=off"))  # fmt: skip
+    trainer = Trainer(
+        tiny_config(
+            str(tmp_path / "off"), "training.steps=1", "checkpoint.enable=false", "metrics.memory_check=off"
+        )
+    )
     trainer.close()
 
 
@@ -88,9 +92,14 @@ def test_launch_stops_before_the_first_step(tmp_path) -> None:
         pytest.skip(f"this host has {fit.host_memory_bytes() / GIB:.0f} GiB: the layout fits")
     dump = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
-    proc = subprocess.run(["./launch.sh", *args, f"job.dump_folder={dump}"], cwd=REPO,
-                          env=env | {"NPROC": "2", "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        ["./launch.sh", *args, f"job.dump_folder={dump}"],
+        cwd=REPO,
+        env=env | {"NPROC": "2", "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode != 0
     for rank in (0, 1):
         lines = [

@@ -84,7 +84,9 @@ def test_muon_groups_split_hidden_matrices_from_the_rest() -> None:
     assert muon["use_muon"] and not decay["use_muon"] and not no_decay["use_muon"]
     assert set(decay["names"]) == {"tok_embeddings.weight", "output.weight"} and decay["weight_decay"] == 0.1
     assert all(p.ndim == 1 for p in no_decay["params"]) and no_decay["weight_decay"] == 0.0
-    assert len(muon["names"]) == 2 * 7 and all(".attention." in n or ".feed_forward." in n for n in muon["names"])
+    assert len(muon["names"]) == 2 * 7 and all(
+        ".attention." in n or ".feed_forward." in n for n in muon["names"]
+    )
 
 
 @pytest.mark.parametrize("adjust_lr_fn", ["original", "match_rms_adamw"])
@@ -101,16 +103,21 @@ def test_muon_one_process_is_torch_muon_plus_adamw_bitwise(adjust_lr_fn: str) ->
         name="muon", lr=1e-2, muon=MuonConfig(lr=2e-2, weight_decay=0.05, adjust_lr_fn=adjust_lr_fn)
     )
     ours = build_optimizer(ours_model, cfg, device_type="cpu")
-    hidden = [p for n, p in ref_model.named_parameters() if p.ndim == 2 and not n.startswith(("tok_", "output"))]
+    hidden = [
+        p for n, p in ref_model.named_parameters() if p.ndim == 2 and not n.startswith(("tok_", "output"))
+    ]
     head = [p for n, p in ref_model.named_parameters() if p.ndim == 2 and n.startswith(("tok_", "output"))]
     vectors = [p for p in ref_model.parameters() if p.ndim == 1]
     ref = [
         torch.optim.Muon(hidden, lr=2e-2, weight_decay=0.05, adjust_lr_fn=adjust_lr_fn),
         torch.optim.AdamW(
             [{"params": head, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}],
-            lr=1e-2, betas=cfg.betas, eps=cfg.eps, foreach=True,
+            lr=1e-2,
+            betas=cfg.betas,
+            eps=cfg.eps,
+            foreach=True,
         ),
-    ]  # fmt: skip
+    ]
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     for _ in range(3):
         for model, opts in ((ours_model, [ours]), (ref_model, ref)):
@@ -130,7 +137,9 @@ def test_owners_balance_newton_schulz_flops_within_candidates() -> None:
     owners = assign_owners(costs, [[0, 1, 2]] * 6 + [[1], [1]], 3)
     assert owners[6] == 1 and owners[7] == 1  # a unit goes only to a rank that holds it (a PP stage)
     loads = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(3)]
-    assert loads == [11, 11 + 3, 11], loads  # the six shared units split evenly (11 each), then 2 + 1 on rank 1
+    assert loads == [11, 11 + 3, 11], (
+        loads
+    )  # the six shared units split evenly (11 each), then 2 + 1 on rank 1
 
 
 @pytest.mark.parametrize(
@@ -158,8 +167,11 @@ def test_muon_config_errors_name_the_key(override: str, match: str) -> None:
 
 def _qk_model(mask: str) -> Transformer:
     torch.manual_seed(0)
-    model = Transformer(LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_hidden_dim=64,
-                                  attention_mask=mask))  # fmt: skip
+    model = Transformer(
+        LlamaArgs(
+            dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_hidden_dim=64, attention_mask=mask
+        )
+    )
     model.init_weights(seed=0)
     with torch.no_grad():  # larger q/k weights: logits well above 1
         for layer in model.layers.values():
@@ -174,8 +186,10 @@ def _naive_max_logits(model: Transformer, tokens: torch.Tensor, positions: torch
     from models.common import apply_rotary_emb
 
     inputs: dict[int, torch.Tensor] = {}
-    hooks = [layer.attention.register_forward_pre_hook(lambda m, a, i=i: inputs.__setitem__(i, a[0]))
-             for i, layer in enumerate(model.layers.values())]  # fmt: skip
+    hooks = [
+        layer.attention.register_forward_pre_hook(lambda m, a, i=i: inputs.__setitem__(i, a[0]))
+        for i, layer in enumerate(model.layers.values())
+    ]
     model(tokens, positions=positions)
     for h in hooks:
         h.remove()
@@ -191,7 +205,10 @@ def _naive_max_logits(model: Transformer, tokens: torch.Tensor, positions: torch
             for h in range(4):
                 for qi in range(S):
                     for kj in range(qi + 1):  # causal; same document: no restart of positions in (kj, qi]
-                        if attn.core.attention_mask == "block_causal" and (positions[b, kj + 1 : qi + 1] == 0).any():
+                        if (
+                            attn.core.attention_mask == "block_causal"
+                            and (positions[b, kj + 1 : qi + 1] == 0).any()
+                        ):
                             continue
                         logit = float(q[b, qi, h] @ k[b, kj, h // 2]) / D**0.5
                         out[i, h] = max(out[i, h], logit)
@@ -205,13 +222,21 @@ def test_recorded_max_logit_equals_naive_attention(mask: str) -> None:
     model = _qk_model(mask)
     tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(2))
     positions = torch.tensor([list(range(12)), [0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3]])  # 1 and 3 documents
-    clip = QKClip(list(enumerate(layer.attention for layer in model.layers.values())), num_layers=2, n_heads=4,
-                  n_kv_heads=2, tau=1e9)  # fmt: skip
+    clip = QKClip(
+        list(enumerate(layer.attention for layer in model.layers.values())),
+        num_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        tau=1e9,
+    )
     clip.begin_step()
     model(tokens, positions=positions)
     measured = clip.measured_max()
     naive = _naive_max_logits(model, tokens, positions)
-    print(f"qk-clip {mask}: max |measured - naive| {(measured - naive).abs().max().item():.2e} (max logit {naive.max():.2f})")
+    print(
+        f"qk-clip {mask}: max |measured - naive| {(measured - naive).abs().max().item():.2e} (max logit "
+        f"{naive.max():.2f})"
+    )
     assert torch.allclose(measured, naive, rtol=1e-5, atol=1e-5)
 
 
@@ -223,8 +248,13 @@ def test_qk_clip_scales_the_head_above_tau_to_tau() -> None:
     model = _qk_model("causal")
     tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
     positions = torch.arange(12).expand(2, 12)
-    clip = QKClip(list(enumerate(layer.attention for layer in model.layers.values())), num_layers=2, n_heads=4,
-                  n_kv_heads=2, tau=0.0)  # fmt: skip
+    clip = QKClip(
+        list(enumerate(layer.attention for layer in model.layers.values())),
+        num_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        tau=0.0,
+    )
     clip.begin_step()
     model(tokens, positions=positions)
     before = clip.measured_max()
@@ -239,16 +269,23 @@ def test_qk_clip_scales_the_head_above_tau_to_tau() -> None:
     changed = {n for n, p in model.named_parameters() if not torch.equal(p, weights[n])}
     assert changed == {f"layers.{layer}.attention.wq.weight", f"layers.{layer}.attention.wk.weight"}, changed
     D = 8
-    wq_rows_changed = {r // D for r in range(32) if not torch.equal(model.layers[str(layer)].attention.wq.weight[r],
-                                                                     weights[f"layers.{layer}.attention.wq.weight"][r])}  # fmt: skip
+    wq_rows_changed = {
+        r // D
+        for r in range(32)
+        if not torch.equal(
+            model.layers[str(layer)].attention.wq.weight[r], weights[f"layers.{layer}.attention.wq.weight"][r]
+        )
+    }
     assert wq_rows_changed == {head, head ^ 1}  # the head and its kv group's other query head
     clip.begin_step()
     model(tokens, positions=positions)
     after = clip.measured_max()
     expected = before.clone()
     expected[layer, head] = clip.tau
-    print(f"qk-clip probe: head ({layer}, {head}) {before[layer, head]:.4f} -> {after[layer, head]:.6f}, "
-          f"tau {clip.tau:.6f}; other heads max change {(after - expected).abs().max():.2e}")
+    print(
+        f"qk-clip probe: head ({layer}, {head}) {before[layer, head]:.4f} -> {after[layer, head]:.6f}, "
+        f"tau {clip.tau:.6f}; other heads max change {(after - expected).abs().max():.2e}"
+    )
     assert torch.allclose(after, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -268,4 +305,6 @@ def test_planner_counts_muon_newton_schulz_and_exchange() -> None:
     assert plan.compute["ns_flops_per_rank"] == flops / 2
     muon_rows = [x for x in plan.collectives if x.name.startswith("Muon")]
     assert [x.logical_bytes for x in muon_rows] == [4 * sum(p.numel() for p in hidden) / 2] * 2
-    assert plan.verdict["step_s"] > plan.compute["compute_with_bubble_s"] + plan.compute["optimizer_s"] * 0.999
+    assert (
+        plan.verdict["step_s"] > plan.compute["compute_with_bubble_s"] + plan.compute["optimizer_s"] * 0.999
+    )

@@ -76,7 +76,9 @@ def test_qk_norm_and_head_dim_activations_match_what_autograd_saves() -> None:
     from models.common import precompute_rope_cache
     from models.llama.model import LlamaArgs, TransformerBlock
 
-    assert activation_bytes_per_token_layer(4096, 32, 8, head_dim=128) == activation_bytes_per_token_layer(4096, 32, 8)
+    assert activation_bytes_per_token_layer(4096, 32, 8, head_dim=128) == activation_bytes_per_token_layer(
+        4096, 32, 8
+    )
     wide = activation_bytes_per_token_layer(1024, 16, 8, head_dim=128)  # Q, out: 2 H -> 4 H; K, V: H -> 2 H
     assert wide == activation_bytes_per_token_layer(1024, 16, 8) + (4 + 4 * 0.5) * 1024
 
@@ -92,15 +94,23 @@ def test_qk_norm_and_head_dim_activations_match_what_autograd_saves() -> None:
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             block(x, rope_cache=rope)
-        skip = {p.untyped_storage().data_ptr() for p in block.parameters()} | {rope.untyped_storage().data_ptr()}
+        skip = {p.untyped_storage().data_ptr() for p in block.parameters()} | {
+            rope.untyped_storage().data_ptr()
+        }
         return sum(n for ptr, n in storages.items() if ptr not in skip) / (2 * 64)
 
     shape = dict(dim=256, n_heads=4, n_kv_heads=2, attn_head_dim=96, ffn_hidden_dim=512)
     for dtype, act_bytes in ((torch.float32, 4), (torch.bfloat16, 2)):
-        measured = saved_per_token(LlamaArgs(**shape, qk_norm=True), dtype) - saved_per_token(LlamaArgs(**shape), dtype)
-        planned = (activation_bytes_per_token_layer(256, 4, 2, head_dim=96, qk_norm=True, act_bytes=act_bytes)
-                   - activation_bytes_per_token_layer(256, 4, 2, head_dim=96, act_bytes=act_bytes))  # fmt: skip
-        print(f"q/k norm activations per token ({dtype}): planned {planned:.0f} B, saved by autograd {measured:.0f} B")
+        measured = saved_per_token(LlamaArgs(**shape, qk_norm=True), dtype) - saved_per_token(
+            LlamaArgs(**shape), dtype
+        )
+        planned = activation_bytes_per_token_layer(
+            256, 4, 2, head_dim=96, qk_norm=True, act_bytes=act_bytes
+        ) - activation_bytes_per_token_layer(256, 4, 2, head_dim=96, act_bytes=act_bytes)
+        print(
+            f"q/k norm activations per token ({dtype}): planned {planned:.0f} B, saved by autograd "
+            f"{measured:.0f} B"
+        )
         assert abs(measured / planned - 1) < 0.02  # the per-head rsqrt statistics are the rest
 
 
@@ -161,15 +171,21 @@ def test_7b_hsdp_on_4_nodes() -> None:
 
 def test_tp_example_b8_s4096_h4096() -> None:
     plan = _plan(
-        "+experiment=7b_fsdp", "parallelism.dp_shard=1", "parallelism.tp=8", "parallelism.sequence_parallel=false",
-        "training.global_batch_size=8", "training.activation_checkpoint=none",
-    )  # fmt: skip
+        "+experiment=7b_fsdp",
+        "parallelism.dp_shard=1",
+        "parallelism.tp=8",
+        "parallelism.sequence_parallel=false",
+        "training.global_batch_size=8",
+        "training.activation_checkpoint=none",
+    )
     ar = _by_name(plan, "TP all_reduce (block")
     assert round(ar.size_bytes / MB) == 268  # article: "每次 all_reduce 268 MB"
     # forward 2 + backward 2 per layer (the article's count), plus the embedding's output (fwd)
     # and the head's input gradient (bwd), which the article leaves out
     assert ar.calls == 4 * 32 + 2
-    assert ar.logical_bytes / GB == pytest.approx(34, rel=0.03)  # article: "32 × 4 × 268 MB ≈ 34 GB"; ours 34.9
+    assert ar.logical_bytes / GB == pytest.approx(
+        34, rel=0.03
+    )  # article: "32 × 4 × 268 MB ≈ 34 GB"; ours 34.9
     assert not ar.hidden and ar.link == "intra"  # on the critical path
 
 
@@ -216,7 +232,9 @@ def test_recommend_70b_on_4_nodes_of_8_h100(capsys: pytest.CaptureFixture[str]) 
     first = {c.label: c for c in reversed(tried)}  # first try of each layout
     assert not first["DDP 32"].plan.verdict["fits"] and not first["HSDP 4x8"].plan.verdict["fits"]
     fsdp32 = [c for c in tried if c.label == "FSDP 32"]
-    assert [c.ac for c in fsdp32] == ["none", "full"] and fsdp32[-1].plan.verdict["fits"]  # AC only when needed
+    assert [c.ac for c in fsdp32] == ["none", "full"] and fsdp32[-1].plan.verdict[
+        "fits"
+    ]  # AC only when needed
     assert "hidden communication needs" in fsdp32[-1].reason
     tp8 = [c for c in tried if c.label == "TP 8 x FSDP 4"]
     assert [c.ac for c in tp8] == ["none", "full"] and not tp8[0].plan.verdict["fits"]

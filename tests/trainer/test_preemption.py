@@ -23,14 +23,25 @@ from trainer.checkpoint.checkpointer import complete_steps, read_marker, verify_
 pytestmark = pytest.mark.slow
 
 STEPS = 30
-RUN = (*TINY, f"training.steps={STEPS}", "training.deterministic=true", "checkpoint.enable=true",
-       "checkpoint.interval=100")  # fmt: skip
+RUN = (
+    *TINY,
+    f"training.steps={STEPS}",
+    "training.deterministic=true",
+    "checkpoint.enable=true",
+    "checkpoint.interval=100",
+)
 
 
 def _env() -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", NPROC="2")
-    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PET_SIGNALS_TO_HANDLE",
-                "TORCHELASTIC_SIGNALS_TO_HANDLE"):  # fmt: skip
+    for key in (
+        "RANK",
+        "WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "PET_SIGNALS_TO_HANDLE",
+        "TORCHELASTIC_SIGNALS_TO_HANDLE",
+    ):
         env.pop(key, None)
     return env
 
@@ -81,8 +92,11 @@ def test_signal_checkpoints_exits_75_and_resumes_bitwise(tmp_path) -> None:
         assert proc.returncode != 0, out[-3000:]  # torchrun reports its workers' status 75 as a failure
         steps = set()
         for rank in (0, 1):
-            m = re.search(rf"\[rank{rank}\] preempted by {name} after step (\d+): checkpoint of step \1 written; "
-                          r"run the same command again to resume \(exit status 75\)", out)  # fmt: skip
+            m = re.search(
+                rf"\[rank{rank}\] preempted by {name} after step (\d+): checkpoint of step \1 written; "
+                r"run the same command again to resume \(exit status 75\)",
+                out,
+            )
             assert m, (name, out[-4000:])
             steps.add(int(m.group(1)))
         assert len(steps) == 1, steps  # all ranks agreed on the step

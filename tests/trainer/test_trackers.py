@@ -16,8 +16,17 @@ from tests.configs import REPO, TINY
 pytestmark = pytest.mark.slow
 
 # Checkpoint at 4 only: the first run logs steps 5-6 after it, the second resumes at 4.
-RUN = (*TINY, "training.steps=6", "training.deterministic=true", "checkpoint.enable=true", "checkpoint.interval=4",
-       "checkpoint.save_final=false", "metrics.tensorboard=true", "profiling.enable=true", "profiling.steps=[2]")  # fmt: skip
+RUN = (
+    *TINY,
+    "training.steps=6",
+    "training.deterministic=true",
+    "checkpoint.enable=true",
+    "checkpoint.interval=4",
+    "checkpoint.save_final=false",
+    "metrics.tensorboard=true",
+    "profiling.enable=true",
+    "profiling.steps=[2]",
+)
 # W&B is an optional extra (part of '.[dev]'); without it the rest of the test still runs.
 HAS_WANDB = importlib.util.find_spec("wandb") is not None
 WANDB = ("metrics.wandb=true", "metrics.wandb_mode=offline") if HAS_WANDB else ()
@@ -29,8 +38,12 @@ def _run(dump: str) -> str:
         env.pop(key, None)
     proc = subprocess.run(
         ["python", "trainer/main.py", *RUN, *WANDB, f"job.dump_folder={dump}"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=400,
-    )  # fmt: skip
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout + proc.stderr
 

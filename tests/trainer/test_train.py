@@ -56,8 +56,13 @@ def test_accumulation_matches_one_big_microbatch(tmp_path) -> None:
 
 
 def test_non_finite_loss_stops_every_rank_before_the_step(tmp_path) -> None:
-    cfg = tiny_config(str(tmp_path), "optimizer.lr=1e30", "lr_scheduler.warmup_steps=0", "training.grad_clip=0",
-                      "parallelism.dp_shard=2")  # fmt: skip
+    cfg = tiny_config(
+        str(tmp_path),
+        "optimizer.lr=1e30",
+        "lr_scheduler.warmup_steps=0",
+        "training.grad_clip=0",
+        "parallelism.dp_shard=2",
+    )
     messages = run_distributed(_train_expect_error, 2, cfg)
     for msg in messages:
         assert "non-finite gradient" in msg and "at step 2" in msg and "nothing was applied" in msg, msg
@@ -65,8 +70,13 @@ def test_non_finite_loss_stops_every_rank_before_the_step(tmp_path) -> None:
 
 
 def test_run_folder_config_and_eval(tmp_path) -> None:
-    cfg = tiny_config(str(tmp_path), "training.eval_freq=4", "training.eval_steps=2", "metrics.log_freq=4",
-                      "data.val_fraction=0.05")  # fmt: skip
+    cfg = tiny_config(
+        str(tmp_path),
+        "training.eval_freq=4",
+        "training.eval_steps=2",
+        "metrics.log_freq=4",
+        "data.val_fraction=0.05",
+    )
     (history,) = run_distributed(_train, 1, cfg)
     evals = [r for r in history if "eval_loss" in r]
     assert [r["step"] for r in evals] == [4, 8]

@@ -322,7 +322,8 @@ class Checkpointer:
             if cfg.load_step >= 0:
                 if cfg.load_step not in steps:
                     raise ConfigError(
-                        f"checkpoint.load_step={cfg.load_step}: {step_dir(self.folder, cfg.load_step)} does not "
+                        f"checkpoint.load_step={cfg.load_step}: {step_dir(self.folder, cfg.load_step)} does "
+                        "not "
                         f"exist or is incomplete; complete checkpoints in {self.folder}: {steps or 'none'}. "
                         "Pick one of them, or checkpoint.load_step=-1 for the newest."
                     )
@@ -449,9 +450,13 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
         intact = complete_steps(self.folder)
         message = disk_full_message(
-            step, self.folder, self._needed_bytes(), free_bytes(self.folder) if self.rank == 0 else full.free,
-            step_dir(self.folder, intact[-1]) if intact else None, removed=self.rank == 0,
-        )  # fmt: skip
+            step,
+            self.folder,
+            self._needed_bytes(),
+            free_bytes(self.folder) if self.rank == 0 else full.free,
+            step_dir(self.folder, intact[-1]) if intact else None,
+            removed=self.rank == 0,
+        )
         error = CheckpointDiskFull(f"{message} (the write failed with: {full.cause})")
         error.in_lockstep = in_lockstep
         raise error from None
@@ -585,9 +590,17 @@ class Checkpointer:
         extra, bos, eos, tokenizer = hf_sidecar(self.info, step, source)
         spec, args = self.hf_target
         files = save_hf_distributed(
-            self.module, spec, args, tmp, is_writer=self.rank == 0, max_shard_bytes=parse_size(self.cfg.hf_max_shard_size),
-            dtype=DTYPES[self.cfg.hf_dtype], extra=extra, bos_id=bos, eos_id=eos,
-        )  # fmt: skip
+            self.module,
+            spec,
+            args,
+            tmp,
+            is_writer=self.rank == 0,
+            max_shard_bytes=parse_size(self.cfg.hf_max_shard_size),
+            dtype=DTYPES[self.cfg.hf_dtype],
+            extra=extra,
+            bos_id=bos,
+            eos_id=eos,
+        )
         if self.rank == 0:
             files += write_tokenizer_files(tmp, tokenizer, max_len=args.max_seq_len)
             for name in os.listdir(tmp):

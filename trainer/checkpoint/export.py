@@ -35,8 +35,17 @@ def export(
     spec = get_spec(info["model"].get("family", "llama"))
     args = spec.make_args(info["model"])
     extra, bos, eos, tokenizer = hf_sidecar(info, info["step"], os.path.abspath(checkpoint))
-    files = save_hf(state, spec, args, out_dir, max_shard_bytes=parse_size(max_shard_size), dtype=DTYPES[dtype],
-                    extra=extra, bos_id=bos, eos_id=eos)  # fmt: skip
+    files = save_hf(
+        state,
+        spec,
+        args,
+        out_dir,
+        max_shard_bytes=parse_size(max_shard_size),
+        dtype=DTYPES[dtype],
+        extra=extra,
+        bos_id=bos,
+        eos_id=eos,
+    )
     return files + write_tokenizer_files(out_dir, tokenizer, max_len=args.max_seq_len)
 
 
@@ -45,7 +54,8 @@ def hf_sidecar(
 ) -> tuple[dict[str, Any], Optional[int], Optional[int], Optional[str]]:
     """(``meshwright.json`` contents, bos id, eos id, the run's tokenizer -- ``"byte"``, the
     tokenizer.json to ship, or None when that file is gone -- for ``write_tokenizer_files``) of a HF
-    folder written from a run whose marker fields are ``info`` (``trainer.checkpoint.checkpointer.model_info``)."""
+    folder written from a run whose marker fields are ``info``
+    (``trainer.checkpoint.checkpointer.model_info``)."""
     tokenizer = info.get("tokenizer", "byte")
     extra: dict[str, Any] = {"tokenizer": "byte", "model": info["model"], "step": step, "source": source}
     try:

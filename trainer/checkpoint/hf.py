@@ -48,9 +48,11 @@ def spec_for_hf_config(cfg: dict[str, Any]) -> ModelSpec:
         if spec.hf is not None and model_type in getattr(spec.hf, "model_types", (spec.hf.model_type,)):
             return spec
     known = sorted(
-        t for spec in MODEL_SPECS.values() if spec.hf is not None
+        t
+        for spec in MODEL_SPECS.values()
+        if spec.hf is not None
         for t in getattr(spec.hf, "model_types", (spec.hf.model_type,))
-    )  # fmt: skip
+    )
     raise ConfigError(f"config.json has model_type={model_type!r}; meshwright reads {known}.")
 
 
@@ -83,9 +85,17 @@ def _file_names(num_files: int) -> list[str]:
     return [f"model-{i + 1:05d}-of-{num_files:05d}.safetensors" for i in range(num_files)]
 
 
-def _write_sidecars(out_dir: str, weight_map: dict[str, str], total_bytes: int, spec: ModelSpec, args: Any,
-                    dtype: torch.dtype, extra: Optional[dict[str, Any]], bos_id: Optional[int],
-                    eos_id: Optional[int]) -> list[str]:  # fmt: skip
+def _write_sidecars(
+    out_dir: str,
+    weight_map: dict[str, str],
+    total_bytes: int,
+    spec: ModelSpec,
+    args: Any,
+    dtype: torch.dtype,
+    extra: Optional[dict[str, Any]],
+    bos_id: Optional[int],
+    eos_id: Optional[int],
+) -> list[str]:
     """The index (when sharded), ``config.json`` and ``meshwright.json`` (when ``extra``)."""
     files = []
     if len(set(weight_map.values())) > 1:
@@ -109,10 +119,18 @@ def _check_hf(spec: ModelSpec) -> None:
         raise ConfigError(f"model family {spec.family!r} has no Hugging Face format.")
 
 
-def save_hf(state: dict[str, torch.Tensor], spec: ModelSpec, args: Any, out_dir: str, *,
-            max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype = torch.float32,
-            extra: Optional[dict[str, Any]] = None, bos_id: Optional[int] = None,
-            eos_id: Optional[int] = None) -> list[str]:  # fmt: skip
+def save_hf(
+    state: dict[str, torch.Tensor],
+    spec: ModelSpec,
+    args: Any,
+    out_dir: str,
+    *,
+    max_shard_bytes: int = 5 * 2**30,
+    dtype: torch.dtype = torch.float32,
+    extra: Optional[dict[str, Any]] = None,
+    bos_id: Optional[int] = None,
+    eos_id: Optional[int] = None,
+) -> list[str]:
     """Write ``state`` (our names, full tensors) as HF safetensors + ``config.json``; return the files.
 
     One ``model.safetensors`` when it fits ``max_shard_bytes``, else ``model-0000i-of-0000n``
@@ -135,10 +153,19 @@ def save_hf(state: dict[str, torch.Tensor], spec: ModelSpec, args: Any, out_dir:
 
 
 @torch.no_grad()
-def save_hf_distributed(module: nn.Module, spec: ModelSpec, args: Any, out_dir: str, *, is_writer: bool,
-                        max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype = torch.float32,
-                        extra: Optional[dict[str, Any]] = None, bos_id: Optional[int] = None,
-                        eos_id: Optional[int] = None) -> list[str]:  # fmt: skip
+def save_hf_distributed(
+    module: nn.Module,
+    spec: ModelSpec,
+    args: Any,
+    out_dir: str,
+    *,
+    is_writer: bool,
+    max_shard_bytes: int = 5 * 2**30,
+    dtype: torch.dtype = torch.float32,
+    extra: Optional[dict[str, Any]] = None,
+    bos_id: Optional[int] = None,
+    eos_id: Optional[int] = None,
+) -> list[str]:
     """``save_hf`` of a (possibly sharded) live model, one tensor gathered at a time; collective.
 
     Every rank calls it with the same module layout (plain, DDP, FSDP/HSDP or TP; not a
@@ -416,8 +443,9 @@ def _check_folder(hf_dir: str, spec: ModelSpec, args: Any, full_names: Iterable[
 
 
 @torch.no_grad()
-def load_hf_into(module: nn.Module, hf_dir: str, spec: ModelSpec, args: Any,
-                 full_names: Optional[Iterable[str]] = None) -> int:  # fmt: skip
+def load_hf_into(
+    module: nn.Module, hf_dir: str, spec: ModelSpec, args: Any, full_names: Optional[Iterable[str]] = None
+) -> int:
     """Copy a HF folder's weights into ``module`` (plain, FSDP, TP or a pipeline stage); return
     the number of bytes this rank read.
 

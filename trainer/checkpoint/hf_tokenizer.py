@@ -31,8 +31,12 @@ __all__ = ["BYTE_BOS", "BYTE_EOS", "byte_level_tokenizer", "write_tokenizer_file
 BYTE_BOS = "<|begin_of_text|>"
 BYTE_EOS = "<|end_of_text|>"
 # Files a Hugging Face tokenizer folder may hold besides tokenizer.json (copied when present).
-_TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                         "chat_template.jinja")  # fmt: skip
+_TOKENIZER_SIDE_FILES = (
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
 
 
 def _byte_alphabet() -> list[str]:
@@ -59,12 +63,18 @@ def byte_level_tokenizer() -> Any:
     # use_regex=False: no word splitting (without merges it cannot change the ids).
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(BYTE_BOS, special=True, normalized=False),
-                            AddedToken(BYTE_EOS, special=True, normalized=False)])  # fmt: skip
+    tok.add_special_tokens(
+        [
+            AddedToken(BYTE_BOS, special=True, normalized=False),
+            AddedToken(BYTE_EOS, special=True, normalized=False),
+        ]
+    )
     if (tok.token_to_id(BYTE_BOS), tok.token_to_id(BYTE_EOS)) != (byte_tok.bos_id, byte_tok.eos_id):
         raise RuntimeError("the byte-level tokenizer's special ids differ from ByteTokenizer's")
     tok.post_processor = processors.TemplateProcessing(
-        single=f"{BYTE_BOS} $A", pair=f"{BYTE_BOS} $A {BYTE_BOS} $B", special_tokens=[(BYTE_BOS, byte_tok.bos_id)]
+        single=f"{BYTE_BOS} $A",
+        pair=f"{BYTE_BOS} $A {BYTE_BOS} $B",
+        special_tokens=[(BYTE_BOS, byte_tok.bos_id)],
     )
     return tok
 
@@ -93,10 +103,14 @@ def write_tokenizer_files(out_dir: str, tokenizer: Optional[str], *, max_len: in
     if tokenizer == "byte":
         byte_tok = ByteTokenizer()
         byte_level_tokenizer().save(os.path.join(out_dir, "tokenizer.json"))
-        _write_json(os.path.join(out_dir, "tokenizer_config.json"),
-                    _tokenizer_config(BYTE_BOS, BYTE_EOS, max_len, split_special_tokens=True))  # fmt: skip
-        _write_json(os.path.join(out_dir, "special_tokens_map.json"),
-                    {"bos_token": BYTE_BOS, "eos_token": BYTE_EOS, "pad_token": BYTE_EOS})  # fmt: skip
+        _write_json(
+            os.path.join(out_dir, "tokenizer_config.json"),
+            _tokenizer_config(BYTE_BOS, BYTE_EOS, max_len, split_special_tokens=True),
+        )
+        _write_json(
+            os.path.join(out_dir, "special_tokens_map.json"),
+            {"bos_token": BYTE_BOS, "eos_token": BYTE_EOS, "pad_token": BYTE_EOS},
+        )
         files += ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
         bos_id, eos_id = byte_tok.bos_id, byte_tok.eos_id
     else:
@@ -116,8 +130,10 @@ def write_tokenizer_files(out_dir: str, tokenizer: Optional[str], *, max_len: in
             _write_json(os.path.join(out_dir, "tokenizer_config.json"), config)
             files.append("tokenizer_config.json")
         bos_id, eos_id = hf_tok.bos_id, hf_tok.eos_id
-    _write_json(os.path.join(out_dir, "generation_config.json"),
-                {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": eos_id})  # fmt: skip
+    _write_json(
+        os.path.join(out_dir, "generation_config.json"),
+        {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": eos_id},
+    )
     return files + ["generation_config.json"]
 
 

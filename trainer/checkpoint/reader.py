@@ -194,10 +194,11 @@ class CheckpointReader(FileSystemReader):
             what = f"'{found.group(1)}'" if found else "it"
             raise UnsafeCheckpointError(
                 refusal_message(
-                    str(file), f"bytes entry {read_item.storage_index.fqn!r}",
+                    str(file),
+                    f"bytes entry {read_item.storage_index.fqn!r}",
                     f"{what} is not an allowed global of torch.load(weights_only=True)",
                 )
-            ) from None  # fmt: skip
+            ) from None
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

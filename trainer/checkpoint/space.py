@@ -158,6 +158,7 @@ def disk_full_message(
     when = f"after removing the partial step-{step} folder" if removed else "when the write failed"
     return (
         f"checkpoint step {step} could not be written: the disk holding {folder} is full (a checkpoint "
-        f"needs about {human_bytes(needed)}, {human_bytes(free)} are free {when}). {resume} Free space there, or set checkpoint.folder / job.dump_folder to "
+        f"needs about {human_bytes(needed)}, {human_bytes(free)} are free {when}). {resume} Free space "
+        "there, or set checkpoint.folder / job.dump_folder to "
         "a larger disk, or lower checkpoint.keep_latest."
     )

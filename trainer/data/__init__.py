@@ -18,14 +18,25 @@ from typing import Any
 
 # Imported on first use (PEP 562): preparation workers load only what they need, never torch.
 _EXPORTS = {
-    "SOURCES": "documents", "SPLITS": "documents", "_builtin_files": "documents", "builtin_root": "documents",
-    "is_validation": "documents", "load_documents": "documents",
-    "DataLoader": "loader", "build_dataloader": "build", "tokenize_documents": "loader",
+    "SOURCES": "documents",
+    "SPLITS": "documents",
+    "_builtin_files": "documents",
+    "builtin_root": "documents",
+    "is_validation": "documents",
+    "load_documents": "documents",
+    "DataLoader": "loader",
+    "build_dataloader": "build",
+    "tokenize_documents": "loader",
     "tokenize_with_starts": "loader",
-    "Batch": "windows", "DocWindows": "windows", "Mixture": "windows", "PackedWindows": "windows",
-    "SampleOrder": "windows", "TokenWindows": "windows", "feistel_permutation": "windows",
+    "Batch": "windows",
+    "DocWindows": "windows",
+    "Mixture": "windows",
+    "PackedWindows": "windows",
+    "SampleOrder": "windows",
+    "TokenWindows": "windows",
+    "feistel_permutation": "windows",
     "mixture_pattern": "windows",
-}  # fmt: skip
+}
 __all__ = sorted(_EXPORTS)
 
 

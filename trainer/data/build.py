@@ -92,8 +92,17 @@ def build_dataloader(
     pin = torch.cuda.is_available() if pin_memory is None else pin_memory
     prefetch = int(getattr(cfg, "prefetch", 0))
     if getattr(cfg, "streaming", False):
-        return StreamingDataLoader(cfg, tokenizer, split=split, seq_len=seq_len, global_batch_size=global_batch_size,
-                                   dp_rank=dp_rank, dp_size=dp_size, prefetch=prefetch, pin_memory=pin)  # fmt: skip
+        return StreamingDataLoader(
+            cfg,
+            tokenizer,
+            split=split,
+            seq_len=seq_len,
+            global_batch_size=global_batch_size,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            prefetch=prefetch,
+            pin_memory=pin,
+        )
     shuffle = bool(cfg.shuffle) and split == "train"
     entries = [mixture_entry(e) for e in (getattr(cfg, "sources", None) or [])]
     if not entries:
@@ -101,8 +110,16 @@ def build_dataloader(
         check_enough_windows(windows, global_batch_size, what)
         if dp_rank == 0:
             logger.info(f"data: {what}: {windows.num_tokens:,} tokens, {windows.num_windows:,} windows")
-        return DataLoader(windows, global_batch_size=global_batch_size, dp_rank=dp_rank, dp_size=dp_size,
-                          seed=seed, shuffle=shuffle, prefetch=prefetch, pin_memory=pin)  # fmt: skip
+        return DataLoader(
+            windows,
+            global_batch_size=global_batch_size,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            seed=seed,
+            shuffle=shuffle,
+            prefetch=prefetch,
+            pin_memory=pin,
+        )
     orders, names = [], mixture_names([p for p, _ in entries])
     for i, (path, weight) in enumerate(entries):
         if weight <= 0:
@@ -114,8 +131,18 @@ def build_dataloader(
         orders.append(SampleOrder(windows, seed + i * _SOURCE_SEED_STRIDE, shuffle))
     mixture = Mixture(orders, [w for _, w in entries], names)
     if dp_rank == 0:
-        shares = ", ".join(f"{n} {w / sum(mixture.weights):.3f} ({o.num_windows:,} windows)"
-                           for n, w, o in zip(names, mixture.weights, orders))  # fmt: skip
+        shares = ", ".join(
+            f"{n} {w / sum(mixture.weights):.3f} ({o.num_windows:,} windows)"
+            for n, w, o in zip(names, mixture.weights, orders)
+        )
         logger.info(f"data: {split} mixture of {len(orders)} sources, target shares {shares}")
-    return DataLoader(mixture, global_batch_size=global_batch_size, dp_rank=dp_rank, dp_size=dp_size,
-                      seed=seed, shuffle=shuffle, prefetch=prefetch, pin_memory=pin)  # fmt: skip
+    return DataLoader(
+        mixture,
+        global_batch_size=global_batch_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        seed=seed,
+        shuffle=shuffle,
+        prefetch=prefetch,
+        pin_memory=pin,
+    )

@@ -151,12 +151,16 @@ class DataLoader:
         """This rank's ``global_batch_size // dp_size`` rows of the next global step."""
         if self.prefetch <= 0:
             start = time.perf_counter()
-            batch, _ = next(_produce(self.order, self.samples_seen, self.stride,
-                                     self.local_batch_size, self.dp_rank))  # fmt: skip
+            batch, _ = next(
+                _produce(self.order, self.samples_seen, self.stride, self.local_batch_size, self.dp_rank)
+            )
             waited = time.perf_counter() - start
         else:
-            if (self._prefetcher is None or self._prefetch_pos != self.samples_seen
-                    or self._prefetch_stride != self.stride):  # fmt: skip
+            if (
+                self._prefetcher is None
+                or self._prefetch_pos != self.samples_seen
+                or self._prefetch_stride != self.stride
+            ):
                 self._close_prefetcher()  # the position was moved (resume, reset, seek): start over
                 self._prefetch_stride = self.stride
                 args = (
@@ -193,8 +197,10 @@ class DataLoader:
 
     def _mixture_id(self) -> str:
         assert self.mixture is not None
-        return ";".join(f"{n}:{w:g}:{o.num_windows}" for n, w, o in
-                        zip(self.mixture.names, self.mixture.weights, self.mixture.orders))  # fmt: skip
+        return ";".join(
+            f"{n}:{w:g}:{o.num_windows}"
+            for n, w, o in zip(self.mixture.names, self.mixture.weights, self.mixture.orders)
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """Position plus what identifies the sample order, to catch resuming on other data."""
@@ -217,15 +223,19 @@ class DataLoader:
                 f"data loader state is missing {sorted(missing)}; the checkpoint is not from this trainer"
             )
         # These define the sample order; resuming with other values would silently change the data.
-        current: dict[str, Any] = {"num_windows": self.windows.num_windows, "seed": self.seed,
-                                   "shuffle": self.shuffle}  # fmt: skip
+        current: dict[str, Any] = {
+            "num_windows": self.windows.num_windows,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+        }
         if self.mixture is not None:
             current["mixture"] = self._mixture_id()
         for key, value in current.items():
             if key not in sd or type(value)(sd[key]) != value:
                 raise ConfigError(
                     f"checkpoint data loader has {key}={sd.get(key)}, this run has {key}={value} (data, "
-                    "tokenizer, training.seq_len, training.seed, data.shuffle or data.sources changed); resume "
+                    "tokenizer, training.seq_len, training.seed, data.shuffle or data.sources changed); "
+                    "resume "
                     "with the same settings or start a new run in a fresh job.dump_folder"
                 )
         samples_seen = int(sd["samples_seen"])

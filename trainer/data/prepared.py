@@ -125,8 +125,13 @@ def open_split(path: str, split: str, tokenizer: Tokenizer) -> Any:
             )
         token_files.append(tokens)
         doc_files.append(docs)
-    return ShardStore(token_files, doc_files, [s["num_tokens"] for s in info["shards"]],
-                      [s["num_docs"] for s in info["shards"]], dtype)  # fmt: skip
+    return ShardStore(
+        token_files,
+        doc_files,
+        [s["num_tokens"] for s in info["shards"]],
+        [s["num_docs"] for s in info["shards"]],
+        dtype,
+    )
 
 
 # ------------------------------------------------------------------------------- planning
@@ -214,8 +219,9 @@ def _count_rows(args: tuple[str, int, int]) -> int:
     return sum(1 for _ in _iter_lines(*args))
 
 
-def plan_tasks(cfg: DataConfig, source: str, files: list[str], keys: list[str], chunk_bytes: int,
-               pool: Optional[Any]) -> list[Task]:  # fmt: skip
+def plan_tasks(
+    cfg: DataConfig, source: str, files: list[str], keys: list[str], chunk_bytes: int, pool: Optional[Any]
+) -> list[Task]:
     """Cut the corpus into tasks of about ``chunk_bytes`` of input each."""
     tasks: list[Task] = []
     if source == "hub":
@@ -228,8 +234,15 @@ def plan_tasks(cfg: DataConfig, source: str, files: list[str], keys: list[str], 
                 group.append(i)
                 size += os.path.getsize(f)
             if group and (f is None or size >= chunk_bytes):
-                tasks.append(Task(len(tasks), "files", [files[j] for j in group], [keys[j] for j in group],
-                                  num_bytes=size))  # fmt: skip
+                tasks.append(
+                    Task(
+                        len(tasks),
+                        "files",
+                        [files[j] for j in group],
+                        [keys[j] for j in group],
+                        num_bytes=size,
+                    )
+                )
                 group, size = [], 0
         return tasks
     if source == "json":
@@ -252,8 +265,11 @@ def plan_tasks(cfg: DataConfig, source: str, files: list[str], keys: list[str], 
             ) from err
         for rg in range(meta.num_row_groups):
             group_meta = meta.row_group(rg)
-            tasks.append(Task(len(tasks), "parquet", [f], [], start=rg, row0=row0,
-                              num_bytes=group_meta.total_byte_size))  # fmt: skip
+            tasks.append(
+                Task(
+                    len(tasks), "parquet", [f], [], start=rg, row0=row0, num_bytes=group_meta.total_byte_size
+                )
+            )
             row0 += group_meta.num_rows
     return tasks
 
@@ -285,11 +301,14 @@ def _task_documents(task: Task, settings: dict[str, Any]) -> Iterator[tuple[str,
                 obj = json.loads(line)
             except ValueError as err:
                 raise ConfigError(
-                    f"{where}: {task.files[0]!r} row {row} is not valid JSON Lines ({err}); fix or remove that file"
+                    f"{where}: {task.files[0]!r} row {row} is not valid JSON Lines ({err}); fix or remove "
+                    "that file"
                 ) from err
             if not isinstance(obj, dict) or field not in obj:
-                raise ConfigError(f"data.text_field={field!r} is not a key of row {row} of {task.files[0]!r}; "
-                                  "set data.text_field to the key that holds the text")  # fmt: skip
+                raise ConfigError(
+                    f"data.text_field={field!r} is not a key of row {row} of {task.files[0]!r}; "
+                    "set data.text_field to the key that holds the text"
+                )
             yield str(row), obj[field], len(line)
         return
     if task.kind == "parquet":
@@ -297,8 +316,10 @@ def _task_documents(task: Task, settings: dict[str, Any]) -> Iterator[tuple[str,
 
         pf = pq.ParquetFile(task.files[0])
         if field not in pf.schema_arrow.names:
-            raise ConfigError(f"data.text_field={field!r} is not a column of {task.files[0]!r} (columns: "
-                              f"{pf.schema_arrow.names}); set data.text_field to the text column")  # fmt: skip
+            raise ConfigError(
+                f"data.text_field={field!r} is not a column of {task.files[0]!r} (columns: "
+                f"{pf.schema_arrow.names}); set data.text_field to the text column"
+            )
         row = task.row0
         for record_batch in pf.iter_batches(row_groups=[task.start], columns=[field], batch_size=_BATCH_DOCS):
             for text in record_batch.column(0).to_pylist():
@@ -316,8 +337,10 @@ def _task_documents(task: Task, settings: dict[str, Any]) -> Iterator[tuple[str,
     )
     for row, example in enumerate(itertools.islice(stream, cap)):
         if field not in example:
-            raise ConfigError(f"data.text_field={field!r} is not a column of hub dataset {settings['path']!r} "
-                              f"(columns: {sorted(example)}); set data.text_field to the text column")  # fmt: skip
+            raise ConfigError(
+                f"data.text_field={field!r} is not a column of hub dataset {settings['path']!r} "
+                f"(columns: {sorted(example)}); set data.text_field to the text column"
+            )
         text = example[field]
         yield str(row), text, len(text.encode("utf-8")) if isinstance(text, str) else 0
 
@@ -345,12 +368,21 @@ class _ShardWriter:
         self._file.close()
         starts = np.concatenate(self._starts) if self._starts else np.empty(0, dtype=np.int64)
         np.save(self.docs_path, starts.astype(np.int64))
-        return {"tokens": self.tokens_path, "docs": self.docs_path, "num_tokens": self.num_tokens,
-                "num_docs": self.num_docs}  # fmt: skip
+        return {
+            "tokens": self.tokens_path,
+            "docs": self.docs_path,
+            "num_tokens": self.num_tokens,
+            "num_docs": self.num_docs,
+        }
 
 
-def run_task(task: Task, settings: dict[str, Any], tokenizer_spec: str, folder: str,
-             report: Optional[Callable[[int, int, int], None]] = None) -> dict[str, Any]:  # fmt: skip
+def run_task(
+    task: Task,
+    settings: dict[str, Any],
+    tokenizer_spec: str,
+    folder: str,
+    report: Optional[Callable[[int, int, int], None]] = None,
+) -> dict[str, Any]:
     """Tokenize one task into one temporary shard per split; returns the shards' counts.
 
     Progress (input bytes, documents, tokens) goes to ``report``, or in a pool worker to the
@@ -379,7 +411,8 @@ def run_task(task: Task, settings: dict[str, Any], tokenizer_spec: str, folder: 
             continue
         if not isinstance(text, str):
             raise ConfigError(
-                f"data.text_field={settings['text_field']!r} holds {type(text).__name__} values (row {key} of "
+                f"data.text_field={settings['text_field']!r} holds {type(text).__name__} values (row {key} "
+                "of "
                 f"data.path={settings['path']!r}), not text; set data.text_field to the text column"
             )
         split = "validation" if is_validation(key, settings["val_fraction"]) else "train"
@@ -415,8 +448,10 @@ class _Progress:
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         rate = self.bytes / 1e6 / elapsed
         eta = f"{max(self.total - self.bytes, 0) / 1e6 / rate:.0f}s" if self.total and rate > 0 else "?"
-        return (f"prepare: {self.docs:,} docs, {self.tokens:,} tokens, {self.bytes / 1e6:,.0f}/"
-                f"{self.total / 1e6:,.0f} MB, {rate:.1f} MB/s, ETA {eta}")  # fmt: skip
+        return (
+            f"prepare: {self.docs:,} docs, {self.tokens:,} tokens, {self.bytes / 1e6:,.0f}/"
+            f"{self.total / 1e6:,.0f} MB, {rate:.1f} MB/s, ETA {eta}"
+        )
 
     def maybe_print(self, force: bool = False) -> None:
         now = time.perf_counter()
@@ -430,8 +465,12 @@ class _Progress:
 
 def _fingerprint(index: dict[str, Any]) -> dict[str, Any]:
     tok = {k: index["tokenizer"][k] for k in ("kind", "vocab_size", "bos_id", "eos_id", "sha256")}
-    return {"format_version": index["format_version"], "tokenizer": tok, "source": index["source"],
-            "files": index["files"]}  # fmt: skip
+    return {
+        "format_version": index["format_version"],
+        "tokenizer": tok,
+        "source": index["source"],
+        "files": index["files"],
+    }
 
 
 def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
@@ -464,8 +503,16 @@ def _clean(out: str) -> None:
             os.remove(full)
 
 
-def _run_all(tasks: list[Task], settings: dict[str, Any], spec: str, tmp: str, num_proc: int,
-             progress: _Progress, pool: Optional[Any], queue: Optional[Any]) -> list[dict[str, Any]]:  # fmt: skip
+def _run_all(
+    tasks: list[Task],
+    settings: dict[str, Any],
+    spec: str,
+    tmp: str,
+    num_proc: int,
+    progress: _Progress,
+    pool: Optional[Any],
+    queue: Optional[Any],
+) -> list[dict[str, Any]]:
     if pool is None:
         results = []
         for task in tasks:
@@ -505,8 +552,9 @@ def _move_last_train_doc(out: str, shards: dict[str, list[dict[str, Any]]], dtyp
         shards["train"].pop()
 
 
-def _finalize(out: str, tmp: str, results: list[dict[str, Any]], settings: dict[str, Any],
-              dtype: np.dtype) -> dict[str, Any]:  # fmt: skip
+def _finalize(
+    out: str, tmp: str, results: list[dict[str, Any]], settings: dict[str, Any], dtype: np.dtype
+) -> dict[str, Any]:
     shards = {s: [r[s] for r in results if r[s]["num_docs"]] for s in SPLITS}
     total_docs = sum(s["num_docs"] for s in shards["train"]) + sum(
         s["num_docs"] for s in shards["validation"]
@@ -532,16 +580,21 @@ def _finalize(out: str, tmp: str, results: list[dict[str, Any]], settings: dict[
             for key, name in names.items():
                 os.replace(shard[key], os.path.join(out, name))
             entries.append({**names, "num_tokens": shard["num_tokens"], "num_docs": shard["num_docs"]})
-        splits[split] = {"num_tokens": sum(e["num_tokens"] for e in entries),
-                         "num_docs": sum(e["num_docs"] for e in entries), "shards": entries}  # fmt: skip
+        splits[split] = {
+            "num_tokens": sum(e["num_tokens"] for e in entries),
+            "num_docs": sum(e["num_docs"] for e in entries),
+            "shards": entries,
+        }
     return splits
 
 
 def check_out_folder(out: str) -> None:
-    """``ConfigError`` unless ``out`` is a folder, or a path under a writable folder where it can be created."""
+    """``ConfigError`` unless ``out`` is a folder, or a path under a writable folder where it can be
+    created."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise ConfigError(
-            f"out={out!r} is an existing file, not a folder; pass a folder (it is created if missing) or move the "
+            f"out={out!r} is an existing file, not a folder; pass a folder (it is created if missing) or "
+            "move the "
             "file away."
         )
     parent = os.path.dirname(os.path.abspath(out))
@@ -556,14 +609,18 @@ def check_out_folder(out: str) -> None:
 def _check_prepare_inputs(cfg: DataConfig, num_proc: int, vocab_size: Optional[int]) -> tuple[str, Any]:
     """(canonical source, tokenizer) once the inputs are usable; ``ConfigError`` before any work."""
     if cfg.sources:
-        raise ConfigError("data.sources: prepare each corpus into its own folder, then mix them at training "
-                          "time with data=tokens data.sources=[{path: DIR, weight: W}, ...]")  # fmt: skip
+        raise ConfigError(
+            "data.sources: prepare each corpus into its own folder, then mix them at training "
+            "time with data=tokens data.sources=[{path: DIR, weight: W}, ...]"
+        )
     source = _SOURCE_ALIASES.get(cfg.source, cfg.source)
     if source not in PREPARABLE:
         raise ConfigError(f"data.source={cfg.source!r} cannot be prepared; use one of {list(PREPARABLE)}")
     if (source == "builtin") != (cfg.path is None):
-        raise ConfigError(f"data.path={cfg.path!r} with data.source={source}: builtin takes no path, "
-                          "every other source needs one")  # fmt: skip
+        raise ConfigError(
+            f"data.path={cfg.path!r} with data.source={source}: builtin takes no path, "
+            "every other source needs one"
+        )
     if not 0.0 <= cfg.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={cfg.val_fraction} must be in [0, 1)")
     if num_proc < 1:
@@ -571,14 +628,16 @@ def _check_prepare_inputs(cfg: DataConfig, num_proc: int, vocab_size: Optional[i
     tokenizer = build_tokenizer(cfg.tokenizer)
     if vocab_size is not None and vocab_size < tokenizer.vocab_size:
         raise ConfigError(
-            f"model vocab_size={vocab_size} is smaller than the tokenizer's vocab_size={tokenizer.vocab_size}; "
+            f"model vocab_size={vocab_size} is smaller than the tokenizer's "
+            f"vocab_size={tokenizer.vocab_size}; "
             f"set model.vocab_size>={tokenizer.vocab_size} or use a smaller tokenizer"
         )
     return source, tokenizer
 
 
-def prepare(cfg: DataConfig, out: str, *, num_proc: int = 1, chunk_mb: float = 256.0,
-            vocab_size: Optional[int] = None) -> dict[str, Any]:  # fmt: skip
+def prepare(
+    cfg: DataConfig, out: str, *, num_proc: int = 1, chunk_mb: float = 256.0, vocab_size: Optional[int] = None
+) -> dict[str, Any]:
     """Tokenize the corpus described by the data config ``cfg`` into ``out``; returns the index.
 
     A folder already prepared from the same inputs is left as it is (no-op); one prepared
@@ -629,8 +688,12 @@ def prepare(cfg: DataConfig, out: str, *, num_proc: int = 1, chunk_mb: float = 2
             pool.join()
         shutil.rmtree(tmp, ignore_errors=True)
     seconds = time.perf_counter() - start
-    index["stats"] = {"input_bytes": progress.bytes, "seconds": round(seconds, 3), "num_proc": num_proc,
-                      "mb_per_s": round(progress.bytes / 1e6 / max(seconds, 1e-9), 2)}  # fmt: skip
+    index["stats"] = {
+        "input_bytes": progress.bytes,
+        "seconds": round(seconds, 3),
+        "num_proc": num_proc,
+        "mb_per_s": round(progress.bytes / 1e6 / max(seconds, 1e-9), 2),
+    }
     with open(index_path + ".tmp", "w", encoding="utf-8") as f:
         json.dump(index, f, indent=1)
         f.flush()
@@ -640,6 +703,7 @@ def prepare(cfg: DataConfig, out: str, *, num_proc: int = 1, chunk_mb: float = 2
     logger.info(
         f"prepared {out}: train {s['train']['num_docs']:,} docs / {s['train']['num_tokens']:,} tokens, "
         f"validation {s['validation']['num_docs']:,} docs / {s['validation']['num_tokens']:,} tokens "
-        f"({index['dtype']}), {progress.bytes / 1e6:,.1f} MB in {seconds:.1f}s = {index['stats']['mb_per_s']} MB/s"
+        f"({index['dtype']}), {progress.bytes / 1e6:,.1f} MB in {seconds:.1f}s = "
+        f"{index['stats']['mb_per_s']} MB/s"
     )
     return index

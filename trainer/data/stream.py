@@ -57,12 +57,23 @@ Window = tuple[np.ndarray, np.ndarray, np.ndarray]  # inputs, labels, positions:
 class SourceStream:
     """One source's documents for one dp rank, packed into windows, with a resumable position."""
 
-    def __init__(self, cfg: DataConfig, path: str, tokenizer: Tokenizer, *, split: str, seq_len: int,
-                 dp_rank: int, dp_size: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: DataConfig,
+        path: str,
+        tokenizer: Tokenizer,
+        *,
+        split: str,
+        seq_len: int,
+        dp_rank: int,
+        dp_size: int,
+    ) -> None:
         self.source = _SOURCE_ALIASES.get(cfg.source, cfg.source)
         if self.source not in STREAMABLE:
-            raise ConfigError(f"data.streaming=true with data.source={cfg.source!r}: streaming reads "
-                              f"{list(STREAMABLE)}; prepared data (tokens) and builtin are not streamed")  # fmt: skip
+            raise ConfigError(
+                f"data.streaming=true with data.source={cfg.source!r}: streaming reads "
+                f"{list(STREAMABLE)}; prepared data (tokens) and builtin are not streamed"
+            )
         if not path:
             raise ConfigError(
                 f"data.path={path!r}: data.streaming=true needs a path (hub id, file, directory or glob)"
@@ -87,11 +98,14 @@ class SourceStream:
                 ds = datasets.load_dataset(self.path, self.cfg.name, split=self.cfg.split, streaming=True)
             else:
                 kwargs = {"sample_by": "document"} if self.source == "text" else {}
-                ds = datasets.load_dataset(self.source, data_files={"train": self.files}, split="train",
-                                           streaming=True, **kwargs)  # fmt: skip
+                ds = datasets.load_dataset(
+                    self.source, data_files={"train": self.files}, split="train", streaming=True, **kwargs
+                )
         except Exception as err:
-            raise ConfigError(f"cannot stream data.path={self.path!r} (data.source={self.source}): "
-                              f"{_root_cause(err)}; check the path/name (and network access for the hub)") from err  # fmt: skip
+            raise ConfigError(
+                f"cannot stream data.path={self.path!r} (data.source={self.source}): "
+                f"{_root_cause(err)}; check the path/name (and network access for the hub)"
+            ) from err
         return split_dataset_by_node(ds, rank=self.dp_rank, world_size=self.dp_size)
 
     def _documents(self, ds_state: Optional[dict]) -> Iterator[tuple[dict, dict, np.ndarray]]:
@@ -109,14 +123,18 @@ class SourceStream:
             except StopIteration:
                 return
             if self.field not in row:
-                raise ConfigError(f"data.text_field={self.field!r} is not a column of data.path={self.path!r} "
-                                  f"(columns: {sorted(row)}); set data.text_field to the text column")  # fmt: skip
+                raise ConfigError(
+                    f"data.text_field={self.field!r} is not a column of data.path={self.path!r} "
+                    f"(columns: {sorted(row)}); set data.text_field to the text column"
+                )
             text = row[self.field]
             if text is None:
                 continue
             if not isinstance(text, str):
-                raise ConfigError(f"data.text_field={self.field!r} holds {type(text).__name__} values in "
-                                  f"data.path={self.path!r}, not text; set data.text_field to the text column")  # fmt: skip
+                raise ConfigError(
+                    f"data.text_field={self.field!r} holds {type(text).__name__} values in "
+                    f"data.path={self.path!r}, not text; set data.text_field to the text column"
+                )
             if is_validation(text, val_fraction) != want_val:
                 continue
             tokens, _ = encode_documents(self.tokenizer, [text], np.dtype(np.int64))
@@ -169,15 +187,23 @@ class SourceStream:
                 yield item
             if not produced and state["ds"] is None:
                 raise ConfigError(
-                    f"the {self.split} split of data.path={self.path!r} has no window of seq_len={self.seq_len} "
+                    f"the {self.split} split of data.path={self.path!r} has no window of "
+                    f"seq_len={self.seq_len} "
                     f"for dp rank {self.dp_rank} of {self.dp_size}; add data, lower training.seq_len, or "
                     "(validation) raise data.val_fraction"
                 )
             state = {"epoch": state["epoch"] + 1, "ds": None, "skip": 0}
 
 
-def _produce(streams: list[SourceStream], states: list[dict[str, Any]], start: int, global_batch_size: int,
-             local: int, rank: int, pattern: Optional[np.ndarray]) -> Iterator[tuple[Batch, tuple[int, list]]]:  # fmt: skip
+def _produce(
+    streams: list[SourceStream],
+    states: list[dict[str, Any]],
+    start: int,
+    global_batch_size: int,
+    local: int,
+    rank: int,
+    pattern: Optional[np.ndarray],
+) -> Iterator[tuple[Batch, tuple[int, list]]]:
     """Local batches from ``start`` on, each with (global samples after it, per-source states)."""
     states = copy.deepcopy(states)
     iters = [s.windows(st) for s, st in zip(streams, states)]
@@ -196,8 +222,19 @@ def _produce(streams: list[SourceStream], states: list[dict[str, Any]], start: i
 class StreamingDataLoader:
     """Per-rank streaming loader with the :class:`~trainer.data.loader.DataLoader` interface."""
 
-    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, *, split: str, seq_len: int, global_batch_size: int,
-                 dp_rank: int, dp_size: int, prefetch: int = 0, pin_memory: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: DataConfig,
+        tokenizer: Tokenizer,
+        *,
+        split: str,
+        seq_len: int,
+        global_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        prefetch: int = 0,
+        pin_memory: bool = False,
+    ) -> None:
         check_dp_shard(dp_rank, dp_size, global_batch_size)
         entries = [mixture_entry(e) for e in (getattr(cfg, "sources", None) or [])] or [(cfg.path, 1.0)]
         for i, (_, w) in enumerate(entries):
@@ -205,8 +242,10 @@ class StreamingDataLoader:
                 raise ConfigError(f"data.sources[{i}].weight={w} must be > 0; drop the source instead")
         self.names = mixture_names([p for p, _ in entries])
         self.weights = [w for _, w in entries]
-        self.streams = [SourceStream(cfg, p, tokenizer, split=split, seq_len=seq_len, dp_rank=dp_rank,
-                                     dp_size=dp_size) for p, _ in entries]  # fmt: skip
+        self.streams = [
+            SourceStream(cfg, p, tokenizer, split=split, seq_len=seq_len, dp_rank=dp_rank, dp_size=dp_size)
+            for p, _ in entries
+        ]
         self.pattern = mixture_pattern(self.weights)[0] if len(entries) > 1 else None
         self.global_batch_size, self.local_batch_size = global_batch_size, global_batch_size // dp_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
@@ -218,12 +257,21 @@ class StreamingDataLoader:
         self._prefetch_pos = -1
         self._wait_s, self._waits = 0.0, 0
         if dp_rank == 0:
-            logger.info(f"data: streaming the {split} split of {', '.join(p for p, _ in entries)} "
-                        f"(each of {dp_size} dp ranks reads its own part)")  # fmt: skip
+            logger.info(
+                f"data: streaming the {split} split of {', '.join(p for p, _ in entries)} "
+                f"(each of {dp_size} dp ranks reads its own part)"
+            )
 
     def _iterator(self) -> Iterator[tuple[Batch, tuple[int, list]]]:
-        return _produce(self.streams, self._states, self.samples_seen, self.global_batch_size,
-                        self.local_batch_size, self.dp_rank, self.pattern)  # fmt: skip
+        return _produce(
+            self.streams,
+            self._states,
+            self.samples_seen,
+            self.global_batch_size,
+            self.local_batch_size,
+            self.dp_rank,
+            self.pattern,
+        )
 
     def next_batch(self) -> Batch:
         """This rank's next ``global_batch_size // dp_size`` windows."""
@@ -280,8 +328,10 @@ class StreamingDataLoader:
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Resume this rank's streams where the checkpoint left them (same dp degree only)."""
         if "stream_dp_size" not in sd:
-            raise ConfigError("the checkpoint's data position is not a streaming one (data.streaming changed); "
-                              "resume with the same data settings or start a fresh job.dump_folder")  # fmt: skip
+            raise ConfigError(
+                "the checkpoint's data position is not a streaming one (data.streaming changed); "
+                "resume with the same data settings or start a fresh job.dump_folder"
+            )
         if int(sd["stream_dp_size"]) != self.dp_size or self._key() not in sd:
             raise ConfigError(
                 f"the checkpoint streamed data with {sd['stream_dp_size']} data-parallel ranks, this run has "
@@ -291,8 +341,10 @@ class StreamingDataLoader:
             )
         sources = ";".join(f"{n}:{w:g}" for n, w in zip(self.names, self.weights))
         if sd.get("stream_sources", sources) != sources:
-            raise ConfigError(f"the checkpoint streamed {sd['stream_sources']}, this run streams {sources}; "
-                              "resume with the same data.path/data.sources")  # fmt: skip
+            raise ConfigError(
+                f"the checkpoint streamed {sd['stream_sources']}, this run streams {sources}; "
+                "resume with the same data.path/data.sources"
+            )
         if int(sd["global_batch_size"]) != self.global_batch_size:
             raise ConfigError(
                 f"checkpoint has training.global_batch_size={sd['global_batch_size']}, this run "

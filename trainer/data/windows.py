@@ -124,8 +124,14 @@ class ShardStore:
     Documents never cross shards; opening a store costs O(number of shards), not O(tokens).
     """
 
-    def __init__(self, token_files: list[str], doc_files: list[str], shard_tokens: list[int],
-                 shard_docs: list[int], dtype: np.dtype) -> None:  # fmt: skip
+    def __init__(
+        self,
+        token_files: list[str],
+        doc_files: list[str],
+        shard_tokens: list[int],
+        shard_docs: list[int],
+        dtype: np.dtype,
+    ) -> None:
         self._token_files, self._doc_files, self.dtype = token_files, doc_files, np.dtype(dtype)
         self._offsets = np.concatenate([[0], np.cumsum(shard_tokens, dtype=np.int64)])  # (shards+1,)
         self._doc_offsets = np.concatenate([[0], np.cumsum(shard_docs, dtype=np.int64)])

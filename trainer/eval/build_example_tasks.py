@@ -33,8 +33,12 @@ def _usable(line: str) -> bool:
 
 def next_line_examples(docs: list[str], rng: random.Random) -> list[dict]:
     pool = [(d, line) for d, doc in enumerate(docs) for line in doc.splitlines() if _usable(line)]
-    sites = [(d, i) for d, doc in enumerate(docs) for i, line in enumerate(doc.splitlines())
-             if i >= 3 and _usable(line) and all(len(x) <= 100 for x in doc.splitlines()[i - 3 : i])]  # fmt: skip
+    sites = [
+        (d, i)
+        for d, doc in enumerate(docs)
+        for i, line in enumerate(doc.splitlines())
+        if i >= 3 and _usable(line) and all(len(x) <= 100 for x in doc.splitlines()[i - 3 : i])
+    ]
     out = []
     for d, i in rng.sample(sites, NUM_EXAMPLES):
         lines = docs[d].splitlines()
@@ -66,7 +70,9 @@ def complete_word_examples(docs: list[str], rng: random.Random) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer.eval.build_example_tasks", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer.eval.build_example_tasks", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("out_dir", nargs="?", default=DATA_DIR)
     args = parser.parse_args(argv)
     docs = load_documents(DataConfig(), "validation")

@@ -42,7 +42,9 @@ def validate_eval(e: EvalConfig) -> None:
     if e.freq < 0:
         raise ConfigError(f"eval.freq={e.freq} must be >= 0 (0 = every training.eval_freq steps).")
     if e.batch_size < 1:
-        raise ConfigError(f"eval.batch_size={e.batch_size} must be >= 1 (rows per forward per data-parallel rank).")
+        raise ConfigError(
+            f"eval.batch_size={e.batch_size} must be >= 1 (rows per forward per data-parallel rank)."
+        )
     if e.limit is not None and e.limit < 1:
         raise ConfigError(f"eval.limit={e.limit} must be >= 1, or null to score every example.")
     validation_sources(e)
@@ -59,11 +61,16 @@ def validation_sources(e: EvalConfig) -> dict[str, ValidationSource]:
     out = {}
     for name, entry in e.validation.items():
         if not isinstance(entry, dict):
-            raise ConfigError(f"eval.validation.{name}={entry!r}: a set is a mapping, e.g. {{source: builtin}}.")
+            raise ConfigError(
+                f"eval.validation.{name}={entry!r}: a set is a mapping, e.g. {{source: builtin}}."
+            )
         try:
             v = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ValidationSource), entry))
         except OmegaConfBaseException as err:
-            raise ConfigError(f"eval.validation.{name}: {str(err).splitlines()[0]} (keys: {list(ValidationSource.__dataclass_fields__)}).") from err
+            raise ConfigError(
+                f"eval.validation.{name}: {str(err).splitlines()[0]} (keys: "
+                f"{list(ValidationSource.__dataclass_fields__)})."
+            ) from err
         _validate_source(name, v)
         out[name] = v
     return out
@@ -72,11 +79,15 @@ def validation_sources(e: EvalConfig) -> dict[str, ValidationSource]:
 def _validate_source(name: str, v: ValidationSource) -> None:
     key = f"eval.validation.{name}"
     if not name.replace("_", "").replace("-", "").isalnum():
-        raise ConfigError(f"{key}: a validation set's name is letters, digits, '_' or '-' (it becomes a metric key).")
+        raise ConfigError(
+            f"{key}: a validation set's name is letters, digits, '_' or '-' (it becomes a metric key)."
+        )
     check_choice(v.source, VALIDATION_SOURCES, f"{key}.source")
     check_choice(v.split, VALIDATION_SPLITS, f"{key}.split")
     if v.source == "builtin" and v.path is not None:
-        raise ConfigError(f"{key}.path={v.path!r} is set but source=builtin reads the standard library; drop the path.")
+        raise ConfigError(
+            f"{key}.path={v.path!r} is set but source=builtin reads the standard library; drop the path."
+        )
     if v.source != "builtin" and not v.path:
         raise ConfigError(f"{key}.source={v.source} needs a path: {key}.path=...")
     if v.source == "tokens" and v.split == "all":

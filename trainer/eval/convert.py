@@ -65,13 +65,21 @@ def arc(row: dict[str, Any]) -> dict[str, Any]:
         labels = [c["label"] for c in question["choices"]]
     else:  # the Hugging Face dataset
         stem, texts, labels = question, list(row["choices"]["text"]), list(row["choices"]["label"])
-    return {"context": f"Question: {stem}\nAnswer:", "choices": texts, "gold": labels.index(row["answerKey"]),
-            "delimiter": " "}  # fmt: skip
+    return {
+        "context": f"Question: {stem}\nAnswer:",
+        "choices": texts,
+        "gold": labels.index(row["answerKey"]),
+        "delimiter": " ",
+    }
 
 
 def piqa(row: dict[str, Any]) -> dict[str, Any]:
-    return {"context": f"Question: {row['goal']}\nAnswer:", "choices": [row["sol1"], row["sol2"]],
-            "gold": int(row["label"]), "delimiter": " "}  # fmt: skip
+    return {
+        "context": f"Question: {row['goal']}\nAnswer:",
+        "choices": [row["sol1"], row["sol2"]],
+        "gold": int(row["label"]),
+        "delimiter": " ",
+    }
 
 
 CONVERTERS = {"hellaswag": hellaswag, "arc": arc, "piqa": piqa}
@@ -112,7 +120,9 @@ def write_lm_eval_task(task_file: str, out_dir: str, name: Optional[str] = None)
         raise ConfigError(f"{task_file}: lm-eval YAMLs are written for multiple-choice tasks only.")
     delimiters = {ex.delimiter for ex in task.examples}
     if len(delimiters) != 1:
-        raise ConfigError(f"{task_file}: lm-eval takes one target_delimiter per task; the file uses {sorted(delimiters)}.")
+        raise ConfigError(
+            f"{task_file}: lm-eval takes one target_delimiter per task; the file uses {sorted(delimiters)}."
+        )
     name = name or f"meshwright_{task.name}"
     os.makedirs(out_dir, exist_ok=True)
     lines = [
@@ -128,7 +138,10 @@ def write_lm_eval_task(task_file: str, out_dir: str, name: Optional[str] = None)
         "doc_to_target: gold",
         f"target_delimiter: {json.dumps(delimiters.pop())}",
         "metric_list:",
-        *[f"  - metric: {m}\n    aggregation: mean\n    higher_is_better: true" for m in ("acc", "acc_norm", "acc_bytes")],
+        *[
+            f"  - metric: {m}\n    aggregation: mean\n    higher_is_better: true"
+            for m in ("acc", "acc_norm", "acc_bytes")
+        ],
     ]
     with open(os.path.join(out_dir, f"{name}.yaml"), "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
@@ -136,7 +149,9 @@ def write_lm_eval_task(task_file: str, out_dir: str, name: Optional[str] = None)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer.eval.convert", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer.eval.convert", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("kind", choices=[*sorted(CONVERTERS), "lm-eval-yaml"])
     parser.add_argument("src", help="the set's JSONL file (lm-eval-yaml: one of our task files)")
     parser.add_argument("dst", help="our task JSONL to write (lm-eval-yaml: the folder for the YAML)")
@@ -145,7 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.kind == "lm-eval-yaml":
             name = write_lm_eval_task(args.src, args.dst)
-            print(f"wrote {os.path.join(args.dst, name + '.yaml')}: lm_eval --include_path {args.dst} --tasks {name}")
+            print(
+                f"wrote {os.path.join(args.dst, name + '.yaml')}: lm_eval --include_path {args.dst} --tasks "
+                f"{name}"
+            )
         else:
             print(f"wrote {convert(args.kind, args.src, args.dst, args.labels)} examples to {args.dst}")
     except ConfigError as e:

@@ -34,8 +34,9 @@ class TaskResult:
 class TaskEvaluator:
     """The tasks of one run and their token requests (the same on every rank)."""
 
-    def __init__(self, cfg: EvalConfig, tokenizer: Tokenizer, *, max_seq_len: int, align: int,
-                 default_freq: int) -> None:  # fmt: skip
+    def __init__(
+        self, cfg: EvalConfig, tokenizer: Tokenizer, *, max_seq_len: int, align: int, default_freq: int
+    ) -> None:
         self.cfg = cfg
         self.freq = cfg.freq or default_freq
         self.align = align
@@ -45,8 +46,9 @@ class TaskEvaluator:
         self.requests: list[list[Request]] = [build_requests(t, tokenizer, self.max_len) for t in self.tasks]
 
     @classmethod
-    def build(cls, cfg: EvalConfig, tokenizer: Tokenizer, *, max_seq_len: int, align: int,
-              default_freq: int) -> Optional[TaskEvaluator]:  # fmt: skip
+    def build(
+        cls, cfg: EvalConfig, tokenizer: Tokenizer, *, max_seq_len: int, align: int, default_freq: int
+    ) -> Optional[TaskEvaluator]:
         """None without tasks; raises ``ConfigError`` for a bad task file (before any collective)."""
         if not cfg.tasks:
             return None
@@ -56,17 +58,31 @@ class TaskEvaluator:
         """Whether the tasks run after ``step`` (every ``freq`` steps and at the end of training)."""
         return step == last_step or (self.freq > 0 and step % self.freq == 0)
 
-    def run(self, forward: Callable[[Tensor, Tensor], Tensor], *, dp_rank: int, dp_size: int,
-            device: torch.device, reduce_group: Optional[dist.ProcessGroup]) -> dict[str, TaskResult]:  # fmt: skip
+    def run(
+        self,
+        forward: Callable[[Tensor, Tensor], Tensor],
+        *,
+        dp_rank: int,
+        dp_size: int,
+        device: torch.device,
+        reduce_group: Optional[dist.ProcessGroup],
+    ) -> dict[str, TaskResult]:
         """Score every task on the running model; collective over every rank (see ``score_requests``)."""
         results: dict[str, TaskResult] = {}
         for task, requests in zip(self.tasks, self.requests):
             start = time.perf_counter()
             stats = score_requests(
-                requests, forward, batch_size=self.cfg.batch_size, dp_rank=dp_rank, dp_size=dp_size,
-                align=self.align, max_len=self.max_len, pad_id=self.pad_id, device=device,
+                requests,
+                forward,
+                batch_size=self.cfg.batch_size,
+                dp_rank=dp_rank,
+                dp_size=dp_size,
+                align=self.align,
+                max_len=self.max_len,
+                pad_id=self.pad_id,
+                device=device,
                 reduce_group=reduce_group,
-            )  # fmt: skip
+            )
             metrics, details = task_metrics(task, requests, stats.cpu())
             results[task.name] = TaskResult(metrics, details)
             shown = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k != "examples")

@@ -27,7 +27,11 @@ from trainer.eval.tasks import Request, Task
 
 __all__ = ["ROW_STATS", "row_stats", "score_requests", "task_metrics"]
 
-ROW_STATS = ("loglik", "mismatches", "num_targets")  # per row: summed target log-prob, non-argmax targets, targets
+ROW_STATS = (
+    "loglik",
+    "mismatches",
+    "num_targets",
+)  # per row: summed target log-prob, non-argmax targets, targets
 
 
 def row_stats(logits: Tensor, labels: Tensor) -> Tensor:
@@ -53,7 +57,9 @@ def _scored_logits(logits: Tensor, mask: Tensor) -> Tensor:
         return logits[mask]
     if all(isinstance(p, Shard) and p.dim in (-1, logits.dim() - 1) for p in logits.placements):
         local = logits.to_local()[mask]  # (T, V / tp): every tp rank holds the same rows
-        return DTensor.from_local(local, logits.device_mesh, [Shard(1)] * len(logits.placements)).full_tensor()
+        return DTensor.from_local(
+            local, logits.device_mesh, [Shard(1)] * len(logits.placements)
+        ).full_tensor()
     return logits.full_tensor()[mask]
 
 
@@ -61,7 +67,9 @@ def _round_up(n: int, align: int) -> int:
     return -(-n // align) * align
 
 
-def _batch(requests: list[Request], length: int, rows: int, pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
+def _batch(
+    requests: list[Request], length: int, rows: int, pad_id: int, device: torch.device
+) -> tuple[Tensor, Tensor]:
     """(inputs, labels) of shape (rows, length): each request right-padded; missing rows are padding."""
     inputs = torch.full((rows, length), pad_id, dtype=torch.long)
     labels = torch.full((rows, length), IGNORE_INDEX, dtype=torch.long)

@@ -65,7 +65,9 @@ class Request:
 
     example: int  # index of the example in its task
     choice: int  # index of the choice (0 for a generation example)
-    tokens: tuple[int, ...]  # context + continuation tokens (BOS first unless truncated) = inputs + last target
+    tokens: tuple[
+        int, ...
+    ]  # context + continuation tokens (BOS first unless truncated) = inputs + last target
     num_targets: int  # the continuation's token count: the last ``num_targets`` positions are scored
 
 
@@ -89,15 +91,21 @@ def _example(row: Any, where: str) -> Example:
         raise ConfigError(f"{where}: 'delimiter' must be a string, got {delimiter!r}.")
     if "choices" in row:
         choices, gold = row["choices"], row.get("gold")
-        if not (isinstance(choices, list) and len(choices) >= 2 and all(isinstance(c, str) and c for c in choices)):
+        if not (
+            isinstance(choices, list) and len(choices) >= 2 and all(isinstance(c, str) and c for c in choices)
+        ):
             raise ConfigError(f"{where}: 'choices' must be a list of >= 2 non-empty strings.")
         if not (isinstance(gold, int) and not isinstance(gold, bool) and 0 <= gold < len(choices)):
-            raise ConfigError(f"{where}: 'gold' must be the index of the right choice (0..{len(choices) - 1}), got {gold!r}.")
+            raise ConfigError(
+                f"{where}: 'gold' must be the index of the right choice (0..{len(choices) - 1}), got "
+                f"{gold!r}."
+            )
         return Example(row["context"], choices=tuple(choices), gold=gold, delimiter=delimiter)
     target = row.get("target")
     if not (isinstance(target, str) and target):
         raise ConfigError(
-            f"{where}: a line needs 'choices' + 'gold' (multiple choice) or a non-empty string 'target' (generation)."
+            f"{where}: a line needs 'choices' + 'gold' (multiple choice) or a non-empty string 'target' "
+            "(generation)."
         )
     return Example(row["context"], target=target, delimiter=delimiter)
 

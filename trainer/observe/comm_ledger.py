@@ -212,7 +212,11 @@ class CommLedger(TorchDispatchMode):
         steps = max(self.steps, 1)
         out: dict[str, Any] = {}
         for (op, axis), (calls, nbytes, size) in sorted(self.counts.items()):
-            out.setdefault(op, {})[axis] = {"calls": calls / steps, "bytes": nbytes / steps, "group_size": size}
+            out.setdefault(op, {})[axis] = {
+                "calls": calls / steps,
+                "bytes": nbytes / steps,
+                "group_size": size,
+            }
         out["total_bytes"] = sum(v[1] for v in self.counts.values()) / steps
         self.counts, self.steps = {}, 0
         return out
@@ -225,9 +229,10 @@ class CommLedger(TorchDispatchMode):
         steps = self.steps
         local = self.pop()
         local["model_state"] = {
-            "params": storage_bytes(params), "grads": self.grads_bytes,
+            "params": storage_bytes(params),
+            "grads": self.grads_bytes,
             "optimizer": storage_bytes(_optimizer_tensors(optimizer)),
-        }  # fmt: skip
+        }
         if dist.is_initialized() and dist.get_world_size() > 1:
             gathered: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, local)
@@ -247,4 +252,3 @@ def ledger_totals(rank_counts: dict[str, Any]) -> dict[str, dict[str, float]]:
             slot["calls"] += v["calls"]
             slot["bytes"] += v["bytes"]
     return out
-

@@ -134,8 +134,15 @@ class _ObservedCache(dict):
 class MemoryLedger:
     """Measures the memory of the steps it is entered around (``with ledger: trainer.train_step()``)."""
 
-    def __init__(self, model_parts: list[nn.Module], spec: Any, *, model: Any = None, optimizer: Any = None,
-                 device: Optional[torch.device] = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model_parts: list[nn.Module],
+        spec: Any,
+        *,
+        model: Any = None,
+        optimizer: Any = None,
+        device: Optional[torch.device] = None,
+    ) -> None:
         self.parts, self.spec, self.model, self.optimizer = model_parts, spec, model, optimizer
         self.device = device or torch.device("cpu")
         self.active = False
@@ -308,10 +315,14 @@ class MemoryLedger:
         if self._fsdp:
             out["fsdp_unsharded_params"] = self._fsdp_peak
             out["fsdp_grad_reduce"] = max(
-                sum(p.padded_sharded_param_size.numel() * p.mesh_info.shard_mesh_size
-                    * (p.reduce_dtype or p.orig_dtype).itemsize for p in g.fsdp_params)
+                sum(
+                    p.padded_sharded_param_size.numel()
+                    * p.mesh_info.shard_mesh_size
+                    * (p.reduce_dtype or p.orig_dtype).itemsize
+                    for p in g.fsdp_params
+                )
                 for g in self._fsdp
-            )  # fmt: skip
+            )
         buckets = getattr(self.model, "_buckets", None)
         if buckets:
             out["ddp_buckets"] = sum(
@@ -358,8 +369,10 @@ class MemoryLedger:
     def pop(self, params: Iterable[torch.Tensor]) -> dict[str, Any]:
         """This rank's record per step since the last pop (then starts afresh)."""
         steps = max(self.steps, 1)
-        saved = {scope: {kind: {dt: b / steps for dt, b in dts.items()} for kind, dts in kinds.items()}
-                 for scope, kinds in sorted(self._saved.items())}  # fmt: skip
+        saved = {
+            scope: {kind: {dt: b / steps for dt, b in dts.items()} for kind, dts in kinds.items()}
+            for scope, kinds in sorted(self._saved.items())
+        }
         record: dict[str, Any] = {
             "saved": saved,
             "saved_total": sum(b for kinds in saved.values() for dts in kinds.values() for b in dts.values()),
@@ -371,12 +384,14 @@ class MemoryLedger:
                 "optimizer": storage_bytes(_optimizer_tensors(self.optimizer))
                 if self.optimizer is not None
                 else 0,
-            },  # fmt: skip
+            },
             "buffers": self._static_buffers(),
         }
         if self.device.type == "cuda":
-            record["cuda"] = {"max_allocated": torch.cuda.max_memory_allocated(self.device),
-                              "reserved": torch.cuda.memory_reserved(self.device)}  # fmt: skip
+            record["cuda"] = {
+                "max_allocated": torch.cuda.max_memory_allocated(self.device),
+                "reserved": torch.cuda.memory_reserved(self.device),
+            }
         self._reset()
         return record
 

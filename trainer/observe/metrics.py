@@ -157,8 +157,10 @@ class MetricsLogger:
         if "moe_imbalance_max" in record:
             aux = record.get("aux_loss")
             logger.info(
-                f"moe    {step:>6}  aux_loss {'n/a' if aux is None else f'{aux:.5f}'}  load imbalance max/mean "
-                f"{record['moe_imbalance_max']:.2f} (worst layer), {record['moe_imbalance_mean']:.2f} (layer mean)"
+                f"moe    {step:>6}  aux_loss {'n/a' if aux is None else f'{aux:.5f}'}  load imbalance "
+                "max/mean "
+                f"{record['moe_imbalance_max']:.2f} (worst layer), {record['moe_imbalance_mean']:.2f} (layer "
+                "mean)"
             )
             for layer, counts in record.get("moe_tokens_per_expert", {}).items():
                 shown = counts if len(counts) <= 16 else f"{counts[:16]} ... ({len(counts)} experts)"
@@ -181,11 +183,14 @@ class MetricsLogger:
         return record
 
     def log_validation(self, step: int, sets: dict[str, tuple[float, int]]) -> dict[str, Any]:
-        """Log the named validation sets (``eval.validation``): ``validation/<name>/{loss,perplexity,tokens}``."""
+        """Log the named validation sets (``eval.validation``):
+        ``validation/<name>/{loss,perplexity,tokens}``."""
         import math
 
-        values = {name: {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens}
-                  for name, (loss, tokens) in sets.items()}  # fmt: skip
+        values = {
+            name: {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens}
+            for name, (loss, tokens) in sets.items()
+        }
         for name, v in values.items():
             logger.info(f"eval  step {step:>6}  {name}: loss {v['loss']:8.4f}  ppl {v['perplexity']:.2f}")
         record = {"step": step, "validation": values}

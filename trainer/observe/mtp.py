@@ -26,7 +26,8 @@ __all__ = ["MTPStats"]
 
 
 class MTPStats:
-    """``begin_step`` before the first forward of a step; ``log_stats`` on logging steps (collective over dp x cp)."""
+    """``begin_step`` before the first forward of a step; ``log_stats`` on logging steps (collective over dp x
+    cp)."""
 
     def __init__(self, parts: list[nn.Module], dims: ParallelDims, *, tokens_per_step: int) -> None:
         self.parts = parts

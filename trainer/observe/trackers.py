@@ -72,7 +72,8 @@ class WandbTracker:
             import wandb
         except ImportError as e:
             raise ImportError(
-                "metrics.wandb=true needs the wandb package: pip install 'meshwright[wandb]' (or set metrics.wandb=false)"
+                "metrics.wandb=true needs the wandb package: pip install 'meshwright[wandb]' (or set "
+                "metrics.wandb=false)"
             ) from e
         folder = os.path.join(dump_folder, "wandb")
         os.makedirs(folder, mode=0o750, exist_ok=True)
@@ -82,9 +83,15 @@ class WandbTracker:
         self._open_steps: set[int] = set()  # steps this attempt logged (eval rows share a train row's step)
         config = _read_config(os.path.join(dump_folder, "config.yaml"))
         self._run = wandb.init(
-            project=cfg.wandb_project, entity=cfg.wandb_entity, mode=cfg.wandb_mode, dir=dump_folder,
-            id=state["run_id"], name=run_name, resume="allow", config=config,
-        )  # fmt: skip
+            project=cfg.wandb_project,
+            entity=cfg.wandb_entity,
+            mode=cfg.wandb_mode,
+            dir=dump_folder,
+            id=state["run_id"],
+            name=run_name,
+            resume="allow",
+            config=config,
+        )
         if state["last_step"]:
             logger.info(
                 f"W&B run {state['run_id']} resumed; steps up to {state['last_step']} are already in it"

@@ -34,7 +34,9 @@ class ClusterConfig:
     peak_tflops: float = 989.0
     mfu: float = 0.45  # fraction of peak the matmuls reach
     workspace_gib: float = 3.0
-    backend: str = "nccl"  # nccl | gloo: the collectives a strategy picks (ZeRO-1 re-replicates by broadcast on gloo)
+    backend: str = (
+        "nccl"  # nccl | gloo: the collectives a strategy picks (ZeRO-1 re-replicates by broadcast on gloo)
+    )
 
 
 def compose_cluster(overrides: list[str]) -> ClusterConfig:
@@ -46,7 +48,7 @@ def compose_cluster(overrides: list[str]) -> ClusterConfig:
         if key == "cluster":
             preset = value
         else:
-            dotlist.append(f"{key[len('cluster.'):]}={value}")
+            dotlist.append(f"{key[len('cluster.') :]}={value}")
     path = os.path.join(CLUSTER_DIR, f"{preset}.yaml")
     if not os.path.isfile(path):
         choices = sorted(p[:-5] for p in os.listdir(CLUSTER_DIR) if p.endswith(".yaml"))
@@ -86,7 +88,9 @@ def ring_wire_bytes(op: str, size: float, n: int) -> float:
         return 2 * (n - 1) / n * size
     if op in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) / n * size
-    if op == "broadcast":  # pipelined ring: every rank but the last forwards it; (n-1)/n on average over roots
+    if (
+        op == "broadcast"
+    ):  # pipelined ring: every rank but the last forwards it; (n-1)/n on average over roots
         return (n - 1) / n * size
     if op in ("send", "send_recv"):
         return float(size)

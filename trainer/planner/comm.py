@@ -18,14 +18,31 @@ class _Rows:
     def __init__(self, c: PlanContext, comp: dict[str, float]) -> None:
         self.c, self.comp, self.rows = c, comp, []
 
-    def add(self, name: str, op: str, axis: str, axes: tuple[str, ...], calls: float, size: float,
-            overlap: str, window: str) -> None:  # fmt: skip
-        n = self.c.dims.axis_size(axis) if axis in ("ep", "dp_shard_mod_ep") else math.prod(getattr(self.c.dims, a) for a in axes)
+    def add(
+        self,
+        name: str,
+        op: str,
+        axis: str,
+        axes: tuple[str, ...],
+        calls: float,
+        size: float,
+        overlap: str,
+        window: str,
+    ) -> None:
+        n = (
+            self.c.dims.axis_size(axis)
+            if axis in ("ep", "dp_shard_mod_ep")
+            else math.prod(getattr(self.c.dims, a) for a in axes)
+        )
         if n <= 1 or calls <= 0 or size <= 0:
             return
         link = link_kind(self.c.dims, axes, self.c.cluster.gpus_per_node)
         window_s = self.comp.get(window, 0.0)
-        self.rows.append(make_collective(self.c.cluster, name, op, axis, n, link, int(round(calls)), size, overlap, window_s))
+        self.rows.append(
+            make_collective(
+                self.c.cluster, name, op, axis, n, link, int(round(calls)), size, overlap, window_s
+            )
+        )
 
 
 def _fsdp_units(c: PlanContext, pp_rank: int) -> tuple[list[float], list[float], float, float]:
@@ -62,7 +79,13 @@ def _fsdp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
     # twice, and FSDP reshards it after the first, so it is gathered again.
     mtp = [head] if c.spec.mtp_depth(c.cfg.model) > 0 else []
     units = [
-        ("", "dp_shard_cp", ("dp_shard", "cp"), [*dense, head, root], ([*dense[:-1], root] if again else []) + mtp),
+        (
+            "",
+            "dp_shard_cp",
+            ("dp_shard", "cp"),
+            [*dense, head, root],
+            ([*dense[:-1], root] if again else []) + mtp,
+        ),
         (" (experts)", "dp_shard_mod_ep", ("dp_shard_mod_ep",), experts, experts[:-1] if again else []),
     ]
     for label, axis, axes, fwd, bwd in units:
@@ -70,14 +93,38 @@ def _fsdp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
         if not fwd:
             continue
         calls = len(fwd) + len(bwd)
-        rows.add(f"FSDP all_gather{label} (params, fwd" + (" + bwd)" if bwd else ")"), "all_gather", axis, axes,
-                 m * calls, (sum(fwd) + sum(bwd)) / calls * c.param_gather_bytes, "forward+backward", "compute_s")  # fmt: skip
-        rows.add(f"FSDP reduce_scatter{label} (grads)", "reduce_scatter", axis, axes, syncs * len(fwd),
-                 sum(fwd) / len(fwd) * c.sync_bytes, "backward", "backward_s")  # fmt: skip
+        rows.add(
+            f"FSDP all_gather{label} (params, fwd" + (" + bwd)" if bwd else ")"),
+            "all_gather",
+            axis,
+            axes,
+            m * calls,
+            (sum(fwd) + sum(bwd)) / calls * c.param_gather_bytes,
+            "forward+backward",
+            "compute_s",
+        )
+        rows.add(
+            f"FSDP reduce_scatter{label} (grads)",
+            "reduce_scatter",
+            axis,
+            axes,
+            syncs * len(fwd),
+            sum(fwd) / len(fwd) * c.sync_bytes,
+            "backward",
+            "backward_s",
+        )
         if dims.hsdp_enabled:
             n = dims.axis_size(axis)
-            rows.add(f"HSDP all_reduce{label} (grad shards)", "all_reduce", "dp_replicate", ("dp_replicate",),
-                     syncs * len(fwd), sum(fwd) / len(fwd) * c.sync_bytes / n, "backward", "backward_s")  # fmt: skip
+            rows.add(
+                f"HSDP all_reduce{label} (grad shards)",
+                "all_reduce",
+                "dp_replicate",
+                ("dp_replicate",),
+                syncs * len(fwd),
+                sum(fwd) / len(fwd) * c.sync_bytes / n,
+                "backward",
+                "backward_s",
+            )
 
 
 def _ddp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
@@ -89,16 +136,40 @@ def _ddp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
     size = local * c.sync_bytes
     buckets = max(1, math.ceil(size / (p.ddp.bucket_mb * 1e6)))
     axis = DP_REPLICATE_CP if c.dims.cp > 1 else "dp_replicate"
-    rows.add("DDP all_reduce (grads, bucketed)", "all_reduce", axis, ("dp_replicate", "cp"), buckets, size / buckets,
-             "backward", "backward_s")  # fmt: skip
+    rows.add(
+        "DDP all_reduce (grads, bucketed)",
+        "all_reduce",
+        axis,
+        ("dp_replicate", "cp"),
+        buckets,
+        size / buckets,
+        "backward",
+        "backward_s",
+    )
     if p.ddp.sharded_optimizer:
         n = c.dims.dp_replicate
         if c.cluster.backend == "gloo":
-            rows.add("ZeRO-1 broadcast (fp32 params, one per owner)", "broadcast", "dp_replicate", ("dp_replicate",),
-                     n, local * 4 / n, "none: after the step", "")  # fmt: skip
+            rows.add(
+                "ZeRO-1 broadcast (fp32 params, one per owner)",
+                "broadcast",
+                "dp_replicate",
+                ("dp_replicate",),
+                n,
+                local * 4 / n,
+                "none: after the step",
+                "",
+            )
         else:
-            rows.add("ZeRO-1 all_gather (fp32 params after step)", "all_gather", "dp_replicate", ("dp_replicate",),
-                     1, local * 4, "none: after the step", "")  # fmt: skip
+            rows.add(
+                "ZeRO-1 all_gather (fp32 params after step)",
+                "all_gather",
+                "dp_replicate",
+                ("dp_replicate",),
+                1,
+                local * 4,
+                "none: after the step",
+                "",
+            )
 
 
 def _tp_counts(c: PlanContext, pp_rank: int) -> dict[str, float]:
@@ -149,26 +220,81 @@ def _tp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
     mtp = c.spec.mtp_depth(args) if last else 0  # MTP modules: D more blocks and head calls (last stage)
     blocks = sum(len(st.blocks) for st in c.ranks[pp_rank]) + mtp
     if extra and blocks:  # MLA: latents into the column-wise up-projections, the shared RoPE key
-        rows.add("TP all_reduce (attention latents, bwd)", "all_reduce", "tp", ("tp",), blocks * c.accum,
-                 c.micro_tokens * extra * c.act_bytes, "none: critical path", "")  # fmt: skip
+        rows.add(
+            "TP all_reduce (attention latents, bwd)",
+            "all_reduce",
+            "tp",
+            ("tp",),
+            blocks * c.accum,
+            c.micro_tokens * extra * c.act_bytes,
+            "none: critical path",
+            "",
+        )
     if last and not p.loss_parallel:  # replicated logits: the head's output is gathered over the vocab
-        rows.add("TP all_gather (logits)", "all_gather", "tp", ("tp",), (1 + mtp) * c.accum,
-                 c.micro_tokens * args.vocab_size * c.act_bytes, "none: critical path", "")  # fmt: skip
+        rows.add(
+            "TP all_gather (logits)",
+            "all_gather",
+            "tp",
+            ("tp",),
+            (1 + mtp) * c.accum,
+            c.micro_tokens * args.vocab_size * c.act_bytes,
+            "none: critical path",
+            "",
+        )
     if last and p.loss_parallel:  # max, sum of exp, target logit over the vocab shards
-        rows.add("TP all_reduce (loss parallel)", "all_reduce", "tp", ("tp",), 3 * (1 + mtp) * c.accum, c.micro_tokens * 4,
-                 "none: critical path", "")  # fmt: skip
+        rows.add(
+            "TP all_reduce (loss parallel)",
+            "all_reduce",
+            "tp",
+            ("tp",),
+            3 * (1 + mtp) * c.accum,
+            c.micro_tokens * 4,
+            "none: critical path",
+            "",
+        )
+    _tp_norm_rows(rows, c, pp_rank, mtp)
+
+
+def _tp_norm_rows(rows: _Rows, c: PlanContext, pp_rank: int, mtp: int) -> None:
+    """TP all-reduces of replicated weights' partial gradients: SP norms, MTP's projection, q/k norms."""
+    args = c.cfg.model
     if c.tp_sp[1]:  # SP norms: their weight gradients are partial sums over the sequence shards
         norms = [n for st in c.ranks[pp_rank] for b in st.blocks for n in c.table.blocks[b].norms]
         norms += [n for st in c.ranks[pp_rank] if st.last for n in c.table.last.norms]
-        rows.add("TP all_reduce (SP norm weight grads)", "all_reduce", "tp", ("tp",), len(norms) * c.accum,
-                 4 * sum(norms) / max(len(norms), 1), "backward", "backward_s")  # fmt: skip
+        rows.add(
+            "TP all_reduce (SP norm weight grads)",
+            "all_reduce",
+            "tp",
+            ("tp",),
+            len(norms) * c.accum,
+            4 * sum(norms) / max(len(norms), 1),
+            "backward",
+            "backward_s",
+        )
         if mtp:  # MTP's replicated projection (2H -> H) runs on the sequence shard: partial weight grads
-            rows.add("TP all_reduce (SP MTP proj weight grads)", "all_reduce", "tp", ("tp",), mtp * c.accum,
-                     4 * 2 * args.dim * args.dim, "backward", "backward_s")  # fmt: skip
+            rows.add(
+                "TP all_reduce (SP MTP proj weight grads)",
+                "all_reduce",
+                "tp",
+                ("tp",),
+                mtp * c.accum,
+                4 * 2 * args.dim * args.dim,
+                "backward",
+                "backward_s",
+            )
     head_norms = [n for st in c.ranks[pp_rank] for b in st.blocks for n in c.table.blocks[b].head_norms]
-    if head_norms:  # q/k norms (Qwen3): each rank's heads give a partial sum of the replicated gain's gradient
-        rows.add("TP all_reduce (q/k norm weight grads)", "all_reduce", "tp", ("tp",), len(head_norms) * c.accum,
-                 4 * sum(head_norms) / len(head_norms), "backward", "backward_s")  # fmt: skip
+    # q/k norms (Qwen3): each rank's heads give a partial sum of the replicated gain's gradient
+    if head_norms:
+        rows.add(
+            "TP all_reduce (q/k norm weight grads)",
+            "all_reduce",
+            "tp",
+            ("tp",),
+            len(head_norms) * c.accum,
+            4 * sum(head_norms) / len(head_norms),
+            "backward",
+            "backward_s",
+        )
 
 
 def _cp_ep_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
@@ -184,16 +310,48 @@ def _cp_ep_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
         overlap = ("attention (ring)", "compute_s") if ring else ("none: critical path", "")
         # MTP modules' blocks (last stage; never recomputed) gather their latents too
         mtp = c.spec.mtp_depth(args) if any(st.last for st in c.ranks[pp_rank]) else 0
-        rows.add("CP all_gather (K, V or latents)", "all_gather", "cp", ("cp",), (fwd_repeat * len(blocks) + mtp) * c.accum, kv, *overlap)
-        rows.add("CP reduce_scatter (dK, dV or d latents)", "reduce_scatter", "cp", ("cp",), (len(blocks) + mtp) * c.accum, kv, *overlap)
+        rows.add(
+            "CP all_gather (K, V or latents)",
+            "all_gather",
+            "cp",
+            ("cp",),
+            (fwd_repeat * len(blocks) + mtp) * c.accum,
+            kv,
+            *overlap,
+        )
+        rows.add(
+            "CP reduce_scatter (dK, dV or d latents)",
+            "reduce_scatter",
+            "cp",
+            ("cp",),
+            (len(blocks) + mtp) * c.accum,
+            kv,
+            *overlap,
+        )
     moe = [b for b in blocks if b in c.table.moe_layers]
     if dims.ep > 1 and moe:
         routed = c.micro_tokens * args.top_k * args.dim * c.act_bytes  # this rank's token copies (mean)
         calls = len(moe) * c.accum
-        rows.add("EP all_to_all (dispatch + combine, fwd + bwd)", "all_to_all", "ep", ("ep",),
-                 (2 * fwd_repeat + 2) * calls, routed, "none: critical path", "")  # fmt: skip
-        rows.add("EP all_to_all (tokens per expert)", "all_to_all", "ep", ("ep",), fwd_repeat * calls,
-                 args.num_experts * 8, "none: critical path", "")  # fmt: skip
+        rows.add(
+            "EP all_to_all (dispatch + combine, fwd + bwd)",
+            "all_to_all",
+            "ep",
+            ("ep",),
+            (2 * fwd_repeat + 2) * calls,
+            routed,
+            "none: critical path",
+            "",
+        )
+        rows.add(
+            "EP all_to_all (tokens per expert)",
+            "all_to_all",
+            "ep",
+            ("ep",),
+            fwd_repeat * calls,
+            args.num_experts * 8,
+            "none: critical path",
+            "",
+        )
 
 
 def _pp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
@@ -205,8 +363,16 @@ def _pp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
     mine = {st.index for st in c.ranks[pp_rank]}
     links = sum((s > 0 and s - 1 not in mine) + (s < n_stages - 1 and s + 1 not in mine) for s in mine)
     for op in ("send", "recv"):
-        rows.add(f"PP {op} (boundary activations + grads)", op, "pp", ("pp",), links * c.accum, size,
-                 "forward+backward (async p2p)", "compute_s")  # fmt: skip
+        rows.add(
+            f"PP {op} (boundary activations + grads)",
+            op,
+            "pp",
+            ("pp",),
+            links * c.accum,
+            size,
+            "forward+backward (async p2p)",
+            "compute_s",
+        )
 
 
 def _muon_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
@@ -221,10 +387,26 @@ def _muon_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
         return
     held, replicas = muon_held(c, pp_rank)
     world = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-    rows.add("Muon all_to_all (update pieces -> owners)", "all_to_all", "world", world, 1, 4 * held / replicas,
-             "none: in the optimizer step", "")  # fmt: skip
-    rows.add("Muon all_to_all (orthogonalised -> holders)", "all_to_all", "world", world, 1, 4 * held,
-             "none: in the optimizer step", "")  # fmt: skip
+    rows.add(
+        "Muon all_to_all (update pieces -> owners)",
+        "all_to_all",
+        "world",
+        world,
+        1,
+        4 * held / replicas,
+        "none: in the optimizer step",
+        "",
+    )
+    rows.add(
+        "Muon all_to_all (orthogonalised -> holders)",
+        "all_to_all",
+        "world",
+        world,
+        1,
+        4 * held,
+        "none: in the optimizer step",
+        "",
+    )
 
 
 def rank_collectives(c: PlanContext, pp_rank: int, comp: dict[str, float]) -> list[Collective]:

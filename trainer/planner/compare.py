@@ -18,8 +18,15 @@ from trainer.planner.context import Plan
 from trainer.planner.plan import build_plan
 from trainer.planner.report import render
 
-__all__ = ["compare_memory", "compare_with_ledger", "load_run", "main_run", "measured_memory_terms", "pp_rank_of",
-           "render_comparison"]
+__all__ = [
+    "compare_memory",
+    "compare_with_ledger",
+    "load_run",
+    "main_run",
+    "measured_memory_terms",
+    "pp_rank_of",
+    "render_comparison",
+]
 
 
 def pp_rank_of(plan: Plan, rank: int) -> int:
@@ -51,7 +58,11 @@ def compare_with_ledger(plan: Plan, ledger: dict[str, Any]) -> list[dict[str, An
         out.append(_ratio_row(rank, "comm", "total", sum(planned.values()), counts.get("total_bytes", 0.0)))
         stage = plan.stages[pp_rank]
         state = counts.get("model_state", {})
-        for key, want in (("params", stage.params_bytes), ("grads", stage.grads_bytes), ("optimizer", stage.optimizer_bytes)):
+        for key, want in (
+            ("params", stage.params_bytes),
+            ("grads", stage.grads_bytes),
+            ("optimizer", stage.optimizer_bytes),
+        ):
             if key in state:
                 out.append(_ratio_row(rank, "memory", key, want, state[key]))
     return out
@@ -61,8 +72,15 @@ def measured_memory_terms(rank_record: dict[str, Any]) -> dict[str, float]:
     """One rank's memory-ledger record summed into the planner's terms: saved bytes per step of the
     blocks (``activations`` in ``block.*`` scopes), ``ac_inputs``, ``weight_copies``, the embedding,
     head and loss scopes (anything else under ``other``), and the peak of live saved bytes."""
-    out = {"blocks": 0.0, "ac_inputs": 0.0, "weight_copies": 0.0, "embedding": 0.0, "head": 0.0, "loss": 0.0,
-           "mtp": 0.0}
+    out = {
+        "blocks": 0.0,
+        "ac_inputs": 0.0,
+        "weight_copies": 0.0,
+        "embedding": 0.0,
+        "head": 0.0,
+        "loss": 0.0,
+        "mtp": 0.0,
+    }
     for scope, kinds in rank_record["saved"].items():
         for kind, by_dtype in kinds.items():
             nbytes = sum(by_dtype.values())
@@ -71,14 +89,20 @@ def measured_memory_terms(rank_record: dict[str, Any]) -> dict[str, float]:
             elif scope.startswith("block."):
                 out["blocks"] += nbytes
             else:
-                out[scope if scope in out else "other"] = out.get(scope if scope in out else "other", 0.0) + nbytes
+                out[scope if scope in out else "other"] = (
+                    out.get(scope if scope in out else "other", 0.0) + nbytes
+                )
     out["peak_saved"] = rank_record["peak_saved"]
     return out
 
 
 # measured buffer -> the planned term it is checked against (ddp_buckets hold the gradients, ZeRO-1's
 # flat storage is the parameters themselves: no second copy exists or is planned)
-_BUFFER_PLAN = {"ddp_buckets": "grads", "zero1_flat_params": "params", "pp_fwd_cache_peak": "pp_stage_outputs"}
+_BUFFER_PLAN = {
+    "ddp_buckets": "grads",
+    "zero1_flat_params": "params",
+    "pp_fwd_cache_peak": "pp_stage_outputs",
+}
 
 
 def compare_memory(plan: Plan, memory: dict[str, Any]) -> list[dict[str, Any]]:
@@ -94,7 +118,11 @@ def compare_memory(plan: Plan, memory: dict[str, Any]) -> list[dict[str, Any]]:
         for key in sorted(set(planned) | set(measured), key=lambda k: (k == "peak_saved", k)):
             if planned.get(key, 0.0) or measured.get(key, 0.0):
                 out.append(_ratio_row(rank, "saved", key, planned.get(key, 0.0), measured.get(key, 0.0)))
-        states = {"params": stage.params_bytes, "grads": stage.grads_bytes, "optimizer": stage.optimizer_bytes}
+        states = {
+            "params": stage.params_bytes,
+            "grads": stage.grads_bytes,
+            "optimizer": stage.optimizer_bytes,
+        }
         for key, want in states.items():
             out.append(_ratio_row(rank, "state", key, want, rec["model_state"][key]))
         for key, got in sorted(rec["buffers"].items()):
@@ -108,13 +136,22 @@ def compare_memory(plan: Plan, memory: dict[str, Any]) -> list[dict[str, Any]]:
             if want:  # transient, not seen by the hooks: planned only (CUDA's allocator peak sees them)
                 out.append({**_ratio_row(rank, "unseen", key, want, 0.0), "ratio": None})
         if "cuda" in rec:
-            out.append({**_ratio_row(rank, "cuda", "max_allocated", stage.total_bytes, rec["cuda"]["max_allocated"])})
+            out.append(
+                {**_ratio_row(rank, "cuda", "max_allocated", stage.total_bytes, rec["cuda"]["max_allocated"])}
+            )
     return out
 
 
 def _ratio_row(rank: int, kind: str, what: str, planned: float, measured: float) -> dict[str, Any]:
     ratio = measured / planned if planned else (1.0 if not measured else math.inf)
-    return {"rank": rank, "kind": kind, "what": what, "planned": planned, "measured": measured, "ratio": ratio}
+    return {
+        "rank": rank,
+        "kind": kind,
+        "what": what,
+        "planned": planned,
+        "measured": measured,
+        "ratio": ratio,
+    }
 
 
 def load_run(run_dir: str) -> tuple[Any, dict[str, Any]]:
@@ -122,7 +159,8 @@ def load_run(run_dir: str) -> tuple[Any, dict[str, Any]]:
     cfg, records = load_run_records(run_dir)
     if records["comm"] is None:
         raise ConfigError(
-            f"{os.path.join(run_dir, 'metrics.jsonl')} has no communication ledger; train with metrics.comm_ledger=true "
+            f"{os.path.join(run_dir, 'metrics.jsonl')} has no communication ledger; train with "
+            "metrics.comm_ledger=true "
             "to measure it."
         )
     return cfg, records["comm"]
@@ -135,7 +173,9 @@ def load_run_records(run_dir: str) -> tuple[Any, dict[str, Any]]:
 
     config_path, metrics_path = os.path.join(run_dir, "config.yaml"), os.path.join(run_dir, "metrics.jsonl")
     if not (os.path.isfile(config_path) and os.path.isfile(metrics_path)):
-        raise ConfigError(f"{run_dir!r} is not a run folder (needs config.yaml and metrics.jsonl from a training run).")
+        raise ConfigError(
+            f"{run_dir!r} is not a run folder (needs config.yaml and metrics.jsonl from a training run)."
+        )
     try:  # OmegaConf parses with a yaml.SafeLoader: a Python tag is an error, never a call
         raw = OmegaConf.load(config_path)
     except yaml.YAMLError as e:
@@ -155,12 +195,16 @@ def load_run_records(run_dir: str) -> tuple[Any, dict[str, Any]]:
 
 
 def render_comparison(rows: list[dict[str, Any]], title: str = "planned vs measured per step") -> str:
-    lines = [f"{title} (bytes; ratio = measured / planned)",
-             f"{'rank':>4} {'kind':<6} {'what':<32} {'planned':>14} {'measured':>14} {'ratio':>7}"]  # fmt: skip
+    lines = [
+        f"{title} (bytes; ratio = measured / planned)",
+        f"{'rank':>4} {'kind':<6} {'what':<32} {'planned':>14} {'measured':>14} {'ratio':>7}",
+    ]
     for r in rows:
         ratio = "   n/a" if r["ratio"] is None else f"{r['ratio']:>7.3f}"
-        lines.append(f"{r['rank']:>4} {r['kind']:<6} {r['what']:<32} {r['planned']:>14,.0f} {r['measured']:>14,.0f} "
-                     f"{ratio}")  # fmt: skip
+        lines.append(
+            f"{r['rank']:>4} {r['kind']:<6} {r['what']:<32} {r['planned']:>14,.0f} {r['measured']:>14,.0f} "
+            f"{ratio}"
+        )
     return "\n".join(lines)
 
 
@@ -170,7 +214,8 @@ def main_run(run_dir: str, cluster_args: list[str], as_json: bool) -> int:
     cfg, records = load_run_records(run_dir)
     if records["comm"] is None and records["memory"] is None:
         raise ConfigError(
-            f"{os.path.join(run_dir, 'metrics.jsonl')} has no ledger; train with metrics.comm_ledger=true and/or "
+            f"{os.path.join(run_dir, 'metrics.jsonl')} has no ledger; train with metrics.comm_ledger=true "
+            "and/or "
             "metrics.memory_ledger=true to measure it."
         )
     import torch
@@ -182,13 +227,19 @@ def main_run(run_dir: str, cluster_args: list[str], as_json: bool) -> int:
     comm = compare_with_ledger(plan, records["comm"]) if records["comm"] is not None else []
     memory = compare_memory(plan, records["memory"]) if records["memory"] is not None else []
     if as_json:
-        print(json.dumps({"comm": comm, "memory": memory}, indent=1) if memory else json.dumps(comm, indent=1))
+        print(
+            json.dumps({"comm": comm, "memory": memory}, indent=1) if memory else json.dumps(comm, indent=1)
+        )
         return 0
     parts = [render(plan)]
     if comm:
         parts.append(render_comparison(comm))
     if memory:
-        parts.append(render_comparison(memory, "memory: planned vs measured (saved: per step; peak_saved, states, "
-                                               "buffers: bytes held)"))
+        parts.append(
+            render_comparison(
+                memory,
+                "memory: planned vs measured (saved: per step; peak_saved, states, buffers: bytes held)",
+            )
+        )
     print("\n\n".join(parts))
     return 0

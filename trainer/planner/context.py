@@ -98,18 +98,36 @@ def link_kind(dims: ParallelDims, axes: tuple[str, ...], gpus_per_node: int) -> 
 
 
 def make_collective(
-    cluster: ClusterConfig, name: str, op: str, axis: str, n: int, link: str, calls: int, size: float,
-    overlap: str, window_s: float,
-) -> Collective:  # fmt: skip
+    cluster: ClusterConfig,
+    name: str,
+    op: str,
+    axis: str,
+    n: int,
+    link: str,
+    calls: int,
+    size: float,
+    overlap: str,
+    window_s: float,
+) -> Collective:
     bw = (cluster.intra_bw_gbs if link == "intra" else cluster.inter_bw_gbs) * GB
     alpha = (cluster.intra_latency_us if link == "intra" else cluster.inter_latency_us) * 1e-6
     wire = calls * ring_wire_bytes(op, size, n)
     t = calls * ring_steps(op, n) * alpha + wire / bw
     return Collective(
-        name=name, op=op, axis=axis, group_size=n, link=link, calls=calls, size_bytes=size,
-        logical_bytes=calls * size, wire_bytes=wire, time_s=t, overlap=overlap, window_s=window_s,
+        name=name,
+        op=op,
+        axis=axis,
+        group_size=n,
+        link=link,
+        calls=calls,
+        size_bytes=size,
+        logical_bytes=calls * size,
+        wire_bytes=wire,
+        time_s=t,
+        overlap=overlap,
+        window_s=window_s,
         hidden=window_s > 0 and t <= window_s,
-    )  # fmt: skip
+    )
 
 
 @dataclass
@@ -189,8 +207,10 @@ def stages_of(spec: Any, args: Any, p: Any, dims: ParallelDims, per_rank: int) -
         stages = []
         for i in stage_ids_of_rank(r, dims.pp, per_rank, style):
             mods = names[i]
-            blocks = [int(m[len(prefix):]) for m in mods if m.startswith(prefix)]
-            stages.append(PlannedStage(i, blocks, spec.first_modules[0] in mods, spec.last_modules[-1] in mods))
+            blocks = [int(m[len(prefix) :]) for m in mods if m.startswith(prefix)]
+            stages.append(
+                PlannedStage(i, blocks, spec.first_modules[0] in mods, spec.last_modules[-1] in mods)
+            )
         out.append(stages)
     return out
 
@@ -200,10 +220,16 @@ def build_context(cfg: TrainConfig, cluster: ClusterConfig) -> PlanContext:
 
     spec, t, p = get_spec(cfg.model.family), cfg.training, cfg.parallelism
     dims = validated_dims(
-        p, world_size_of(cfg, cluster), spec=spec, model_args=cfg.model, seq_len=t.seq_len,
-        global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size, compile=t.compile,
+        p,
+        world_size_of(cfg, cluster),
+        spec=spec,
+        model_args=cfg.model,
+        seq_len=t.seq_len,
+        global_batch_size=t.global_batch_size,
+        micro_batch_size=t.micro_batch_size,
+        compile=t.compile,
         device_type="cpu" if cluster.backend == "gloo" else "cuda",
-    )  # fmt: skip
+    )
     local_batch = dims.local_batch_size(t.global_batch_size)
     if dims.pp > 1:
         accum = num_microbatches(p, local_batch_size=local_batch, micro_batch_size=t.micro_batch_size)
@@ -216,13 +242,23 @@ def build_context(cfg: TrainConfig, cluster: ClusterConfig) -> PlanContext:
     reshard = p.fsdp.reshard_after_forward
     per_rank = stages_per_rank(p) if dims.pp > 1 else 1
     return PlanContext(
-        cfg=cfg, spec=spec, dims=dims, cluster=cluster, table=param_table(spec, cfg.model),
-        ranks=stages_of(spec, cfg.model, p, dims, per_rank), micro_batch=micro_batch, local_batch=local_batch,
-        micro_tokens=micro_batch * t.seq_len // dims.cp, accum=accum, schedule=p.pp_schedule,
-        stages_per_rank=per_rank, act_bytes=2 if t.mixed_precision == "bf16" else 4,
-        sync_bytes=DTYPE_BYTES[sync_dtype], param_gather_bytes=DTYPE_BYTES[p.fsdp.param_dtype],
+        cfg=cfg,
+        spec=spec,
+        dims=dims,
+        cluster=cluster,
+        table=param_table(spec, cfg.model),
+        ranks=stages_of(spec, cfg.model, p, dims, per_rank),
+        micro_batch=micro_batch,
+        local_batch=local_batch,
+        micro_tokens=micro_batch * t.seq_len // dims.cp,
+        accum=accum,
+        schedule=p.pp_schedule,
+        stages_per_rank=per_rank,
+        act_bytes=2 if t.mixed_precision == "bf16" else 4,
+        sync_bytes=DTYPE_BYTES[sync_dtype],
+        param_gather_bytes=DTYPE_BYTES[p.fsdp.param_dtype],
         reshard_after_forward=(dims.pp == 1) if reshard is None else reshard,
-    )  # fmt: skip
+    )
 
 
 def strategy_of(dims: ParallelDims, cfg: TrainConfig) -> str:

@@ -125,8 +125,12 @@ def _fixes(cfg: TrainConfig, budget: Budget) -> list[str]:
     t, p = cfg.training, cfg.parallelism
     tried: list[tuple[str, Optional[float]]] = []
     if t.activation_checkpoint != "full":
-        tried.append(("training.activation_checkpoint=full",
-                      _try(cfg, budget, lambda c: setattr(c.training, "activation_checkpoint", "full"))))  # fmt: skip
+        tried.append(
+            (
+                "training.activation_checkpoint=full",
+                _try(cfg, budget, lambda c: setattr(c.training, "activation_checkpoint", "full")),
+            )
+        )
     mb, micro = t.micro_batch_size // 2, None
     while mb >= 1:
         need = _try(cfg, budget, lambda c, mb=mb: setattr(c.training, "micro_batch_size", mb))
@@ -149,10 +153,18 @@ def _fixes(cfg: TrainConfig, budget: Budget) -> list[str]:
             )
         )
         if not p.ddp.sharded_optimizer:
-            tried.append(("parallelism.ddp.sharded_optimizer=true (ZeRO-1)",
-                          _try(cfg, budget, lambda c: setattr(c.parallelism.ddp, "sharded_optimizer", True))))  # fmt: skip
-    return [f"{label} -> {need / GIB:.2f} GiB per rank ({'fits' if need <= budget.per_rank_bytes else 'still too much'})"
-            for label, need in tried if need is not None]  # fmt: skip
+            tried.append(
+                (
+                    "parallelism.ddp.sharded_optimizer=true (ZeRO-1)",
+                    _try(cfg, budget, lambda c: setattr(c.parallelism.ddp, "sharded_optimizer", True)),
+                )
+            )
+    return [
+        f"{label} -> {need / GIB:.2f} GiB per rank "
+        f"({'fits' if need <= budget.per_rank_bytes else 'still too much'})"
+        for label, need in tried
+        if need is not None
+    ]
 
 
 def check_memory(
@@ -164,12 +176,17 @@ def check_memory(
     need, worst = _need(cfg, budget)
     if budget.total_bytes <= 0 or need <= budget.per_rank_bytes:
         return FitCheck(True, need, "")
-    parts = (f"parameters {worst.params_bytes / GIB:.2f}, gradients {worst.grads_bytes / GIB:.2f}, optimizer "
-             f"{worst.optimizer_bytes / GIB:.2f}, saved activations {worst.activations_bytes / GIB:.2f}, buffers "
-             f"{sum(worst.buffers.values()) / GIB:.2f}, process {budget.overhead_bytes / GIB:.2f}")  # fmt: skip
+    parts = (
+        f"parameters {worst.params_bytes / GIB:.2f}, gradients {worst.grads_bytes / GIB:.2f}, optimizer "
+        f"{worst.optimizer_bytes / GIB:.2f}, saved activations {worst.activations_bytes / GIB:.2f}, buffers "
+        f"{sum(worst.buffers.values()) / GIB:.2f}, process {budget.overhead_bytes / GIB:.2f}"
+    )
     fixes = _fixes(cfg, budget)
-    compiled = (" (planned for eager execution; training.compile=true saves less, so this is an upper bound)"
-                if cfg.training.compile else "")  # fmt: skip
+    compiled = (
+        " (planned for eager execution; training.compile=true saves less, so this is an upper bound)"
+        if cfg.training.compile
+        else ""
+    )
     message = (
         f"the planned memory of a rank does not fit: it needs {need / GIB:.2f} GiB ({parts}){compiled}, "
         f"x {budget.sharing} rank(s) = {need * budget.sharing / GIB:.1f} GiB of {budget.what} "

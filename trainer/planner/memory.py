@@ -87,9 +87,15 @@ def layer_activation_bytes(
     saved = spec.attention_comm(args).saved
     if saved is None:  # Llama's attention: its projections' true widths (explicit head_dim) and q/k norms
         return activation_bytes_per_token_layer(
-            args.dim, args.n_heads, args.kv_heads, tp=tp, sequence_parallel=sequence_parallel, act_bytes=act_bytes,
-            head_dim=args.head_dim, qk_norm=bool(getattr(args, "qk_norm", False)),
-        )  # fmt: skip
+            args.dim,
+            args.n_heads,
+            args.kv_heads,
+            tp=tp,
+            sequence_parallel=sequence_parallel,
+            act_bytes=act_bytes,
+            head_dim=args.head_dim,
+            qk_norm=bool(getattr(args, "qk_norm", False)),
+        )
     base = activation_bytes_per_token_layer(
         args.dim, args.n_heads, args.kv_heads, tp=tp, sequence_parallel=sequence_parallel, act_bytes=act_bytes
     )
@@ -130,12 +136,14 @@ def attention_terms(c: PlanContext, pol: DtypePolicy, keys: Optional[int] = None
     kv_width = nkv * D if nh == nkv else (D if nkv == 1 else nh * D)
     cb = pol.compute
     terms = _norm_terms(c, pol, "attention_norm", 3)
-    terms.update({
-        "q": cb * nh * D,
-        "kv": 2 * cb * kv_width * cp,
-        "attention_lse": 4 * nh,
-        "attention_out": cb * nh * D,
-    })  # fmt: skip
+    terms.update(
+        {
+            "q": cb * nh * D,
+            "kv": 2 * cb * kv_width * cp,
+            "attention_lse": 4 * nh,
+            "attention_out": cb * nh * D,
+        }
+    )
     if getattr(a, "qk_norm", False):
         # Qwen3's per-head q/k RMSNorms (before RoPE, on the local heads and tokens): the fp32 input
         # (the projection's output itself when fp32), the rsqrt per head, the normalised head saved
@@ -485,8 +493,9 @@ def buffer_bytes(c: PlanContext, pp_rank: int) -> dict[str, float]:
         logits = (
             c.micro_tokens * c.cfg.model.vocab_size / (tp if p.loss_parallel and tp > 1 else 1) * pol.compute
         )
-        out["pp_stage_outputs"] = sum(f * (logits if st.last else boundary)
-                                      for st, f in zip(stages, in_flight(c, pp_rank)))  # fmt: skip
+        out["pp_stage_outputs"] = sum(
+            f * (logits if st.last else boundary) for st, f in zip(stages, in_flight(c, pp_rank))
+        )
     return out
 
 
@@ -539,8 +548,17 @@ def stage_memory_of(c: PlanContext, pp_rank: int) -> StageMemory:
     total = params_b + grads_b + opt_b + acts + sum(buffers.values())
     blocks = sum(len(st.blocks) for st in c.ranks[pp_rank])
     return StageMemory(
-        pp_rank=pp_rank, layers=blocks, params_local=local, params_bytes=params_b, grads_bytes=grads_b,
-        optimizer_bytes=opt_b, activations_bytes=acts, buffers=buffers, total_bytes=total,
-        saved_per_step=saved.per_step, peak_saved=saved.peak, recompute_bytes=saved.recompute,
+        pp_rank=pp_rank,
+        layers=blocks,
+        params_local=local,
+        params_bytes=params_b,
+        grads_bytes=grads_b,
+        optimizer_bytes=opt_b,
+        activations_bytes=acts,
+        buffers=buffers,
+        total_bytes=total,
+        saved_per_step=saved.per_step,
+        peak_saved=saved.peak,
+        recompute_bytes=saved.recompute,
         sac_cache_bytes=saved.sac_cache,
-    )  # fmt: skip
+    )

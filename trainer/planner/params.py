@@ -26,9 +26,17 @@ __all__ = ["ModuleParams", "ParamTable", "param_table"]
 
 TP_SHARDED_KINDS = ("embedding", "colwise", "rowwise", "head")
 _INIT_FUNCTIONS = (
-    "normal_", "trunc_normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
-    "xavier_normal_", "zeros_", "ones_", "constant_",
-)  # fmt: skip
+    "normal_",
+    "trunc_normal_",
+    "uniform_",
+    "kaiming_uniform_",
+    "kaiming_normal_",
+    "xavier_uniform_",
+    "xavier_normal_",
+    "zeros_",
+    "ones_",
+    "constant_",
+)
 
 
 @dataclass
@@ -59,11 +67,16 @@ class ModuleParams:
 
     def add(self, other: ModuleParams) -> ModuleParams:
         return ModuleParams(
-            self.tp_sharded + other.tp_sharded, self.replicated + other.replicated,
-            self.experts + other.experts, self.norms + other.norms, self.head_norms + other.head_norms,
-            self.muon_sharded + other.muon_sharded, self.muon_replicated + other.muon_replicated,
-            self.muon_experts + other.muon_experts, self.muon_shapes + other.muon_shapes,
-        )  # fmt: skip
+            self.tp_sharded + other.tp_sharded,
+            self.replicated + other.replicated,
+            self.experts + other.experts,
+            self.norms + other.norms,
+            self.head_norms + other.head_norms,
+            self.muon_sharded + other.muon_sharded,
+            self.muon_replicated + other.muon_replicated,
+            self.muon_experts + other.muon_experts,
+            self.muon_shapes + other.muon_shapes,
+        )
 
 
 @dataclass
@@ -106,7 +119,9 @@ def param_table(spec: ModelSpec, args: Any) -> ParamTable:
     kinds = tp_kinds(model, spec)
     blocks = spec.block_items(model)
     prefix_of = {f"{spec.blocks}.{key}.": i for i, (key, _) in enumerate(blocks)}
-    expert_ids = {id(p) for m in (spec.expert_modules(model) if spec.expert_modules else []) for p in m.parameters()}
+    expert_ids = {
+        id(p) for m in (spec.expert_modules(model) if spec.expert_modules else []) for p in m.parameters()
+    }
     groups = [ModuleParams() for _ in blocks]
     first, last = ModuleParams(), ModuleParams()
     present = lambda names: [m for m in (getattr(model, n, None) for n in names) if m is not None]  # noqa: E731
@@ -140,7 +155,10 @@ def param_table(spec: ModelSpec, args: Any) -> ParamTable:
     return ParamTable(
         blocks=groups,
         block_kinds=[kinds_under((f"{spec.blocks}.{key}.",)) for key, _ in blocks],
-        first=first, last=last,
-        first_kinds=kinds_under(tuple(spec.first_modules)), last_kinds=kinds_under(tuple(spec.last_modules)),
-        tied=tied, moe_layers=[i for i, g in enumerate(groups) if g.experts],
-    )  # fmt: skip
+        first=first,
+        last=last,
+        first_kinds=kinds_under(tuple(spec.first_modules)),
+        last_kinds=kinds_under(tuple(spec.last_modules)),
+        tied=tied,
+        moe_layers=[i for i, g in enumerate(groups) if g.experts],
+    )

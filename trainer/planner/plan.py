@@ -24,10 +24,14 @@ def compute_seconds(c: PlanContext) -> dict[str, float]:
     seconds = flops * recompute / (c.cluster.peak_tflops * 1e12 * c.cluster.mfu)
     bubble = pp_bubble(c.schedule, dims.pp, c.accum, c.stages_per_rank)
     out = {
-        "tokens_per_step": float(tokens), "flops_per_rank": flops * recompute, "compute_s": seconds,
-        "forward_s": seconds * (1 / 3 if recompute == 1 else 1 / 2), "backward_s": seconds * (2 / 3 if recompute == 1 else 1 / 2),
-        "pp_bubble": bubble, "compute_with_bubble_s": seconds / (1 - bubble),
-    }  # fmt: skip
+        "tokens_per_step": float(tokens),
+        "flops_per_rank": flops * recompute,
+        "compute_s": seconds,
+        "forward_s": seconds * (1 / 3 if recompute == 1 else 1 / 2),
+        "backward_s": seconds * (2 / 3 if recompute == 1 else 1 / 2),
+        "pp_bubble": bubble,
+        "compute_with_bubble_s": seconds / (1 - bubble),
+    }
     if c.cfg.optimizer.name == "muon":
         out["ns_flops_per_rank"] = _muon_ns_flops(c)
         out["optimizer_s"] = out["ns_flops_per_rank"] / (c.cluster.peak_tflops * 1e12 * c.cluster.mfu)
@@ -49,8 +53,6 @@ def _muon_ns_flops(c: PlanContext) -> float:
     return max(per_pp_rank) / ranks_per_stage
 
 
-
-
 def _verdict(plan: Plan) -> dict[str, Any]:
     cl, comp = plan.cluster, plan.compute
     peak = max(s.total_bytes for s in plan.stages) + cl.workspace_gib * GIB
@@ -65,19 +67,30 @@ def _verdict(plan: Plan) -> dict[str, Any]:
     exposed, overlappable = max(exposed_of(rows) for rows in (plan.pp_rank_collectives or [plan.collectives]))
     step = comp["compute_with_bubble_s"] + exposed + comp.get("optimizer_s", 0.0)  # Muon's Newton-Schulz
     comm_share = exposed / step if step > 0 else 0.0
-    memory = (f"fits with {free / GIB:.1f} GiB free" if free >= 0 else f"does not fit by {-free / GIB:.1f} GiB") + (
-        f" (peak {peak / GIB:.1f} of {cl.memory_gib:.1f} GiB, incl. {cl.workspace_gib:g} GiB workspace)"
-    )
+    memory = (
+        f"fits with {free / GIB:.1f} GiB free" if free >= 0 else f"does not fit by {-free / GIB:.1f} GiB"
+    ) + (f" (peak {peak / GIB:.1f} of {cl.memory_gib:.1f} GiB, incl. {cl.workspace_gib:g} GiB workspace)")
     if comm_share > 0.05:
-        comm = f"communication-bound by {100 * comm_share:.0f}% (exposed {exposed * 1e3:.0f} ms of a {step * 1e3:.0f} ms step)"
+        comm = (
+            f"communication-bound by {100 * comm_share:.0f}% "
+            f"(exposed {exposed * 1e3:.0f} ms of a {step * 1e3:.0f} ms step)"
+        )
     else:
-        comm = (f"compute-bound: {overlappable * 1e3:.0f} ms of overlappable communication hides behind "
-                f"{comp['compute_s'] * 1e3:.0f} ms of compute; {exposed * 1e3:.0f} ms exposed")  # fmt: skip
+        comm = (
+            f"compute-bound: {overlappable * 1e3:.0f} ms of overlappable communication hides behind "
+            f"{comp['compute_s'] * 1e3:.0f} ms of compute; {exposed * 1e3:.0f} ms exposed"
+        )
     return {
-        "fits": free >= 0, "peak_bytes": peak, "free_bytes": free, "memory": memory, "exposed_comm_s": exposed,
-        "step_s": step, "comm_bound_fraction": comm_share, "communication": comm,
+        "fits": free >= 0,
+        "peak_bytes": peak,
+        "free_bytes": free,
+        "memory": memory,
+        "exposed_comm_s": exposed,
+        "step_s": step,
+        "comm_bound_fraction": comm_share,
+        "communication": comm,
         "tokens_per_s": comp["tokens_per_step"] / step if step > 0 else 0.0,
-    }  # fmt: skip
+    }
 
 
 def build_plan(cfg: TrainConfig, cluster: ClusterConfig, experiment: str = "") -> Plan:
@@ -91,17 +104,34 @@ def build_plan(cfg: TrainConfig, cluster: ClusterConfig, experiment: str = "") -
     per_tok = {"no_ac": block_bytes_per_token(c), "full_ac": ac_input_bytes(c)}  # block 0, per local token
     d = c.dims
     layout = {
-        "world_size": d.world_size, "nodes": math.ceil(d.world_size / cluster.gpus_per_node),
-        "pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "cp": d.cp, "tp": d.tp,
-        "microbatches": c.accum, "micro_tokens": c.micro_tokens, "pp_schedule": c.schedule if d.pp > 1 else None,
-        "pp_stages_per_rank": c.stages_per_rank, "activation_checkpoint": cfg.training.activation_checkpoint,
-        "mixed_precision": cfg.training.mixed_precision, "fsdp_reshard_after_forward": c.reshard_after_forward,
-    }  # fmt: skip
+        "world_size": d.world_size,
+        "nodes": math.ceil(d.world_size / cluster.gpus_per_node),
+        "pp": d.pp,
+        "dp_replicate": d.dp_replicate,
+        "dp_shard": d.dp_shard,
+        "cp": d.cp,
+        "tp": d.tp,
+        "microbatches": c.accum,
+        "micro_tokens": c.micro_tokens,
+        "pp_schedule": c.schedule if d.pp > 1 else None,
+        "pp_stages_per_rank": c.stages_per_rank,
+        "activation_checkpoint": cfg.training.activation_checkpoint,
+        "mixed_precision": cfg.training.mixed_precision,
+        "fsdp_reshard_after_forward": c.reshard_after_forward,
+    }
     plan = Plan(
-        experiment=experiment, model=args.name, cluster=cluster, layout=layout, strategy=strategy_of(d, cfg),
-        params_total=c.spec.param_counts(args).total, activation_per_token_layer=per_tok, stages=stages,
-        collectives=by_rank[0], compute=comp, pp_rank_collectives=by_rank,
-    )  # fmt: skip
+        experiment=experiment,
+        model=args.name,
+        cluster=cluster,
+        layout=layout,
+        strategy=strategy_of(d, cfg),
+        params_total=c.spec.param_counts(args).total,
+        activation_per_token_layer=per_tok,
+        stages=stages,
+        collectives=by_rank[0],
+        compute=comp,
+        pp_rank_collectives=by_rank,
+    )
     plan.verdict = _verdict(plan)
     return plan
 

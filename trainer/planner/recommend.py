@@ -61,12 +61,20 @@ def _layouts(world: int, gpn: int) -> Iterator[tuple[str, str, dict[str, int]]]:
         rest = world // tp
         yield "4 TP", f"TP {tp} x FSDP {rest}", {"dp_replicate": 1, "dp_shard": rest, "tp": tp}
         if nodes > 1 and gpn // tp > 1:
-            yield "4 TP", f"TP {tp} x HSDP {nodes}x{gpn // tp}", {"dp_replicate": nodes, "dp_shard": gpn // tp, "tp": tp}
+            yield (
+                "4 TP",
+                f"TP {tp} x HSDP {nodes}x{gpn // tp}",
+                {"dp_replicate": nodes, "dp_shard": gpn // tp, "tp": tp},
+            )
         tp *= 2
     pp = 2
     while pp <= nodes:
         rest = world // (gpn * pp)
-        yield "5 PP", f"PP {pp} x TP {gpn} x FSDP {rest}", {"dp_replicate": 1, "dp_shard": rest, "tp": gpn, "pp": pp}
+        yield (
+            "5 PP",
+            f"PP {pp} x TP {gpn} x FSDP {rest}",
+            {"dp_replicate": 1, "dp_shard": rest, "tp": gpn, "pp": pp},
+        )
         pp *= 2
 
 
@@ -125,10 +133,14 @@ def recommend(cfg: TrainConfig, cluster: ClusterConfig) -> tuple[Optional[Candid
             elif v["comm_bound_fraction"] > COMM_BOUND:
                 reason = f"fits, but {v['communication']}"
             elif load > OVERLAP_HEADROOM:
-                reason = (f"fits, but its hidden communication needs {load:.0%} of the compute it hides behind "
-                          f"(more than {OVERLAP_HEADROOM:.0%}: no headroom for imperfect overlap)")  # fmt: skip
+                reason = (
+                    f"fits, but its hidden communication needs {load:.0%} of the compute it hides behind "
+                    f"(more than {OVERLAP_HEADROOM:.0%}: no headroom for imperfect overlap)"
+                )
             else:
-                reason = f"fits ({v['memory']}); communication hides with {load:.0%} of the compute window used"
+                reason = (
+                    f"fits ({v['memory']}); communication hides with {load:.0%} of the compute window used"
+                )
             tried.append(Candidate(label, step, ac, plan, reason))
             if v["fits"]:
                 break  # checkpointing only when needed
@@ -144,18 +156,26 @@ def render_recommendation(chosen: Optional[Candidate], tried: list[Candidate]) -
     from trainer.planner.cluster import GIB
     from trainer.planner.report import render
 
-    lines = ["layouts tried, in the article's decision order (first that fits and hides its communication wins):",
-             f"  {'step':<7} {'layout':<24} {'AC':<5} {'peak GiB':>9} {'exposed':>8} {'tokens/s':>11}  verdict"]  # fmt: skip
+    lines = [
+        "layouts tried, in the article's decision order (first that fits and hides its communication wins):",
+        f"  {'step':<7} {'layout':<24} {'AC':<5} {'peak GiB':>9} {'exposed':>8} {'tokens/s':>11}  verdict",
+    ]
     for c in tried:
         if c.plan is None:
-            lines.append(f"  {c.step:<7} {c.label:<24} {c.ac:<5} {'-':>9} {'-':>8} {'-':>11}  {c.reason[:110]}")
+            lines.append(
+                f"  {c.step:<7} {c.label:<24} {c.ac:<5} {'-':>9} {'-':>8} {'-':>11}  {c.reason[:110]}"
+            )
             continue
         v = c.plan.verdict
-        lines.append(f"  {c.step:<7} {c.label:<24} {c.ac:<5} {v['peak_bytes'] / GIB:>9.1f} "
-                     f"{v['comm_bound_fraction']:>8.0%} {v['tokens_per_s']:>11,.0f}  {c.reason}")  # fmt: skip
+        lines.append(
+            f"  {c.step:<7} {c.label:<24} {c.ac:<5} {v['peak_bytes'] / GIB:>9.1f} "
+            f"{v['comm_bound_fraction']:>8.0%} {v['tokens_per_s']:>11,.0f}  {c.reason}"
+        )
     if chosen is None:
-        lines.append("\nno layout fits: more GPUs (cluster.nodes), a shorter training.seq_len or a smaller "
-                     "training.micro_batch_size would be needed.")  # fmt: skip
+        lines.append(
+            "\nno layout fits: more GPUs (cluster.nodes), a shorter training.seq_len or a smaller "
+            "training.micro_batch_size would be needed."
+        )
         return "\n".join(lines)
     why = _why(chosen, tried)
     lines += ["", f"recommended: {chosen.label} (AC {chosen.ac}) -- {why}", "", render(chosen.plan)]
@@ -171,10 +191,15 @@ def _why(chosen: Candidate, tried: list[Candidate]) -> str:
     passed = "; ".join(f"{c.label} (AC {c.ac}): {c.reason}" for c in last.values())
     v = chosen.plan.verdict
     if _good(chosen.plan):
-        head = (f"the first layout of the decision order that fits and hides its communication "
-                f"({v['comm_bound_fraction']:.0%} exposed, {_overlap_load(chosen.plan):.0%} of the compute window used)")
+        head = (
+            f"the first layout of the decision order that fits and hides its communication "
+            f"({v['comm_bound_fraction']:.0%} exposed, {_overlap_load(chosen.plan):.0%} of the compute "
+            "window used)"
+        )
     else:
-        head = (f"no layout both fits and hides its communication; this is the fastest that fits "
-                f"({v['comm_bound_fraction']:.0%} of its step is exposed communication)")  # fmt: skip
+        head = (
+            f"no layout both fits and hides its communication; this is the fastest that fits "
+            f"({v['comm_bound_fraction']:.0%} of its step is exposed communication)"
+        )
     tail = f". Passed over: {passed}" if passed else ""
     return f"{head}, {v['tokens_per_s']:,.0f} tokens/s predicted{tail}."

@@ -4,5 +4,6 @@
 * :mod:`~trainer.resilience.preemption`: SIGTERM / SIGUSR1 -> checkpoint together and exit;
 * :mod:`~trainer.resilience.guards`: non-finite loss / gradient guards;
 * :mod:`~trainer.resilience.fault_tolerance`: torchft replica groups (a lost group does not stop the others);
-* :mod:`~trainer.resilience.supervisor`: the fault-tolerant launchers' lighthouse, restart loops and hang watchdog.
+* :mod:`~trainer.resilience.supervisor`: the fault-tolerant launchers' lighthouse, restart loops and hang
+watchdog.
 """

@@ -56,7 +56,8 @@ logger = logging.getLogger("meshwright")
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 HEARTBEAT_DIR = "heartbeat"
 # Test-only: seconds every step sleeps (a tiny model's step is ~50 ms; the failure tests need the
-# survivors still training while a killed group restarts, as a real model's steps would). Never set it in runs.
+# survivors still training while a killed group restarts, as a real model's steps would). Never set it in
+# runs.
 STEP_DELAY_ENV = "MESHWRIGHT_TEST_FT_STEP_DELAY_S"
 # Test-only: "<group>@<step>": rank 0 of that replica group SIGKILLs itself at the end of the forward
 # pass of its first step >= <step> (once per run folder), so the other groups are inside that step's
@@ -141,12 +142,22 @@ class FaultTolerance:
             self._store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
             store = {"store_addr": "localhost", "store_port": self._store.port}
         self.manager = Manager(
-            pg=pg, load_state_dict=None, state_dict=None, min_replica_size=ft.min_replicas,
-            use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
-            connect_timeout=timedelta(seconds=max(ft.timeout_s, 30.0)), rank=rank, world_size=world_size,
-            lighthouse_addr=_lighthouse(ft.lighthouse), replica_id=f"replica_group_{self.group_id}",
-            heartbeat_interval=timedelta(milliseconds=ft.heartbeat_ms), init_sync=False, **store,
-        )  # fmt: skip
+            pg=pg,
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=ft.min_replicas,
+            use_async_quorum=False,
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
+            connect_timeout=timedelta(seconds=max(ft.timeout_s, 30.0)),
+            rank=rank,
+            world_size=world_size,
+            lighthouse_addr=_lighthouse(ft.lighthouse),
+            replica_id=f"replica_group_{self.group_id}",
+            heartbeat_interval=timedelta(milliseconds=ft.heartbeat_ms),
+            init_sync=False,
+            **store,
+        )
         self.reducer = ManagedReducer(self.manager)
         self.folder = group_folder(dump_folder, self.group_id)
         self._beat = os.path.join(self.folder, HEARTBEAT_DIR, f"rank{rank}")
@@ -184,7 +195,9 @@ class FaultTolerance:
             def die(module: Any, args: Any, output: Any) -> None:
                 if trainer.state.step + 1 >= at and module.training and not os.path.exists(done):
                     open(done, "w").close()
-                    logger.warning(f"{KILL_ENV}={kill}: replica group {self.group_id} kills itself (test hook)")
+                    logger.warning(
+                        f"{KILL_ENV}={kill}: replica group {self.group_id} kills itself (test hook)"
+                    )
                     os.kill(os.getpid(), signal.SIGKILL)
 
             trainer.model_parts[0].register_forward_hook(die)
@@ -227,8 +240,9 @@ class FaultTolerance:
             p = params[int(index)]
             if isinstance(p, DTensor):
                 entry = {
-                    k: DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                          stride=p.stride())  # fmt: skip
+                    k: DTensor.from_local(
+                        v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                    )
                     if isinstance(v, torch.Tensor) and v.shape == p.to_local().shape and v.dim() > 0
                     else v
                     for k, v in entry.items()
@@ -277,8 +291,10 @@ class FaultTolerance:
         self.participating_rank = 0 if rank is None else int(rank)
         committed = tokens_seen // self.seq_len
         self.data_position = committed
-        loader.seek(committed + self.participating_rank * self.batch_size,
-                    stride=self.num_participants * self.batch_size)  # fmt: skip
+        loader.seek(
+            committed + self.participating_rank * self.batch_size,
+            stride=self.num_participants * self.batch_size,
+        )
 
     def _quorum(self) -> None:
         """``Manager.start_quorum`` (synchronous; a heal is applied inside it while this thread only
@@ -303,7 +319,9 @@ class FaultTolerance:
                     return
                 if attempt == self._quorum_attempts:
                     raise error
-                logger.warning(f"replica group {self.group_id}: quorum attempt {attempt} failed ({error}); again")
+                logger.warning(
+                    f"replica group {self.group_id}: quorum attempt {attempt} failed ({error}); again"
+                )
                 # torchft keeps the failed quorum's future and re-raises it on the next start_quorum:
                 # drop it (a private attribute of torchft 0.2.0's Manager).
                 self.manager._quorum_future = None

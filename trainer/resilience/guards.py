@@ -40,17 +40,22 @@ def non_finite_message(grad_norm: torch.Tensor, local_loss: torch.Tensor, step: 
     if bad:
         origin = f"non-finite loss on rank {', '.join(map(str, bad))}"
     else:
-        origin = "a non-finite gradient (the loss was finite on every rank: the backward pass or the gradient reduction overflowed)"
+        origin = (
+            "a non-finite gradient (the loss was finite on every rank: the backward pass or the gradient "
+            "reduction overflowed)"
+        )
     return (
         f"{origin} at step {step} (global gradient norm {float(grad_norm)}); every rank stopped before the "
         f"optimizer step, nothing was applied and no checkpoint of this step was written. "
-        f"Lower optimizer.lr, keep training.grad_clip > 0, use training.mixed_precision=fp32, or resume from an "
+        "Lower optimizer.lr, keep training.grad_clip > 0, use training.mixed_precision=fp32, or resume from "
+        "an "
         f"earlier checkpoint."
     )
 
 
 def install_test_nan_hook(model: Any, rank: int, current_step: Callable[[], int]) -> None:
-    """Test-only: with ``MESHWRIGHT_TEST_NAN_AT=<rank>@<step>``, this rank's forward returns NaN at that step."""
+    """Test-only: with ``MESHWRIGHT_TEST_NAN_AT=<rank>@<step>``, this rank's forward returns NaN at that
+    step."""
     spec = os.environ.get(NAN_ENV)
     if not spec:
         return

@@ -80,7 +80,8 @@ class PreemptionHandler:
             # Printed from the handler: the step may take a while to reach its boundary.
             os.write(
                 2,
-                f"[rank{self.rank}] got {signal.Signals(signum).name}: checkpoint and exit at the end of this step\n".encode(),
+                f"[rank{self.rank}] got {signal.Signals(signum).name}: checkpoint and exit at the end of "
+                "this step\n".encode(),
             )
 
     def should_stop(self, step: int) -> bool:
@@ -89,7 +90,8 @@ class PreemptionHandler:
         if self._group is not None:
             if step == self._skip_step:
                 logger.warning(
-                    f"{SKIP_ENV}: rank {self.rank} leaves out the stop-flag all-reduce of step {step} (test hook)"
+                    f"{SKIP_ENV}: rank {self.rank} leaves out the stop-flag all-reduce of step {step} (test "
+                    "hook)"
                 )
             else:
                 dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group)

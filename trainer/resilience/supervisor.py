@@ -1,4 +1,5 @@
-"""Launch and supervise torchft replica groups: ``python -m trainer.resilience.supervisor [options] -- <overrides>``.
+"""Launch and supervise torchft replica groups: ``python -m trainer.resilience.supervisor [options] --
+<overrides>``.
 
 ``launch.sh`` runs it when ``FT_GROUPS`` is set (one machine: a lighthouse and every group) and
 ``slurm/train.sbatch`` with ``FT=1`` (one supervisor per node: the node's group, plus the
@@ -128,9 +129,16 @@ class Supervisor:
         # the trainers' quorum timeout, so a quorum without them forms before anyone gives up.
         join_ms = int(min(self.args.join_timeout_s, 0.5 * self.ft.quorum_timeout_s) * 1000)
         cmd = [
-            binary, "--min_replicas", str(self.ft.min_replicas), "--bind", f"[::]:{port}",
-            "--join_timeout_ms", str(join_ms), "--heartbeat_timeout_ms", str(self.args.heartbeat_timeout_ms),
-        ]  # fmt: skip
+            binary,
+            "--min_replicas",
+            str(self.ft.min_replicas),
+            "--bind",
+            f"[::]:{port}",
+            "--join_timeout_ms",
+            str(join_ms),
+            "--heartbeat_timeout_ms",
+            str(self.args.heartbeat_timeout_ms),
+        ]
         os.makedirs(self.dump_folder, exist_ok=True)
         log = open(os.path.join(self.dump_folder, "lighthouse.log"), "ab")
         self.lighthouse = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -145,15 +153,23 @@ class Supervisor:
         log_path = os.path.join(folder, "logs", f"attempt{attempt}.log")
         group.log = open(log_path, "ab")
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.args.nproc}",
-            self.args.entry, *self.overrides, *self._ft_overrides(group.group_id),
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={self.args.nproc}",
+            self.args.entry,
+            *self.overrides,
+            *self._ft_overrides(group.group_id),
+        ]
         # faulthandler: a rank the hang watchdog stops first prints every thread's stack (SIGABRT).
         env = dict(os.environ, TORCHFT_LIGHTHOUSE=self.args.lighthouse, PYTHONFAULTHANDLER="1")
         if self.gpus >= len(self.groups) * self.args.nproc and "CUDA_VISIBLE_DEVICES" not in os.environ:
             first = self.groups.index(group) * self.args.nproc  # each local group its own GPUs
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + i) for i in range(self.args.nproc))
-        group.proc = subprocess.Popen(cmd, stdout=group.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        group.proc = subprocess.Popen(
+            cmd, stdout=group.log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         group.started = time.time()
         self.log(f"group {group.group_id} attempt {attempt}: pid {group.proc.pid}, log {log_path}")
 
@@ -191,7 +207,9 @@ class Supervisor:
         """(reason, pid) if a rank of ``group`` has not started a step for longer than hang_timeout_s,
         or has finished training but not exited for as long."""
         beats = read_heartbeats(group_folder(self.dump_folder, group.group_id))
-        current = {name: b for name, b in beats.items() if b[1] in ("step", "done") and b[0] >= group.started - 1}
+        current = {
+            name: b for name, b in beats.items() if b[1] in ("step", "done") and b[0] >= group.started - 1
+        }
         if not current:
             return None
         name, (when, phase, pid) = min(current.items(), key=lambda item: item[1][0])
@@ -199,7 +217,11 @@ class Supervisor:
         if idle <= self.ft.hang_timeout_s:
             return None
         what = "has not started a step" if phase == "step" else "finished training but has not exited"
-        return f"{name} (pid {pid}) {what} for {idle:.1f}s > hang_timeout_s={self.ft.hang_timeout_s:g}", pid, phase
+        return (
+            f"{name} (pid {pid}) {what} for {idle:.1f}s > hang_timeout_s={self.ft.hang_timeout_s:g}",
+            pid,
+            phase,
+        )
 
     def poll(self, group: Group) -> None:
         if group.done or group.failed or group.proc is None:
@@ -224,7 +246,10 @@ class Supervisor:
             self.stop(EXIT_CONFIG)
             return
         if group.restarts >= self.args.max_restarts:
-            self.log(f"group {group.group_id} exited {rc}; no restarts left (--max-restarts={self.args.max_restarts})")
+            self.log(
+                f"group {group.group_id} exited {rc}; no restarts left "
+                f"(--max-restarts={self.args.max_restarts})"
+            )
             group.failed = True
             return
         group.restarts += 1
@@ -296,15 +321,21 @@ class Supervisor:
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--groups", type=int, required=True, help="replica groups in the job (dp_replicate)")
-    parser.add_argument("--group-ids", type=str, default="all", help="groups this supervisor runs: all | 0,1,...")
+    parser.add_argument(
+        "--group-ids", type=str, default="all", help="groups this supervisor runs: all | 0,1,..."
+    )
     parser.add_argument("--nproc", type=int, default=1, help="ranks per group (torchrun --nproc_per_node)")
-    parser.add_argument("--lighthouse", default="http://localhost:29510", help="lighthouse URL http://host:port")
+    parser.add_argument(
+        "--lighthouse", default="http://localhost:29510", help="lighthouse URL http://host:port"
+    )
     parser.add_argument("--start-lighthouse", action="store_true", help="start torchft_lighthouse here")
     parser.add_argument("--join-timeout-s", type=float, default=5.0, help="lighthouse: wait for stragglers")
     parser.add_argument("--heartbeat-timeout-ms", type=int, default=1000, help="lighthouse: dead after")
     parser.add_argument("--max-restarts", type=int, default=3, help="restarts per group")
     parser.add_argument("--restart-delay", type=float, default=1.0, help="seconds before a restart")
-    parser.add_argument("--stop-grace-s", type=float, default=90.0, help="after SIGTERM/SIGUSR1: wait, then kill")
+    parser.add_argument(
+        "--stop-grace-s", type=float, default=90.0, help="after SIGTERM/SIGUSR1: wait, then kill"
+    )
     parser.add_argument("--entry", default=os.path.join(os.path.dirname(__file__), "..", "main.py"))
     argv = list(argv)
     overrides: list[str] = []

@@ -124,7 +124,8 @@ class CommMonitor:
             self._warned_step = step
             last = last_collective()
             print(
-                f"[rank{self.rank}] step {step} has run for {elapsed:.0f}s of the {self.timeout_s:g}s collective "
+                f"[rank{self.rank}] step {step} has run for {elapsed:.0f}s of the {self.timeout_s:g}s "
+                "collective "
                 f"timeout; newest collective on this rank: {describe_entry(last)}",
                 file=sys.stderr,
                 flush=True,
