@@ -1,0 +1,108 @@
+"""Step hooks: the per-step extras of a run, run by the trainer from one ordered list.
+
+A hook is any object with some of the methods below (each takes the step's :class:`StepState`); the
+trainer calls every hook that has a point, in list order, at that point of ``Trainer.train_step``:
+
+==========================  ===================================================================
+``begin_step``              before the batch is read (fault tolerance's quorum and heal; the MoE
+                            load balancer, QK-clip and MTP statistics reset their per-step records)
+``count_tokens``            the step's target tokens over this group's dp x cp ranks are in
+                            ``state.num_tokens``; a hook may widen them (fault tolerance: over the
+                            replica groups, setting ``state.replicas``)
+``after_backward``          this group's gradients are complete (fault tolerance: mean over groups)
+``after_clip``              ``state.grad_norm`` (pre-clip) and ``state.loss_sum`` are known; a hook
+                            may set ``state.discard`` (fault tolerance: a group failed in the step)
+``before_optimizer_step``   the step will be applied (finite, not discarded): the gradients are
+                            final (the MoE expert-bias update; the ledgers measure gradients)
+``after_optimizer_step``    the weights are updated (QK-clip scales the q/k rows of hot heads)
+``metrics``                 on logged steps only: ``metrics(state, device) -> dict`` of entries for
+                            ``metrics.jsonl``; may be a collective (every rank calls it)
+==========================  ===================================================================
+
+Hooks come from :func:`build_step_hooks`: one table of builders, each given a :class:`HookContext`
+and returning a hook or None (a dense family has no load balancer; QK-clip is off unless
+``optimizer.qk_clip_tau > 0``). What a family needs is declared on its ``ModelSpec``
+(``has_experts``, ``mtp_depth``, ``qk_clip``); the builders read the spec, never the model's args.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from models.spec import ModelSpec
+    from parallelisms.parallel_dims import ParallelDims
+    from trainer.config import TrainConfig
+
+__all__ = ["HOOK_POINTS", "HookContext", "StepHooks", "StepState"]
+
+HOOK_POINTS = (
+    "begin_step",
+    "count_tokens",
+    "after_backward",
+    "after_clip",
+    "before_optimizer_step",
+    "after_optimizer_step",
+)
+
+
+@dataclass
+class StepState:
+    """What one training step knows, shared with its hooks (see the module docstring)."""
+
+    step: int  # the step being taken (1-based)
+    loader: Any  # the training DataLoader (fault tolerance reads and moves its position)
+    tokens_seen: int  # tokens trained on before this step
+    num_tokens: Optional[torch.Tensor] = None  # target tokens of the step (count_tokens and later)
+    replicas: int = 1  # replica groups whose gradients are averaged (fault tolerance)
+    loss_sum: Optional[torch.Tensor] = None  # summed token loss (after_clip and later)
+    grad_norm: Optional[torch.Tensor] = None  # pre-clip global gradient norm (after_clip and later)
+    discard: bool = False  # set by a hook: the step is not applied (the trainer retries)
+
+
+@dataclass
+class HookContext:
+    """What a hook builder may use: the run's config and spec, this rank's model parts and mesh."""
+
+    cfg: TrainConfig
+    spec: ModelSpec
+    dims: ParallelDims
+    model: Any  # what runs the step: the (DDP-wrapped) module or the Pipeline
+    model_parts: list[nn.Module]
+    parameters: list[nn.Parameter]
+    optimizer: Any
+    device: torch.device
+    tokens_per_step: int  # the global batch's tokens (every replica group)
+    forwards_per_step: int  # forward calls per step: microbatches (pipeline) or accumulation steps
+
+
+class StepHooks:
+    """The ordered hooks of a run; ``run(point, state)`` calls every hook that has ``point``."""
+
+    def __init__(self, hooks: Sequence[Any]) -> None:
+        self.hooks = list(hooks)
+        self._at = {p: [getattr(h, p) for h in self.hooks if hasattr(h, p)] for p in HOOK_POINTS}
+        self._metrics = [h.metrics for h in self.hooks if hasattr(h, "metrics")]
+
+    def run(self, point: str, state: StepState) -> None:
+        for fn in self._at[point]:
+            fn(state)
+
+    def metrics(self, state: StepState, device: torch.device) -> dict[str, Any]:
+        """Every hook's entries for this logged step, in list order (collective: every rank calls it)."""
+        out: dict[str, Any] = {}
+        for fn in self._metrics:
+            out.update(fn(state, device))
+        return out
+
+    def of_type(self, cls: type) -> Optional[Any]:
+        """The hook of class ``cls``, if the run has one (tests and benchmarks inspect hooks)."""
+        return next((h for h in self.hooks if isinstance(h, cls)), None)
+
+
+HookBuilder = Callable[[HookContext], Optional[Any]]
