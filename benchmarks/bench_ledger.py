@@ -2,8 +2,8 @@
 memory ledger (``metrics.memory_ledger=true``): step time with it on vs off, in one run.
 
 Two gloo ranks train the same model under one layout (default FSDP x2, the debug model). One
-Trainer per rank; rounds alternate between the ledger off (``Trainer.comm_ledger = None``: no mode,
-no gather -- what ``comm_ledger=false`` builds) and on (a ``CommLedger`` entered around each logged
+Trainer per rank; rounds alternate between the ledger off (the run's step hooks without it: no mode,
+no gather -- what ``comm_ledger=false`` builds) and on (its ``LedgerHook``: entered around each logged
 step -- every ``--log-freq`` steps -- and its counts gathered there), so drift of the machine hits
 both. The median over rounds of each setting's mean step time is compared. ``--log-freq 1``
 measures every step: the cost of one measured step.
@@ -37,6 +37,7 @@ def _rank(rank: int, world: int, overrides: list[str], steps: int, rounds: int, 
     import torch
 
     from trainer.config import compose_config
+    from trainer.hooks import LedgerHook, StepHooks
     from trainer.observe.comm_ledger import CommLedger, axis_names_of_groups
     from trainer.train import Trainer
 
@@ -56,12 +57,15 @@ def _rank(rank: int, world: int, overrides: list[str], steps: int, rounds: int, 
             optimizer=trainer.optimizer,
             device=trainer.device,
         )
+        collect = lambda: ledger.collect(trainer.parameters)  # noqa: E731
     else:
         ledger = CommLedger(axis_names_of_groups(dims.mesh, names))
-    attr = f"{which}_ledger"
+        collect = lambda: ledger.collect(trainer.parameters, trainer.optimizer)  # noqa: E731
+    off_hooks = trainer.hooks
+    on_hooks = StepHooks([*off_hooks.hooks, LedgerHook(ledger, which, collect, trainer.parameters)])
 
     def timed(with_ledger: bool) -> float:
-        setattr(trainer, attr, ledger if with_ledger else None)
+        trainer.hooks = on_hooks if with_ledger else off_hooks
         trainer.cfg.training.steps = trainer.state.step + steps
         start = time.perf_counter()
         trainer.train()

@@ -1,6 +1,6 @@
 """The model spec: everything the rest of the stack needs to know about a model family.
 
-Each family (``models/llama.py``, ``models/moe.py``) defines one ``ModelSpec``, listed in
+Each family (``models/llama/``, ``models/moe/``, ...) defines one ``ModelSpec``, listed in
 ``models/__init__.py``'s ``MODEL_SPECS``. The trainer picks it with ``get_spec(model.family)``;
 ``parallelisms/`` receives the spec and never a concrete model
 class, so a new family plugs in without touching any strategy:
@@ -20,7 +20,10 @@ class, so a new family plugs in without touching any strategy:
   ``expert_modules`` (a mixture-of-experts family's routed layers and stacked experts, for expert
   parallel, FSDP and the planner; ``has_experts`` / ``num_experts(args)``), ``ties_embeddings(args)``
   and ``attention_mask(args)`` (both with the dense, untied, causal answer as the default), and
-  ``mtp_depth(args)`` (multi-token-prediction modules, 0 by default; DeepSeek-V3), and
+  ``mtp_depth(args)`` (multi-token-prediction modules, 0 by default; DeepSeek-V3),
+  ``batch_inputs(args, inputs, labels, positions)`` (the family's extra keyword inputs of a training
+  window, e.g. MTP's shifted ids and targets: the model's one call is
+  ``model(tokens, positions=..., **extras)``), and
   ``attention_comm(args)`` (what attention moves under CP / TP beyond the plan's kinds, for the planner),
   and ``qk_clip`` (whether the attention supports QK-clip).
 """
@@ -95,6 +98,12 @@ def _no_mtp(_args: Any) -> int:
     return 0
 
 
+def _no_inputs(
+    _args: Any, _inputs: torch.Tensor, _labels: torch.Tensor, _positions: Optional[torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    return {}
+
+
 @dataclass(frozen=True)
 class AttentionComm:
     """What an attention layer communicates beyond the TP plan's kinds (for the planner).
@@ -140,6 +149,12 @@ class ModelSpec:
     ties_embeddings: Callable[[Any], bool] = _untied
     attention_mask: Callable[[Any], str] = _causal
     mtp_depth: Callable[[Any], int] = _no_mtp  # multi-token-prediction modules (0: none)
+    # The family's extra keyword inputs of a TRAINING window (B, S, ...), built on the whole window
+    # before context parallelism splits it (DeepSeek-V3: MTP's shifted ids and targets); the model is
+    # called ``model(tokens, positions=..., **extras)`` for training, evaluation and pipeline stages.
+    batch_inputs: Callable[
+        [Any, torch.Tensor, torch.Tensor, Optional[torch.Tensor]], dict[str, torch.Tensor]
+    ] = _no_inputs
     attention_comm: Callable[[Any], AttentionComm] = _gqa_comm  # the planner's view of attention traffic
     # Whether the blocks' attention records per-head max logits and has per-head wq / wk rows to
     # scale (QK-clip, ``optimizer.qk_clip_tau``): Llama's attention (MoE, Qwen3) does; MLA does not yet.

@@ -103,20 +103,13 @@ def cp_batch_sharder(cp_mesh: DeviceMesh, load_balance: str) -> Callable[[Any], 
         if positions.dim() == 1:
             positions = positions[None].expand(B, S)
         index = shard_indices(S, cp, rank, load_balance, device)
-        # every other per-token field (B, S, ...) too (multi-token prediction's shifted ids/targets)
-        extra = {
-            f.name: value.index_select(1, index)
-            for f in dataclasses.fields(batch)
-            if f.name not in ("inputs", "labels", "positions")
-            and isinstance(value := getattr(batch, f.name), torch.Tensor)
-            and value.shape[:2] == (B, S)
-        }
+        # the family's extra per-token inputs (B, S, ...) too (multi-token prediction's shifted ids/targets)
         return dataclasses.replace(
             batch,
             inputs=batch.inputs.index_select(1, index),
             labels=batch.labels.index_select(1, index),
             positions=positions.index_select(1, index),
-            **extra,
+            extras={k: v.index_select(1, index) for k, v in batch.extras.items()},
         )
 
     return shard

@@ -173,9 +173,10 @@ def _layer_id(name: str) -> int:
 
 
 class LoadBalancer:
-    """The trainer's MoE hook: ``begin_step`` before the first forward of an optimizer step,
-    ``end_step`` after the gradients are complete and before ``optimizer.step()``, ``log_stats`` on
-    logging steps (collective over pp). Same calls on every rank."""
+    """The MoE step hook (the trainer's hook points, ``trainer/hooks.py``): ``begin_step`` before the
+    first forward of an optimizer step, ``before_optimizer_step`` after the gradients are complete
+    and before ``optimizer.step()``, ``metrics`` on logging steps (collective over pp). Same calls on
+    every rank; the step's state argument is not needed here."""
 
     def __init__(
         self,
@@ -220,13 +221,13 @@ class LoadBalancer:
             parts, spec, dims, args, tokens_per_step=tokens_per_step, forwards_per_step=forwards_per_step
         )
 
-    def begin_step(self) -> None:
+    def begin_step(self, _state: object) -> None:
         for _, moe in self.layers:
             moe.reset_stats()
             moe.aux_grad_scale = self.aux_grad_scale
 
     @torch.no_grad()
-    def end_step(self) -> None:
+    def before_optimizer_step(self, _state: object) -> None:
         """All-reduce this step's tokens per expert (and aux sums) over dp x cp; move the biases."""
         if not self.layers:
             return
@@ -243,7 +244,7 @@ class LoadBalancer:
         self._reduced = local
 
     @torch.no_grad()
-    def log_stats(self, device: torch.device) -> dict[str, Any]:
+    def metrics(self, _state: object, device: torch.device) -> dict[str, Any]:
         """Tokens per expert per layer, max/mean load imbalance, and the aux loss (coeff x token-
         weighted mean, summed over layers) of the last step; all layers, also under pp."""
         E = self.num_experts

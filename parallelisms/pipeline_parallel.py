@@ -185,22 +185,23 @@ class Pipeline:
         labels: Tensor,
         *,
         loss_scale: Tensor | float,
-        positions: Optional[Tensor] = None,
+        **model_kwargs: Tensor,
     ) -> Tensor:
         """One schedule step over a local batch (B, S); returns this dp rank's summed token loss
         (unscaled, identical on every pp rank). Backward runs on ``loss_sum * loss_scale``
         per microbatch; gradients accumulate into the parts' parameters.
 
-        ``positions`` (B, S) (context-parallel shards, packed documents) reach EVERY stage:
-        torch's schedules hand keyword arguments, split into microbatches along the batch, to
-        each stage's forward, where the attention layers use them for RoPE and the mask."""
+        ``model_kwargs`` (the model's one call: ``positions`` (B, S) of context-parallel shards or
+        packed documents, the family's extras) reach EVERY stage: torch's schedules hand keyword
+        arguments, split into microbatches along the batch, to each stage's forward, where the
+        attention layers use positions for RoPE and the mask."""
         if self.has_first_stage and inputs is None:
             raise ValueError("Pipeline.step: the rank holding the first stage needs the input tokens.")
         self._micro_sums.clear()
         self._loss_scale = loss_scale
         target = labels if self.has_last_stage else None
         args = (inputs,) if self.has_first_stage else ()
-        kwargs = {"positions": _batched(positions, labels)} if positions is not None else {}
+        kwargs = {k: _batched(v, labels) if k == "positions" else v for k, v in model_kwargs.items()}
         with self.step_context():
             self.schedule.step(*args, target=target, return_outputs=False, **kwargs)
         if self.grad_sync_group is not None:
@@ -219,10 +220,10 @@ class Pipeline:
         self,
         inputs: Optional[Tensor],
         labels: Tensor,
-        positions: Optional[Tensor] = None,
         *,
         loss_fn: Optional[LossFn] = None,
         out_shape: tuple[int, ...] = (),
+        **model_kwargs: Tensor,
     ) -> Tensor:
         """Forward only: summed token loss of (B, S) ``labels`` on every pp rank.
 
@@ -245,7 +246,7 @@ class Pipeline:
                     x = h
                 else:
                     x = self._recv(self.stage_to_rank[s - 1])
-                out = part_of[s](x) if positions is None else part_of[s](x, positions=positions)
+                out = part_of[s](x, **model_kwargs)
                 if s == self.num_stages - 1:
                     loss = loss_fn(out, labels).float()
                 elif self.stage_to_rank[s + 1] != self.pp_rank:

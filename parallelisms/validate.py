@@ -175,7 +175,7 @@ def _validate_mtp(dims: ParallelDims, depth: int) -> None:
     the other, and the last stage does not receive the input tokens (it would need them and the
     embedding's weight, with its gradient combined across the two stages). Rejected rather than
     half-supported. TP shards the MTP modules by the family's plan; CP shards the shifted ids and targets
-    built on the whole sequence (``trainer.step.mtp_targets``)."""
+    built on the whole sequence (``models.deepseek_v3.model.mtp_targets``)."""
     if depth and dims.pp > 1:
         raise ConfigError(
             f"model.mtp_depth={depth} with parallelism.pp={dims.pp} is not supported: multi-token prediction "

@@ -27,6 +27,7 @@ and returning a hook or None (a dense family has no load balancer; QK-clip is of
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
@@ -38,8 +39,17 @@ if TYPE_CHECKING:
     from models.spec import ModelSpec
     from parallelisms.parallel_dims import ParallelDims
     from trainer.config import TrainConfig
+    from trainer.resilience.fault_tolerance import FaultTolerance
 
-__all__ = ["HOOK_POINTS", "HookContext", "StepHooks", "StepState"]
+__all__ = [
+    "HOOK_BUILDERS",
+    "HOOK_POINTS",
+    "HookContext",
+    "LedgerHook",
+    "StepHooks",
+    "StepState",
+    "build_step_hooks",
+]
 
 HOOK_POINTS = (
     "begin_step",
@@ -79,6 +89,7 @@ class HookContext:
     device: torch.device
     tokens_per_step: int  # the global batch's tokens (every replica group)
     forwards_per_step: int  # forward calls per step: microbatches (pipeline) or accumulation steps
+    ft: Optional[FaultTolerance] = None  # torchft replica groups (parallelism.fault_tolerance)
 
 
 class StepHooks:
@@ -93,6 +104,14 @@ class StepHooks:
         for fn in self._at[point]:
             fn(state)
 
+    def measuring(self) -> contextlib.ExitStack:
+        """The hooks that measure a whole step (the ledgers) entered around it: for logged steps."""
+        stack = contextlib.ExitStack()
+        for hook in self.hooks:
+            if hasattr(hook, "measuring"):
+                stack.enter_context(hook.measuring())
+        return stack
+
     def metrics(self, state: StepState, device: torch.device) -> dict[str, Any]:
         """Every hook's entries for this logged step, in list order (collective: every rank calls it)."""
         out: dict[str, Any] = {}
@@ -106,3 +125,98 @@ class StepHooks:
 
 
 HookBuilder = Callable[[HookContext], Optional[Any]]
+
+
+class LedgerHook:
+    """A ledger (``metrics.comm_ledger`` / ``metrics.memory_ledger``) as a step hook: it measures the
+    logged steps it is entered around, reads the gradients once they exist, and reports under ``key``."""
+
+    def __init__(
+        self, ledger: Any, key: str, collect: Callable[[], dict[str, Any]], parameters: list
+    ) -> None:
+        self.ledger, self.key, self._collect, self.parameters = ledger, key, collect, parameters
+
+    def measuring(self) -> Any:
+        return self.ledger
+
+    def before_optimizer_step(self, state: StepState) -> None:
+        if self.ledger.active:  # the gradients exist only now
+            self.ledger.measure_gradients(self.parameters)
+
+    def metrics(self, state: StepState, device: torch.device) -> dict[str, Any]:
+        return {self.key: self._collect()}  # every rank's figures (a collective)
+
+
+def _load_balance(c: HookContext) -> Optional[Any]:
+    """MoE families: per-step expert statistics, aux-loss weight and expert-bias update."""
+    from parallelisms.expert_parallel import LoadBalancer
+
+    return LoadBalancer.build(
+        c.model_parts,
+        c.spec,
+        c.dims,
+        c.cfg.model,
+        tokens_per_step=c.tokens_per_step,
+        forwards_per_step=c.forwards_per_step,
+    )
+
+
+def _qk_clip(c: HookContext) -> Optional[Any]:
+    """``optimizer.qk_clip_tau > 0``: scale the q/k rows of heads whose max logit exceeded tau."""
+    from trainer.optim import build_qk_clip
+
+    return build_qk_clip(c.model_parts, c.spec, c.cfg, c.dims)
+
+
+def _mtp(c: HookContext) -> Optional[Any]:
+    """Multi-token prediction (DeepSeek-V3): its gradient weight per step and its logged mtp_loss."""
+    from trainer.observe.mtp import MTPStats
+
+    return MTPStats.build(c.model_parts, c.spec, c.cfg.model, c.dims, tokens_per_step=c.tokens_per_step)
+
+
+def _comm_ledger(c: HookContext) -> Optional[LedgerHook]:
+    """``metrics.comm_ledger``: bytes and calls of every collective of each logged step."""
+    if not c.cfg.metrics.comm_ledger:
+        return None
+    from parallelisms.parallel_dims import DP_REPLICATE_CP
+    from trainer.observe.comm_ledger import CommLedger, axis_names_of_groups
+
+    names = (*c.dims.mesh_dim_names, *c.dims.flat_views, DP_REPLICATE_CP)
+    ledger = CommLedger(axis_names_of_groups(c.dims.mesh, names))
+    return LedgerHook(ledger, "comm", lambda: ledger.collect(c.parameters, c.optimizer), c.parameters)
+
+
+def _fault_tolerance(c: HookContext) -> Optional[Any]:
+    """torchft replica groups: quorum, token count and gradients over the groups, commit."""
+    if c.ft is None:
+        return None
+    from trainer.resilience.fault_tolerance import FaultToleranceHook
+
+    return FaultToleranceHook(c.ft, c.model, c.parameters)
+
+
+def _memory_ledger(c: HookContext) -> Optional[LedgerHook]:
+    """``metrics.memory_ledger``: saved tensors, model states and buffers of each logged step."""
+    if not c.cfg.metrics.memory_ledger:
+        return None
+    from trainer.observe.memory_ledger import MemoryLedger
+
+    ledger = MemoryLedger(c.model_parts, c.spec, model=c.model, optimizer=c.optimizer, device=c.device)
+    return LedgerHook(ledger, "memory", lambda: ledger.collect(c.parameters), c.parameters)
+
+
+# The hooks of a run, in the order they run at every point (and their metrics appear in a record).
+HOOK_BUILDERS: tuple[HookBuilder, ...] = (
+    _load_balance,
+    _qk_clip,
+    _mtp,
+    _comm_ledger,
+    _fault_tolerance,
+    _memory_ledger,
+)
+
+
+def build_step_hooks(context: HookContext, builders: Sequence[HookBuilder] = HOOK_BUILDERS) -> StepHooks:
+    """The run's hooks: every builder's hook that applies (a builder returns None when it does not)."""
+    return StepHooks([h for build in builders if (h := build(context)) is not None])

@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from models.common import IGNORE_INDEX
 
-__all__ = ["StepBatch", "StepContext", "document_positions", "mtp_targets", "token_loss_sum"]
+__all__ = ["StepBatch", "StepContext", "document_positions", "token_loss_sum"]
 
 
 def token_loss_sum(logits: Tensor, labels: Tensor) -> Tensor:
@@ -69,46 +69,36 @@ def document_positions(tokens: Tensor, bos_id: Optional[int], eos_id: Optional[i
     return index - start_index  # (B, S)
 
 
-def mtp_targets(
-    inputs: Tensor, labels: Tensor, depth: int, positions: Optional[Tensor] = None
-) -> tuple[Tensor, Tensor]:
-    """Multi-token-prediction inputs and targets of a whole (B, S) window, before any split along it.
-
-    Returns (B, S, D) ids of token i+k and (B, S, D) targets ``labels[i+k]`` (token i+k+1) of
-    position i for k = 1..D; a target is ``IGNORE_INDEX`` past the window's end, where the label
-    is ignored (padding), and, with per-document ``positions`` (block-causal masking), when token
-    i+k or token i+k+1 lies in another document than token i (the window's last label, whose
-    token is outside the window, counts as in i's document, as for the next-token loss).
-    Context parallelism then shards these like the labels, so each rank gets the tokens of other
-    ranks' shards that its positions need.
-    """
-    B, S = inputs.shape
-    index = torch.arange(S, device=inputs.device)
-    ext_ids = torch.cat([inputs, inputs.new_zeros(B, depth)], dim=1)  # (B, S + D)
-    ext_labels = torch.cat([labels, labels.new_full((B, depth), IGNORE_INDEX)], dim=1)
-    ids = torch.stack([ext_ids[:, k : k + S] for k in range(1, depth + 1)], dim=-1)  # (B, S, D)
-    targets = torch.stack([ext_labels[:, k : k + S] for k in range(1, depth + 1)], dim=-1)  # (B, S, D)
-    if positions is not None:
-        doc = (index - positions).expand(B, S)  # a document's first index, per token
-        big = torch.iinfo(doc.dtype).max  # past the window: "unknown", never equal
-        ext_doc = torch.cat([doc, doc.new_full((B, depth + 1), big)], dim=1)
-        ext_doc[:, S] = doc[:, -1]  # token S (the last label) counts as in the last token's document
-        for k in range(1, depth + 1):
-            same = (ext_doc[:, k : k + S] == doc) & (ext_doc[:, k + 1 : k + 1 + S] == doc)
-            targets[..., k - 1] = targets[..., k - 1].masked_fill(~same, IGNORE_INDEX)
-    return ids, targets
-
-
 @dataclass
 class StepBatch:
-    """What one step feeds the model: token ids, labels and optional per-token positions, plus the
-    multi-token-prediction inputs and targets (``mtp_targets``) for models with MTP modules."""
+    """What one step feeds the model: token ids, labels, optional per-token positions, and the
+    family's extra inputs (``ModelSpec.batch_inputs``: e.g. multi-token prediction's shifted ids
+    and targets, (B, S, D)), built on the whole window before context parallelism splits it.
+
+    Every model is called one way, for training, evaluation and pipeline stages alike:
+    ``model(batch.inputs, **batch.model_kwargs())``."""
 
     inputs: Tensor  # (B, S)
     labels: Tensor  # (B, S)
     positions: Optional[Tensor] = None  # (B, S) or (S,); None = 0..S-1
-    mtp_inputs: Optional[Tensor] = None  # (B, S, D)
-    mtp_labels: Optional[Tensor] = None  # (B, S, D)
+    extras: dict[str, Tensor] = field(default_factory=dict)  # each (B, S, ...)
+
+    def model_kwargs(self) -> dict[str, Tensor]:
+        """The keyword arguments of the model call: ``positions`` (when given) and the extras."""
+        kwargs = dict(self.extras)
+        if self.positions is not None:
+            kwargs["positions"] = self.positions
+        return kwargs
+
+    def chunk(self, n: int) -> list[StepBatch]:
+        """``n`` microbatches along the batch dimension (gradient accumulation)."""
+        inputs, labels = self.inputs.chunk(n), self.labels.chunk(n)
+        positions = self.positions.chunk(n) if self.positions is not None else [None] * n
+        extras = {k: v.chunk(n) for k, v in self.extras.items()}
+        return [
+            StepBatch(inputs[i], labels[i], positions[i], {k: v[i] for k, v in extras.items()})
+            for i in range(n)
+        ]
 
 
 @dataclass

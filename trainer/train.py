@@ -16,8 +16,6 @@ import torch.distributed as dist
 
 from models import get_spec
 from models.errors import ConfigError
-from parallelisms.expert_parallel import LoadBalancer
-from parallelisms.parallel_dims import DP_REPLICATE_CP
 from parallelisms.parallelize import PartOptions, model_parts, parallelize, parallelize_pipeline
 from parallelisms.utils import clip_grad_norm_, copy_full_into
 from parallelisms.validate import validated_dims
@@ -35,12 +33,10 @@ from trainer.eval.config import validation_sources
 from trainer.eval.evaluator import TaskEvaluator, TaskResult
 from trainer.eval.scoring import ROW_STATS, row_stats
 from trainer.eval.validation import build_validation_loaders
-from trainer.observe.comm_ledger import CommLedger, axis_names_of_groups
-from trainer.observe.memory_ledger import MemoryLedger
+from trainer.hooks import HookContext, StepState, build_step_hooks
 from trainer.observe.metrics import MetricsLogger, setup_logging
-from trainer.observe.mtp import MTPStats
 from trainer.observe.profiling import StepProfiler
-from trainer.optim import build_lr_scheduler, build_optimizer, build_qk_clip
+from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.resilience.fault_tolerance import (
     FaultTolerance,
     check_environment,
@@ -55,7 +51,6 @@ from trainer.step import (
     StepContext,
     count_targets,
     document_positions,
-    mtp_targets,
     token_loss_sum,
 )
 
@@ -258,8 +253,8 @@ class Trainer:
 
     @property
     def attention_mask(self) -> str:
-        """``model.attention_mask`` (causal for families without the key)."""
-        return getattr(self.cfg.model, "attention_mask", "causal")
+        """The attention mask of the family's args (``ModelSpec.attention_mask``: causal by default)."""
+        return self.spec.attention_mask(self.cfg.model)
 
     def _build_model(self) -> None:
         cfg, t, p = self.cfg, self.cfg.training, self.parallelism
@@ -315,21 +310,6 @@ class Trainer:
         self._train_mode(True)
         # Every parameter of this rank's parts, each once: what the optimizer, clipping and the ledger see.
         self.parameters = list(dict.fromkeys(p for part in self.model_parts for p in part.parameters()))
-        # MoE families: per-step expert statistics, aux-loss weight and expert-bias update.
-        self.load_balancer = LoadBalancer.build(
-            self.model_parts,
-            self.spec,
-            self.dims,
-            cfg.model,
-            tokens_per_step=t.global_batch_size * t.seq_len,
-            forwards_per_step=self.pipeline.n_microbatches
-            if self.pipeline is not None
-            else self.grad_accum_steps,
-        )
-        # Multi-token prediction (DeepSeek-V3): its gradient weight per step and its logged mtp_loss.
-        self.mtp_stats = MTPStats.build(
-            self.model_parts, self.spec, cfg.model, self.dims, tokens_per_step=t.global_batch_size * t.seq_len
-        )
 
     def _build_optimizer(self) -> None:
         p = self.parallelism
@@ -346,9 +326,6 @@ class Trainer:
             adamw_modules=self.spec.first_modules + self.spec.last_modules,
         )
         self.lr_scheduler = build_lr_scheduler(self.optimizer, self.cfg.lr_scheduler, self.cfg.training.steps)
-        self.qk_clip = build_qk_clip(
-            self.model_parts, self.spec, self.cfg, self.dims
-        )  # None unless qk_clip_tau > 0
         self.state = TrainState()
         # test-only (trainer/resilience/guards.py): MESHWRIGHT_TEST_NAN_AT=<rank>@<step> injects a NaN
         install_test_nan_hook(self.model, self.rank, lambda: self.state.step + 1)
@@ -390,15 +367,25 @@ class Trainer:
             resume_step=self.state.step,
             run_name=cfg.job.name,
         )
-        self.comm_ledger: Optional[CommLedger] = None
-        if cfg.metrics.comm_ledger:
-            names = (*self.dims.mesh_dim_names, *self.dims.flat_views, DP_REPLICATE_CP)
-            self.comm_ledger = CommLedger(axis_names_of_groups(self.dims.mesh, names))
-        self.memory_ledger: Optional[MemoryLedger] = None
-        if cfg.metrics.memory_ledger:
-            self.memory_ledger = MemoryLedger(
-                self.model_parts, self.spec, model=self.model, optimizer=self.optimizer, device=self.device
+        # The per-step extras (MoE load balancing, QK-clip, MTP statistics, the ledgers, fault
+        # tolerance), run from one ordered list at the step's hook points (trainer/hooks.py).
+        self.hooks = build_step_hooks(
+            HookContext(
+                cfg=cfg,
+                spec=self.spec,
+                dims=self.dims,
+                model=self.model,
+                model_parts=self.model_parts,
+                parameters=self.parameters,
+                optimizer=self.optimizer,
+                device=self.device,
+                tokens_per_step=t.global_batch_size * t.seq_len,
+                forwards_per_step=(
+                    self.pipeline.n_microbatches if self.pipeline is not None else self.grad_accum_steps
+                ),
+                ft=self.ft,
             )
+        )
 
     def _log_summary(self) -> None:
         cfg, t, d = self.cfg, self.cfg.training, self.dims
@@ -430,7 +417,7 @@ class Trainer:
         dist.all_reduce(total, group=self.dims.loss_mesh.get_group())
         return total
 
-    def _next_batch(self, loader: DataLoader) -> StepBatch:
+    def _next_batch(self, loader: DataLoader, *, training: bool = False) -> StepBatch:
         batch = loader.next_batch()
         # Per-document positions (restarting at each document) only go with document masking;
         # with plain causal attention across packed documents, positions run 0..S-1. The
@@ -448,25 +435,17 @@ class Trainer:
             step_batch.positions = document_positions(
                 step_batch.inputs, self.tokenizer.bos_id, self.tokenizer.eos_id
             )
-        if (
-            self.mtp_stats is not None and loader is self.train_loader
-        ):  # MTP ids/targets, whole sequence (before CP)
-            step_batch.mtp_inputs, step_batch.mtp_labels = mtp_targets(
-                step_batch.inputs,
-                step_batch.labels,
-                self.spec.mtp_depth(self.cfg.model),
-                step_batch.positions,
+        if training:  # the family's extra inputs (MTP ids/targets), on the whole sequence (before CP)
+            step_batch.extras = self.spec.batch_inputs(
+                self.cfg.model, step_batch.inputs, step_batch.labels, step_batch.positions
             )
         return self.step_context.shard_batch(step_batch)
 
     def _forward_loss_sum(self, batch: StepBatch) -> torch.Tensor:
         """Summed token loss of one (micro)batch; call inside ``self.step_context()``."""
-        if batch.mtp_inputs is not None:
-            logits = self.model(batch.inputs, batch.positions, batch.mtp_inputs, batch.mtp_labels)
-        elif batch.positions is None:
-            logits = self.model(batch.inputs)  # (b, S, V); a vocab-sharded DTensor under loss parallel
-        else:
-            logits = self.model(batch.inputs, batch.positions)
+        logits = self.model(
+            batch.inputs, **batch.model_kwargs()
+        )  # (b, S, V); vocab-sharded under loss parallel
         return token_loss_sum(logits, batch.labels)
 
     # -- the step -------------------------------------------------------------------
@@ -476,13 +455,11 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         no_sync = getattr(self.model, "no_sync", None)
         n = self.grad_accum_steps
-        fields = (batch.inputs, batch.labels, batch.positions, batch.mtp_inputs, batch.mtp_labels)
-        chunks = [t.chunk(n) if t is not None else [None] * n for t in fields]
-        for i, micro in enumerate(zip(*chunks)):
+        for i, micro in enumerate(batch.chunk(n)):
             last = i == n - 1
             sync = no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
             with sync, self.step_context():
-                micro_loss = self._forward_loss_sum(StepBatch(*micro))
+                micro_loss = self._forward_loss_sum(micro)
                 (micro_loss * scale).backward()
             loss_sum += micro_loss.detach()
         finish = getattr(self.model, "finish_gradient_sync", None)
@@ -490,60 +467,45 @@ class Trainer:
             finish()
         return loss_sum
 
-    def train_step(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """One optimizer step over ``grad_accum_steps`` microbatches; returns (loss, grad_norm) tensors,
-        or None if fault tolerance discarded the step (a replica group failed during it)."""
-        if self.ft is not None:  # quorum (a lagging group heals here) and this group's data share
-            self.ft.begin_step(self.train_loader, self.state.tokens_seen)
-        batch = self._next_batch(self.train_loader)
+    def _forward_backward(self, batch: StepBatch, scale: torch.Tensor) -> torch.Tensor:
+        """The step's forward and backward: the pipeline schedule (its microbatches replace the
+        accumulation loop; the loss runs on the last stage and is reported everywhere) or the
+        accumulation loop. Returns the summed (unscaled) token loss."""
+        if self.pipeline is not None:
+            return self.pipeline.step(batch.inputs, batch.labels, loss_scale=scale, **batch.model_kwargs())
+        return self._accumulate_gradients(batch, scale)
+
+    def train_step(self) -> Optional[StepState]:
+        """One optimizer step over ``grad_accum_steps`` microbatches, with the hooks at their points
+        (``trainer/hooks.py``); returns the step's state (``loss_sum``, ``num_tokens``, pre-clip
+        ``grad_norm``), or None if a hook discarded the step (fault tolerance: a group failed)."""
+        s = StepState(step=self.state.step + 1, loader=self.train_loader, tokens_seen=self.state.tokens_seen)
+        self.hooks.run("begin_step", s)
+        batch = self._next_batch(self.train_loader, training=True)
         # The loss is normalised by the GLOBAL number of target tokens, and the gradient
         # reducers (DDP, FSDP) average over dp ranks, so each rank scales by dp_cp: the
         # result equals the single-process mean over the whole global batch.
-        num_tokens = self._global_sum(count_targets(batch.labels))
-        replicas = 1
-        if self.ft is not None:  # the tokens of every replica group in the step; they average over `replicas`
-            num_tokens, replicas = self.ft.sum_over_groups(num_tokens), self.ft.num_participants
-        num_tokens = num_tokens.clamp(min=1)
-        scale = self.dims.dp_cp * replicas / num_tokens
-        if self.load_balancer is not None:
-            self.load_balancer.begin_step()
-        if self.qk_clip is not None:  # the attention records its per-head max logits this step
-            self.qk_clip.begin_step()
-        if self.mtp_stats is not None:
-            self.mtp_stats.begin_step()
-        if self.pipeline is not None:
-            # The schedule splits the local batch into its microbatches (they replace the
-            # accumulation loop), runs the loss on the last stage and reports it everywhere.
-            loss_sum = self.pipeline.step(
-                batch.inputs, batch.labels, loss_scale=scale, positions=batch.positions
-            )
-        else:
-            loss_sum = self._accumulate_gradients(batch, scale)
-        if self.ft is not None:  # the gradient mean over the replica groups (unless DDP's buckets did it)
-            self.ft.sync_gradients(self.model, self.parameters)
+        s.num_tokens = self._global_sum(count_targets(batch.labels))
+        self.hooks.run("count_tokens", s)
+        s.num_tokens = s.num_tokens.clamp(min=1)
+        s.loss_sum = self._forward_backward(batch, self.dims.dp_cp * s.replicas / s.num_tokens)
+        self.hooks.run("after_backward", s)
         pp_mesh = self.dims.get_mesh("pp") if self.dims.pp > 1 else None
-        grad_norm = clip_grad_norm_(self.parameters, self.cfg.training.grad_clip, pp_mesh=pp_mesh)
-        if self.ft is not None:
-            loss_sum = self.ft.sum_over_groups(loss_sum)
-            if not self.ft.should_commit():  # a group failed in this step: every survivor drops it
-                self.optimizer.zero_grad(set_to_none=True)
-                return None
+        s.grad_norm = clip_grad_norm_(self.parameters, self.cfg.training.grad_clip, pp_mesh=pp_mesh)
+        self.hooks.run("after_clip", s)
+        if s.discard:
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
         # Every rank sees the same global grad norm, so all stop together, before the step.
-        message = non_finite_message(grad_norm, loss_sum, self.state.step + 1)  # names the rank(s)
+        message = non_finite_message(s.grad_norm, s.loss_sum, s.step)  # names the rank(s)
         if message is not None:
             raise TrainingError(message)
-        if self.load_balancer is not None:  # tokens per expert over dp x cp -> expert-bias update
-            self.load_balancer.end_step()
-        if self.comm_ledger is not None and self.comm_ledger.active:  # the gradients exist only now
-            self.comm_ledger.measure_gradients(self.parameters)
-        if self.memory_ledger is not None and self.memory_ledger.active:
-            self.memory_ledger.measure_gradients(self.parameters)
+        self.hooks.run("before_optimizer_step", s)
         self.optimizer.step()
-        if self.qk_clip is not None:  # scale q/k rows of heads whose max logit exceeded tau
-            self.qk_clip.after_step()
+        self.hooks.run("after_optimizer_step", s)
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss_sum / num_tokens, grad_norm
+        return s
 
     @torch.no_grad()
     def evaluate(self, loader: Optional[DataLoader] = None, steps: Optional[int] = None) -> tuple[float, int]:
@@ -559,7 +521,7 @@ class Trainer:
         for _ in range(steps or self.cfg.training.eval_steps):
             batch = self._next_batch(loader)
             if self.pipeline is not None:
-                loss_sum += self.pipeline.forward_loss_sum(batch.inputs, batch.labels, batch.positions)
+                loss_sum += self.pipeline.forward_loss_sum(batch.inputs, batch.labels, **batch.model_kwargs())
             else:
                 with self.step_context():
                     loss_sum += self._forward_loss_sum(batch)
@@ -576,16 +538,12 @@ class Trainer:
             return self.pipeline.forward_loss_sum(
                 batch.inputs,
                 batch.labels,
-                batch.positions,
                 loss_fn=row_stats,
                 out_shape=(len(inputs), len(ROW_STATS)),
+                **batch.model_kwargs(),
             )
         with self.step_context():
-            logits = (
-                self.model(batch.inputs)
-                if batch.positions is None
-                else self.model(batch.inputs, batch.positions)
-            )
+            logits = self.model(batch.inputs, **batch.model_kwargs())
             return row_stats(logits, batch.labels)
 
     @torch.no_grad()
@@ -622,75 +580,58 @@ class Trainer:
     def _is_logged(self, step: int) -> bool:
         return step % self.cfg.metrics.log_freq == 0 or step == self.cfg.training.steps or step == 1
 
-    def _ledger_for(self, step: int) -> contextlib.AbstractContextManager:
-        """The communication and memory ledgers around ``step`` if that step is logged (they measure
-        the steps they report: every step of a run issues the same collectives), else nothing."""
-        ledgers = [
-            x for x in (self.comm_ledger, self.memory_ledger) if x is not None and self._is_logged(step)
-        ]
-        if not ledgers:
-            return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        for ledger in ledgers:
-            stack.enter_context(ledger)
-        return stack
+    def _log_step(self, s: StepState) -> None:
+        """The training record of logged step ``s.step``: loss, grad norm, lr and every hook's entries
+        (some are collectives: every rank logs the same steps)."""
+        assert s.loss_sum is not None and s.num_tokens is not None and s.grad_norm is not None
+        # Losses are local sums over this rank's tokens: add them up over dp/cp.
+        global_loss = self._global_sum((s.loss_sum / s.num_tokens).detach())
+        extra = self.train_loader.pop_metrics()  # data_wait_s (+ mixture shares)
+        extra.update(self.hooks.metrics(s, self.device))
+        lr = self.lr_scheduler.get_last_lr()[0]
+        record = self.metrics.log_step(s.step, global_loss.item(), s.grad_norm.item(), lr, extra=extra)
+        self.state.history.append(record)
+
+    def _after_step(self, step: int, stop: int) -> None:
+        """Evaluation, checkpoint and the preemption check after step ``step`` was applied."""
+        t = self.cfg.training
+        if self.val_loader is not None and (step % t.eval_freq == 0 or step == t.steps):
+            eval_loss, eval_tokens = self.evaluate()
+            self.state.history.append(self.metrics.log_eval(step, eval_loss, eval_tokens))
+        self._evaluate_more(step)  # eval.validation sets and eval.tasks (trainer/eval/)
+        writer = self.ft is None or self.ft.writes_checkpoints  # one replica group writes DCP
+        if writer:
+            self.checkpointer.maybe_save(step, last=step == stop)
+        # Preemption: one all-reduce of a flag per step; if any rank was signalled, all
+        # checkpoint this step and raise Preempted (exit 75).
+        if step < stop and self.preemption.should_stop(step):
+            self.preemption.stop(step, self.checkpointer, self.cfg.checkpoint.enable and writer)
 
     def train(self, until_step: Optional[int] = None) -> list[dict[str, Any]]:
         """Run until ``training.steps`` (or stop early after ``until_step``, saving a checkpoint
         there if checkpoints are on); return the logged records (also written to disk)."""
-        t = self.cfg.training
         if self.cfg.checkpoint.create_seed:
             self.checkpointer.save_seed()
             return []
-        stop = t.steps if until_step is None else min(until_step, t.steps)
+        stop = self.cfg.training.steps if until_step is None else min(until_step, self.cfg.training.steps)
         self.metrics.reset_timer(self.state.step)
         start = time.perf_counter()
         try:
             while self.state.step < stop:
-                self.comm.begin_step(self.state.step + 1)  # a hang report names this step
-                self.profiler.begin(self.state.step + 1)
-                with self._ledger_for(self.state.step + 1):  # metrics.comm_ledger/memory_ledger: logged steps
-                    result = self.train_step()
-                if result is None:  # fault tolerance: discarded, retried with the next quorum
+                step = self.state.step + 1
+                self.comm.begin_step(step)  # a hang report names this step
+                self.profiler.begin(step)
+                # metrics.comm_ledger / memory_ledger measure logged steps (each step: the same collectives)
+                with self.hooks.measuring() if self._is_logged(step) else contextlib.nullcontext():
+                    s = self.train_step()
+                if s is None:  # fault tolerance: discarded, retried with the next quorum
                     continue
-                loss, grad_norm = result
-                self.state.step += 1
+                self.state.step = step
                 self.state.tokens_seen += self.tokens_per_step if self.ft is None else self.ft.step_tokens
-                step = self.state.step
                 self.profiler.end(step)
                 if self._is_logged(step):
-                    # Losses are local sums over this rank's tokens: add them up over dp/cp.
-                    global_loss = self._global_sum(loss.detach())
-                    # MoE: tokens per expert, load imbalance, aux loss (collective over pp).
-                    extra = self.train_loader.pop_metrics()  # data_wait_s (+ mixture shares)
-                    if self.load_balancer is not None:
-                        extra.update(self.load_balancer.log_stats(self.device))
-                    if self.qk_clip is not None:  # qk_max_logit, qk_clipped_heads of this step
-                        extra.update(self.qk_clip.last_stats)
-                    if self.mtp_stats is not None:  # mtp_loss: mean over depths and dp x cp (a collective)
-                        extra.update(self.mtp_stats.log_stats(self.device))
-                    if self.comm_ledger is not None:  # every rank's collectives per step (a collective)
-                        extra["comm"] = self.comm_ledger.collect(self.parameters, self.optimizer)
-                    if self.ft is not None:  # participants, discarded steps, heal time, replica digest
-                        extra.update(self.ft.metrics())
-                    if self.memory_ledger is not None:  # saved tensors, states, buffers (a collective)
-                        extra["memory"] = self.memory_ledger.collect(self.parameters)
-                    lr = self.lr_scheduler.get_last_lr()[0]
-                    record = self.metrics.log_step(
-                        step, global_loss.item(), grad_norm.item(), lr, extra=extra
-                    )
-                    self.state.history.append(record)
-                if self.val_loader is not None and (step % t.eval_freq == 0 or step == t.steps):
-                    eval_loss, eval_tokens = self.evaluate()
-                    self.state.history.append(self.metrics.log_eval(step, eval_loss, eval_tokens))
-                self._evaluate_more(step)  # eval.validation sets and eval.tasks (trainer/eval/)
-                writer = self.ft is None or self.ft.writes_checkpoints  # one replica group writes DCP
-                if writer:
-                    self.checkpointer.maybe_save(step, last=step == stop)
-                # Preemption: one all-reduce of a flag per step; if any rank was signalled, all
-                # checkpoint this step and raise Preempted (exit 75).
-                if step < stop and self.preemption.should_stop(step):
-                    self.preemption.stop(step, self.checkpointer, self.cfg.checkpoint.enable and writer)
+                    self._log_step(s)
+                self._after_step(step, stop)
                 self.comm.end_step(step)  # after the first step: comm.train_timeout_s
             self.checkpointer.wait()
         finally:

@@ -14,6 +14,7 @@ from models.deepseek_v3.model import (
     DeepSeekV3Transformer,
     MLAttention,
     attention_comm,
+    batch_inputs,
     flops_per_token,
     mtp_depth,
     param_counts,
@@ -39,6 +40,7 @@ DEEPSEEK_V3_SPEC = ModelSpec(
     ties_embeddings=ties_embeddings,
     attention_mask=attention_mask,
     mtp_depth=mtp_depth,
+    batch_inputs=batch_inputs,
     attention_comm=attention_comm,
     last_modules=("norm", "output", "mtp"),  # MTP modules share the final norm and the head
     qk_clip=False,  # MLA: QK-clip would scale only the non-RoPE q/k parts (Kimi K2); not built yet

@@ -308,6 +308,47 @@ def mtp_loss_sum(logits: Tensor, labels: Tensor) -> Tensor:
     )
 
 
+def mtp_targets(
+    inputs: Tensor, labels: Tensor, depth: int, positions: Optional[Tensor] = None
+) -> tuple[Tensor, Tensor]:
+    """Multi-token-prediction inputs and targets of a whole (B, S) window, before any split along it.
+
+    Returns (B, S, D) ids of token i+k and (B, S, D) targets ``labels[i+k]`` (token i+k+1) of
+    position i for k = 1..D; a target is ``IGNORE_INDEX`` past the window's end, where the label
+    is ignored (padding), and, with per-document ``positions`` (block-causal masking), when token
+    i+k or token i+k+1 lies in another document than token i (the window's last label, whose
+    token is outside the window, counts as in i's document, as for the next-token loss).
+    Context parallelism then shards these like the labels, so each rank gets the tokens of other
+    ranks' shards that its positions need.
+    """
+    B, S = inputs.shape
+    index = torch.arange(S, device=inputs.device)
+    ext_ids = torch.cat([inputs, inputs.new_zeros(B, depth)], dim=1)  # (B, S + D)
+    ext_labels = torch.cat([labels, labels.new_full((B, depth), IGNORE_INDEX)], dim=1)
+    ids = torch.stack([ext_ids[:, k : k + S] for k in range(1, depth + 1)], dim=-1)  # (B, S, D)
+    targets = torch.stack([ext_labels[:, k : k + S] for k in range(1, depth + 1)], dim=-1)  # (B, S, D)
+    if positions is not None:
+        doc = (index - positions).expand(B, S)  # a document's first index, per token
+        big = torch.iinfo(doc.dtype).max  # past the window: "unknown", never equal
+        ext_doc = torch.cat([doc, doc.new_full((B, depth + 1), big)], dim=1)
+        ext_doc[:, S] = doc[:, -1]  # token S (the last label) counts as in the last token's document
+        for k in range(1, depth + 1):
+            same = (ext_doc[:, k : k + S] == doc) & (ext_doc[:, k + 1 : k + 1 + S] == doc)
+            targets[..., k - 1] = targets[..., k - 1].masked_fill(~same, IGNORE_INDEX)
+    return ids, targets
+
+
+def batch_inputs(
+    args: DeepSeekV3Args, inputs: Tensor, labels: Tensor, positions: Optional[Tensor]
+) -> dict[str, Tensor]:
+    """The family's extra model inputs of a training window (``ModelSpec.batch_inputs``): with MTP
+    modules, ``mtp_inputs`` / ``mtp_labels`` (B, S, D) from :func:`mtp_targets`; none otherwise."""
+    if args.mtp_depth < 1:
+        return {}
+    ids, targets = mtp_targets(inputs, labels, args.mtp_depth, positions)
+    return {"mtp_inputs": ids, "mtp_labels": targets}
+
+
 def shifted_tokens(tokens: Tensor, depth: int) -> tuple[Tensor, Tensor]:
     """MTP inputs and targets of a window alone (no labels, no documents): (B, S, D) ids of token i+k
     (0 past the end) and of token i+k+1 (``IGNORE_INDEX`` past the end), k = 1..D."""

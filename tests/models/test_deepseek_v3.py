@@ -318,9 +318,10 @@ def test_mtp_adds_its_weighted_loss_to_the_gradient_only() -> None:
 
 def test_mtp_targets_stop_at_packed_document_boundaries() -> None:
     """Block-causal masking: two documents packed in one window train MTP exactly as each alone -- the
-    targets that cross into the other document are ignored (``trainer.step.mtp_targets``), the
+    targets that cross into the other document are ignored (the family's ``mtp_targets``), the
     next-token loss's positions restart, and the (D, 2) MTP loss sums and target counts add up."""
-    from trainer.step import document_positions, mtp_targets
+    from models.deepseek_v3.model import mtp_targets
+    from trainer.step import document_positions
 
     spec = get_spec("deepseek_v3")
     args = _tiny_args(mtp_depth=2, attention_mask="block_causal")
@@ -338,7 +339,7 @@ def test_mtp_targets_stop_at_packed_document_boundaries() -> None:
         positions = document_positions(inputs, bos, eos)
         ids, targets = mtp_targets(inputs, labels, args.mtp_depth, positions)
         model.mtp_records = []
-        model(inputs, positions, ids, targets)
+        model(inputs, positions=positions, mtp_inputs=ids, mtp_labels=targets)
         return model.mtp_records[0], targets
 
     packed, targets = stats(doc_a + doc_b, after)

@@ -219,7 +219,8 @@ def test_ledger_reaches_tensorboard_and_planner_cli(runs: dict, capsys: pytest.C
 
 def test_ledger_off_installs_nothing(runs: dict) -> None:
     """The parity runs train with the ledger off; a run without it logs no ``comm`` (and the Trainer
-    holds no ledger: ``Trainer.comm_ledger is None`` when ``metrics.comm_ledger=false``)."""
+    holds no ledger hook when ``metrics.comm_ledger=false``)."""
+    from trainer.hooks import LedgerHook
     from trainer.train import Trainer
 
     cfg = tiny_config(
@@ -229,7 +230,7 @@ def test_ledger_off_installs_nothing(runs: dict) -> None:
     )
     trainer = Trainer(cfg)
     try:
-        assert trainer.comm_ledger is None and trainer.memory_ledger is None
+        assert not any(isinstance(h, LedgerHook) for h in trainer.hooks.hooks)
         history = trainer.train()
     finally:
         trainer.close()

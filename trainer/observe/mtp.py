@@ -12,7 +12,7 @@ MTP cross-entropy per target, over microbatches and data/context-parallel ranks.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -22,12 +22,15 @@ from models.spec import ModelSpec
 from parallelisms.parallel_dims import ParallelDims
 from trainer.step import token_loss_sum
 
+if TYPE_CHECKING:
+    from trainer.hooks import StepState
+
 __all__ = ["MTPStats"]
 
 
 class MTPStats:
-    """``begin_step`` before the first forward of a step; ``log_stats`` on logging steps (collective over dp x
-    cp)."""
+    """A step hook (``trainer/hooks.py``): ``begin_step`` before the first forward of a step; ``metrics``
+    on logging steps (collective over dp x cp)."""
 
     def __init__(self, parts: list[nn.Module], dims: ParallelDims, *, tokens_per_step: int) -> None:
         self.parts = parts
@@ -44,14 +47,14 @@ class MTPStats:
             return None
         return cls(parts, dims, tokens_per_step=tokens_per_step)
 
-    def begin_step(self) -> None:
+    def begin_step(self, _state: StepState) -> None:
         for part in self.parts:
             part.reset_mtp_stats()
             part.mtp_grad_scale = self.grad_scale
             part.mtp_loss_fn = token_loss_sum
 
     @torch.no_grad()
-    def log_stats(self, device: torch.device) -> dict[str, Any]:
+    def metrics(self, _state: StepState, device: torch.device) -> dict[str, Any]:
         records = [r for part in self.parts for r in part.mtp_records]
         if not records:  # e.g. a pipeline stage without the MTP modules
             return {}

@@ -50,6 +50,7 @@ from parallelisms.fault_tolerance import ManagedReducer, allreduce_gradients
 
 if TYPE_CHECKING:
     from trainer.config import TrainConfig
+    from trainer.hooks import StepState
 
 logger = logging.getLogger("meshwright")
 
@@ -394,3 +395,37 @@ class FaultTolerance:
             self.manager.shutdown(wait=False)
         except Exception as e:  # shutting down after a failure: nothing left to save
             logger.warning(f"torchft manager shutdown: {e}")
+
+
+class FaultToleranceHook:
+    """:class:`FaultTolerance` at the step's hook points (``trainer/hooks.py``): the quorum before the
+    batch, the token count and the gradient mean over the replica groups, and the commit decision."""
+
+    def __init__(self, ft: FaultTolerance, model: Any, parameters: list[torch.nn.Parameter]) -> None:
+        self.ft = ft
+        self.model = model  # the gradient mean is skipped when the DDP wrapper's buckets did it
+        self.parameters = parameters
+
+    def begin_step(self, state: StepState) -> None:
+        """Quorum (a lagging group heals here) and this group's data share."""
+        self.ft.begin_step(state.loader, state.tokens_seen)
+
+    def count_tokens(self, state: StepState) -> None:
+        """The tokens of every replica group in the step; their gradients average over ``replicas``."""
+        assert state.num_tokens is not None  # set by the trainer before this point
+        state.num_tokens = self.ft.sum_over_groups(state.num_tokens)
+        state.replicas = self.ft.num_participants
+
+    def after_backward(self, state: StepState) -> None:
+        self.ft.sync_gradients(self.model, self.parameters)
+
+    def after_clip(self, state: StepState) -> None:
+        """The loss over the groups; a group that failed in this step: every survivor drops it."""
+        assert state.loss_sum is not None
+        state.loss_sum = self.ft.sum_over_groups(state.loss_sum)
+        if not self.ft.should_commit():
+            state.discard = True
+
+    def metrics(self, state: StepState, device: torch.device) -> dict[str, Any]:
+        """Participants, discarded steps, heal time, replica digest (``ft/*``)."""
+        return self.ft.metrics()
