@@ -146,7 +146,6 @@ class Trainer:
             device_type=self.device.type,
         )
         self.grad_accum_steps = self.dims.grad_accum_steps(self.batch_size, t.micro_batch_size)
-        self.local_batch_size = self.dims.local_batch_size(self.batch_size)
         if not cfg.checkpoint.create_seed:  # metrics.memory_check: will this layout fit on this host?
             self._check_memory()
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
@@ -244,12 +243,21 @@ class Trainer:
     def _write_run_folder(self) -> None:
         """Only rank 0 writes into the run folder (the same path on every rank); a replica group
         writes its config and metrics into its own subfolder."""
-        self.dump_folder = self.cfg.job.dump_folder
-        self.log_folder = self.ft.folder if self.ft is not None else self.dump_folder
+        self.log_folder = self.ft.folder if self.ft is not None else self.cfg.job.dump_folder
         if self.rank == 0:
             os.makedirs(self.log_folder, mode=0o750, exist_ok=True)
             with open(os.path.join(self.log_folder, "config.yaml"), "w", encoding="utf-8") as f:
                 f.write(to_yaml(self.cfg))
+
+    @property
+    def local_batch_size(self) -> int:
+        """Sequences per step on this rank (this group's batch over the data-parallel ranks)."""
+        return self.dims.local_batch_size(self.batch_size)
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens of this replica group's batch per step."""
+        return self.batch_size * self.cfg.training.seq_len
 
     @property
     def attention_mask(self) -> str:
@@ -334,7 +342,7 @@ class Trainer:
         cfg = self.cfg
         self.checkpointer = Checkpointer(
             cfg.checkpoint,
-            dump_folder=self.dump_folder,
+            dump_folder=self.cfg.job.dump_folder,
             model_parts=self.model_parts,
             optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler,
@@ -353,8 +361,6 @@ class Trainer:
 
     def _build_metrics(self) -> None:
         cfg, t = self.cfg, self.cfg.training
-        self.tokens_per_step = self.batch_size * t.seq_len
-        self.param_counts = self.spec.param_counts(cfg.model)
         self.metrics = MetricsLogger(
             self.log_folder,
             cfg.metrics,
@@ -394,7 +400,7 @@ class Trainer:
             if self.pipeline is not None
             else f"grad accumulation {self.grad_accum_steps}"
         )
-        counts = self.param_counts
+        counts = self.spec.param_counts(cfg.model)
         active = f" ({counts.active / 1e6:.2f}M active)" if counts.active != counts.total else ""
         logger.info(
             f"model {cfg.model.name} ({self.spec.family}): {counts.total / 1e6:.2f}M params{active} | world "
