@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 from torch import nn
@@ -38,8 +38,16 @@ from torch import nn
 if TYPE_CHECKING:
     from models.spec import ModelSpec
     from parallelisms.parallel_dims import ParallelDims
+    from parallelisms.pipeline_parallel import Pipeline
     from trainer.config import TrainConfig
+    from trainer.data import DataLoader
+    from trainer.observe.comm_ledger import CommLedger
+    from trainer.observe.memory_ledger import MemoryLedger
     from trainer.resilience.fault_tolerance import FaultTolerance
+
+# A hook is any object with some of the points' methods (structural: hooks in parallelisms/ cannot
+# import this module); ``Hook`` names that role in signatures.
+Hook = object
 
 __all__ = [
     "HOOK_BUILDERS",
@@ -66,7 +74,7 @@ class StepState:
     """What one training step knows, shared with its hooks (see the module docstring)."""
 
     step: int  # the step being taken (1-based)
-    loader: Any  # the training DataLoader (fault tolerance reads and moves its position)
+    loader: DataLoader  # the training DataLoader (fault tolerance reads and moves its position)
     tokens_seen: int  # tokens trained on before this step
     num_tokens: Optional[torch.Tensor] = None  # target tokens of the step (count_tokens and later)
     replicas: int = 1  # replica groups whose gradients are averaged (fault tolerance)
@@ -82,10 +90,10 @@ class HookContext:
     cfg: TrainConfig
     spec: ModelSpec
     dims: ParallelDims
-    model: Any  # what runs the step: the (DDP-wrapped) module or the Pipeline
+    model: Union[nn.Module, Pipeline]  # what runs the step: the (DDP-wrapped) module or the Pipeline
     model_parts: list[nn.Module]
     parameters: list[nn.Parameter]
-    optimizer: Any
+    optimizer: torch.optim.Optimizer
     device: torch.device
     tokens_per_step: int  # the global batch's tokens (every replica group)
     forwards_per_step: int  # forward calls per step: microbatches (pipeline) or accumulation steps
@@ -95,7 +103,7 @@ class HookContext:
 class StepHooks:
     """The ordered hooks of a run; ``run(point, state)`` calls every hook that has ``point``."""
 
-    def __init__(self, hooks: Sequence[Any]) -> None:
+    def __init__(self, hooks: Sequence[Hook]) -> None:
         self.hooks = list(hooks)
         self._at = {p: [getattr(h, p) for h in self.hooks if hasattr(h, p)] for p in HOOK_POINTS}
         self._metrics = [h.metrics for h in self.hooks if hasattr(h, "metrics")]
@@ -119,12 +127,12 @@ class StepHooks:
             out.update(fn(state, device))
         return out
 
-    def of_type(self, cls: type) -> Optional[Any]:
+    def of_type(self, cls: type) -> Optional[Hook]:
         """The hook of class ``cls``, if the run has one (tests and benchmarks inspect hooks)."""
         return next((h for h in self.hooks if isinstance(h, cls)), None)
 
 
-HookBuilder = Callable[[HookContext], Optional[Any]]
+HookBuilder = Callable[[HookContext], Optional[Hook]]
 
 
 class LedgerHook:
@@ -132,11 +140,15 @@ class LedgerHook:
     logged steps it is entered around, reads the gradients once they exist, and reports under ``key``."""
 
     def __init__(
-        self, ledger: Any, key: str, collect: Callable[[], dict[str, Any]], parameters: list
+        self,
+        ledger: Union[CommLedger, MemoryLedger],
+        key: str,
+        collect: Callable[[], dict[str, Any]],
+        parameters: list[nn.Parameter],
     ) -> None:
         self.ledger, self.key, self._collect, self.parameters = ledger, key, collect, parameters
 
-    def measuring(self) -> Any:
+    def measuring(self) -> Union[CommLedger, MemoryLedger]:
         return self.ledger
 
     def before_optimizer_step(self, state: StepState) -> None:
@@ -147,7 +159,7 @@ class LedgerHook:
         return {self.key: self._collect()}  # every rank's figures (a collective)
 
 
-def _load_balance(c: HookContext) -> Optional[Any]:
+def _load_balance(c: HookContext) -> Optional[Hook]:
     """MoE families: per-step expert statistics, aux-loss weight and expert-bias update."""
     from parallelisms.expert_parallel import LoadBalancer
 
@@ -161,14 +173,14 @@ def _load_balance(c: HookContext) -> Optional[Any]:
     )
 
 
-def _qk_clip(c: HookContext) -> Optional[Any]:
+def _qk_clip(c: HookContext) -> Optional[Hook]:
     """``optimizer.qk_clip_tau > 0``: scale the q/k rows of heads whose max logit exceeded tau."""
     from trainer.optim import build_qk_clip
 
     return build_qk_clip(c.model_parts, c.spec, c.cfg, c.dims)
 
 
-def _mtp(c: HookContext) -> Optional[Any]:
+def _mtp(c: HookContext) -> Optional[Hook]:
     """Multi-token prediction (DeepSeek-V3): its gradient weight per step and its logged mtp_loss."""
     from trainer.observe.mtp import MTPStats
 
@@ -187,7 +199,7 @@ def _comm_ledger(c: HookContext) -> Optional[LedgerHook]:
     return LedgerHook(ledger, "comm", lambda: ledger.collect(c.parameters, c.optimizer), c.parameters)
 
 
-def _fault_tolerance(c: HookContext) -> Optional[Any]:
+def _fault_tolerance(c: HookContext) -> Optional[Hook]:
     """torchft replica groups: quorum, token count and gradients over the groups, commit."""
     if c.ft is None:
         return None
