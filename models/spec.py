@@ -15,7 +15,8 @@ class, so a new family plugs in without touching any strategy:
 - ``tp_plan``: module-name pattern -> abstract style (``colwise``, ``rowwise``, ...), data that
   ``parallelisms/tensor_parallel.py`` turns into torch ``ParallelStyle`` objects;
 - ``tp_divisible``: the sizes tensor parallelism must divide (head counts, hidden sizes, vocab);
-- ``hf``: the Hugging Face adapter (config conversion and tensor-name mapping);
+- ``hf``: the Hugging Face adapter (config conversion through the shared ``models/hf_config.py`` and
+  a per-format table, tensor-name mapping);
 - optional features, declared here rather than probed on the args: ``moe_layers`` /
   ``expert_modules`` (a mixture-of-experts family's routed layers and stacked experts, for expert
   parallel, FSDP and the planner; ``has_experts`` / ``num_experts(args)``), ``ties_embeddings(args)``
@@ -62,10 +63,17 @@ class ParamCounts:
 
 
 class HFAdapter(Protocol):
-    """Conversion between a family's args / tensor names and a Hugging Face architecture."""
+    """Conversion between a family's args / tensor names and a Hugging Face architecture. The config
+    side is one table per HF format, read and written by ``models/hf_config.py``."""
 
-    architecture: str  # e.g. "LlamaForCausalLM"
-    model_type: str  # config.json's model_type, e.g. "llama"
+    @property
+    def architecture(self) -> str: ...  # e.g. "LlamaForCausalLM" (of the main format)
+
+    @property
+    def model_type(self) -> str: ...  # config.json's model_type, e.g. "llama" (of the main format)
+
+    @property
+    def model_types(self) -> tuple[str, ...]: ...  # every model_type the adapter reads
 
     def to_hf_config(
         self, args: Any, *, bos_id: Optional[int], eos_id: Optional[int], dtype: str

@@ -35,12 +35,13 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 import torch
 from torch import nn
 
+from trainer.step import StepState
+
 if TYPE_CHECKING:
     from models.spec import ModelSpec
     from parallelisms.parallel_dims import ParallelDims
     from parallelisms.pipeline_parallel import Pipeline
     from trainer.config import TrainConfig
-    from trainer.data import DataLoader
     from trainer.observe.comm_ledger import CommLedger
     from trainer.observe.memory_ledger import MemoryLedger
     from trainer.resilience.fault_tolerance import FaultTolerance
@@ -67,20 +68,6 @@ HOOK_POINTS = (
     "before_optimizer_step",
     "after_optimizer_step",
 )
-
-
-@dataclass
-class StepState:
-    """What one training step knows, shared with its hooks (see the module docstring)."""
-
-    step: int  # the step being taken (1-based)
-    loader: DataLoader  # the training DataLoader (fault tolerance reads and moves its position)
-    tokens_seen: int  # tokens trained on before this step
-    num_tokens: Optional[torch.Tensor] = None  # target tokens of the step (count_tokens and later)
-    replicas: int = 1  # replica groups whose gradients are averaged (fault tolerance)
-    loss_sum: Optional[torch.Tensor] = None  # summed token loss (after_clip and later)
-    grad_norm: Optional[torch.Tensor] = None  # pre-clip global gradient norm (after_clip and later)
-    discard: bool = False  # set by a hook: the step is not applied (the trainer retries)
 
 
 @dataclass

@@ -16,7 +16,7 @@ import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +26,10 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from models.common import IGNORE_INDEX
 
-__all__ = ["StepBatch", "StepContext", "document_positions", "token_loss_sum"]
+if TYPE_CHECKING:
+    from trainer.data import DataLoader
+
+__all__ = ["StepBatch", "StepContext", "StepState", "document_positions", "token_loss_sum"]
 
 
 def token_loss_sum(logits: Tensor, labels: Tensor) -> Tensor:
@@ -130,3 +133,17 @@ class StepContext:
     def shard_batch(self, batch: StepBatch) -> StepBatch:
         """This rank's part of ``batch`` (context parallel splits the sequence); identity by default."""
         return self.batch_sharder(batch) if self.batch_sharder is not None else batch
+
+
+@dataclass
+class StepState:
+    """What one training step knows, shared with its hooks (see the module docstring)."""
+
+    step: int  # the step being taken (1-based)
+    loader: DataLoader  # the training DataLoader (fault tolerance reads and moves its position)
+    tokens_seen: int  # tokens trained on before this step
+    num_tokens: Optional[torch.Tensor] = None  # target tokens of the step (count_tokens and later)
+    replicas: int = 1  # replica groups whose gradients are averaged (fault tolerance)
+    loss_sum: Optional[torch.Tensor] = None  # summed token loss (after_clip and later)
+    grad_norm: Optional[torch.Tensor] = None  # pre-clip global gradient norm (after_clip and later)
+    discard: bool = False  # set by a hook: the step is not applied (the trainer retries)

@@ -33,7 +33,7 @@ from trainer.eval.config import validation_sources
 from trainer.eval.evaluator import TaskEvaluator, TaskResult
 from trainer.eval.scoring import ROW_STATS, row_stats
 from trainer.eval.validation import build_validation_loaders
-from trainer.hooks import HookContext, StepState, build_step_hooks
+from trainer.hooks import HookContext, build_step_hooks
 from trainer.observe.metrics import MetricsLogger, setup_logging
 from trainer.observe.profiling import StepProfiler
 from trainer.optim import build_lr_scheduler, build_optimizer
@@ -49,6 +49,7 @@ from trainer.resilience.watchdog import CommMonitor, configure_flight_recorder
 from trainer.step import (
     StepBatch,
     StepContext,
+    StepState,
     count_targets,
     document_positions,
     token_loss_sum,

@@ -31,9 +31,20 @@ from torch import Tensor
 
 from models.deepseek_v3.model import DeepSeekV3Args, DeepSeekV3Transformer
 from models.errors import ConfigError
-from models.llama.hf import LLAMA_HF_TOP_NAMES, decoder_hf_config, finish_state_from_hf, rope_scaling_from_hf
+from models.hf_config import (
+    DECODER_ROWS,
+    FFN_ROW,
+    Derived,
+    HFConfig,
+    HFFormat,
+    Key,
+    read_hf_args,
+    write_hf_config,
+)
+from models.hf_tensors import LLAMA_HF_TOP_NAMES, finish_state_from_hf
+from models.moe.hf import routing_rows
 
-__all__ = ["DeepSeekV3HF"]
+__all__ = ["DEEPSEEK_V3_HF_FORMAT", "DeepSeekV3HF"]
 
 _LAYER_NAMES = {
     "attention.wq": "self_attn.q_proj",
@@ -74,11 +85,53 @@ def _rope_row_order(name: str, args: DeepSeekV3Args, *, to_hf: bool) -> Optional
     return (torch.arange(args.n_heads)[:, None] * qk + head[None]).reshape(-1)
 
 
+def _mla_write(args: DeepSeekV3Args) -> dict[str, object]:
+    """What transformers' attention config says of MLA: every head its own key (no GQA), and
+    ``head_dim`` the RoPE size (the size of its rotary cache)."""
+    return {"num_key_value_heads": args.n_heads, "head_dim": args.qk_rope_head_dim}
+
+
+DEEPSEEK_V3_HF_FORMAT: HFFormat[DeepSeekV3Args] = HFFormat(
+    family="deepseek_v3",
+    model_type="deepseek_v3",
+    architecture="DeepseekV3ForCausalLM",
+    rows=(
+        *DECODER_ROWS,
+        Derived(write=_mla_write),
+        FFN_ROW,
+        Key("moe_hidden_dim", "moe_intermediate_size"),
+        Key("num_experts", "n_routed_experts"),
+        Key("num_shared_experts", "n_shared_experts", 1),
+        *routing_rows(True),
+        Key("route_scale", "routed_scaling_factor", 1.0, read=float),
+        Key("n_group", "n_group", 1),
+        Key("topk_group", "topk_group", 1),
+        Key("first_k_dense", "first_k_dense_replace", 0),
+        Key("q_lora_rank", "q_lora_rank", None),
+        Key("kv_lora_rank", "kv_lora_rank"),
+        Key("qk_nope_head_dim", "qk_nope_head_dim"),
+        Key("qk_rope_head_dim", "qk_rope_head_dim"),
+        Key("v_head_dim", "v_head_dim"),
+        Key(
+            "hf_rope_interleave",
+            "rope_interleave",
+            True,
+            read=bool,
+            write=lambda a: bool(a.hf_rope_interleave),
+        ),
+    ),
+    # sigmoid routing, every layer after the dense ones MoE, no MTP modules in transformers' format
+    fixed={"score_func": "sigmoid", "moe_layer_freq": 1, "mtp_depth": 0},
+    hf_fixed={"attention_bias": False, "num_nextn_predict_layers": 0},
+)
+
+
 class DeepSeekV3HF:
     """Hugging Face ``DeepseekV3ForCausalLM`` <-> meshwright DeepSeek-V3."""
 
-    architecture = "DeepseekV3ForCausalLM"
-    model_type = "deepseek_v3"
+    architecture = DEEPSEEK_V3_HF_FORMAT.architecture
+    model_type = DEEPSEEK_V3_HF_FORMAT.model_type
+    model_types = (model_type,)
 
     @staticmethod
     def check_exportable(args: DeepSeekV3Args) -> None:
@@ -103,92 +156,14 @@ class DeepSeekV3HF:
 
     def to_hf_config(
         self, args: DeepSeekV3Args, *, bos_id: Optional[int], eos_id: Optional[int], dtype: str
-    ) -> dict:
+    ) -> HFConfig:
+        """The ``config.json`` of ``args`` (``ConfigError`` when the format cannot hold the model)."""
         self.check_exportable(args)
-        cfg = decoder_hf_config(
-            args,
-            architecture=self.architecture,
-            model_type=self.model_type,
-            bos_id=bos_id,
-            eos_id=eos_id,
-            dtype=dtype,
-        )
-        cfg.update(
-            num_key_value_heads=args.n_heads,
-            head_dim=args.qk_rope_head_dim,
-            intermediate_size=args.hidden_dim,
-            moe_intermediate_size=args.moe_hidden_dim,
-            n_routed_experts=args.num_experts,
-            n_shared_experts=args.num_shared_experts,
-            num_experts_per_tok=args.top_k,
-            routed_scaling_factor=args.route_scale,
-            norm_topk_prob=bool(args.route_norm),
-            n_group=args.n_group,
-            topk_group=args.topk_group,
-            first_k_dense_replace=args.first_k_dense,
-            q_lora_rank=args.q_lora_rank,
-            kv_lora_rank=args.kv_lora_rank,
-            qk_nope_head_dim=args.qk_nope_head_dim,
-            qk_rope_head_dim=args.qk_rope_head_dim,
-            v_head_dim=args.v_head_dim,
-            rope_interleave=bool(args.hf_rope_interleave),
-            attention_bias=False,
-            num_nextn_predict_layers=0,
-        )
-        return cfg
+        return write_hf_config(DEEPSEEK_V3_HF_FORMAT, args, bos_id=bos_id, eos_id=eos_id, dtype=dtype)
 
-    def args_from_hf_config(self, cfg: dict[str, Any]) -> dict[str, Any]:
+    def args_from_hf_config(self, cfg: HFConfig) -> dict[str, Any]:
         """Our ``DeepSeekV3Args`` fields from a ``deepseek_v3`` ``config.json``."""
-        if cfg.get("model_type") != self.model_type:
-            raise ConfigError(
-                f"config.json has model_type={cfg.get('model_type')!r}; the deepseek_v3 family reads "
-                "'deepseek_v3'."
-            )
-        if cfg.get("attention_bias"):
-            raise ConfigError("config.json has attention_bias=true; meshwright's MLA has no biases.")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ConfigError(
-                f"config.json has hidden_act={cfg['hidden_act']!r}; meshwright's FFNs are SwiGLU."
-            )
-        top_k, norm = cfg["num_experts_per_tok"], bool(cfg.get("norm_topk_prob", True))
-        if top_k == 1 and norm:
-            raise ConfigError(
-                "config.json has num_experts_per_tok=1 and norm_topk_prob=true: transformers renormalises "
-                "the "
-                "one routing weight to 1, meshwright keeps the router score."
-            )
-        theta, scaling = rope_scaling_from_hf(cfg)
-        return {
-            "family": "deepseek_v3",
-            "dim": cfg["hidden_size"],
-            "n_layers": cfg["num_hidden_layers"],
-            "n_heads": cfg["num_attention_heads"],
-            "vocab_size": cfg["vocab_size"],
-            "ffn_hidden_dim": cfg["intermediate_size"],
-            "norm_eps": cfg.get("rms_norm_eps", 1e-6),
-            "rope_theta": theta,
-            "rope_scaling": scaling,
-            "max_seq_len": cfg.get("max_position_embeddings", 2048),
-            "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
-            "num_experts": cfg["n_routed_experts"],
-            "moe_hidden_dim": cfg["moe_intermediate_size"],
-            "num_shared_experts": cfg.get("n_shared_experts", 1),
-            "top_k": top_k,
-            "route_norm": norm,
-            "route_scale": float(cfg.get("routed_scaling_factor", 1.0)),
-            "score_func": "sigmoid",
-            "n_group": cfg.get("n_group", 1),
-            "topk_group": cfg.get("topk_group", 1),
-            "first_k_dense": cfg.get("first_k_dense_replace", 0),
-            "moe_layer_freq": 1,
-            "q_lora_rank": cfg.get("q_lora_rank"),
-            "kv_lora_rank": cfg["kv_lora_rank"],
-            "qk_nope_head_dim": cfg["qk_nope_head_dim"],
-            "qk_rope_head_dim": cfg["qk_rope_head_dim"],
-            "v_head_dim": cfg["v_head_dim"],
-            "hf_rope_interleave": bool(cfg.get("rope_interleave", True)),
-            "mtp_depth": 0,
-        }
+        return read_hf_args(cfg, (DEEPSEEK_V3_HF_FORMAT,))
 
     # -- names ------------------------------------------------------------------------
     def hf_names_of(self, name: str, args: DeepSeekV3Args) -> list[str]:

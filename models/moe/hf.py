@@ -1,10 +1,10 @@
-"""Hugging Face adapter of the MoE family (``models/moe/model.py``): Mixtral and Qwen3-MoE configs and
-tensor names, with stacked experts <-> per-expert tensors. Attention, norms and embeddings reuse
-Llama's names (``models/llama/hf.py``)."""
+"""Hugging Face adapter of the MoE family (``models/moe/model.py``): the Mixtral and Qwen3-MoE config
+tables (read and written by ``models/hf_config.py``) and tensor names, with stacked experts <->
+per-expert tensors. Attention, norms and embeddings use HF's Llama names (``models/hf_tensors.py``).
+``routing_rows`` (top-k and its renormalisation) is shared with DeepSeek-V3."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from typing import Any, Optional
 
@@ -12,18 +12,23 @@ import torch
 from torch import Tensor
 
 from models.errors import ConfigError
-from models.llama.hf import (
-    LLAMA_HF_LAYER_NAMES,
-    LLAMA_HF_TOP_NAMES,
-    decoder_hf_config,
-    finish_state_from_hf,
-    rope_scaling_from_hf,
+from models.hf_config import (
+    DECODER_ROWS,
+    FFN_ROW,
+    GQA_ROWS,
+    Derived,
+    HFConfig,
+    HFFormat,
+    Key,
+    Row,
+    SlidingWindow,
+    read_hf_args,
+    write_hf_config,
 )
+from models.hf_tensors import LLAMA_HF_LAYER_NAMES, LLAMA_HF_TOP_NAMES, finish_state_from_hf
 from models.moe.model import MoEArgs, MoETransformer
 
-__all__ = ["MoEHF"]
-
-logger = logging.getLogger("meshwright")
+__all__ = ["MIXTRAL_HF_FORMAT", "QWEN3_MOE_HF_FORMAT", "MoEHF", "routing_rows"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -33,8 +38,7 @@ logger = logging.getLogger("meshwright")
 # Attention, norms and embeddings use Llama's names. MoE layers (Mixtral / Qwen3-MoE):
 #
 #   layers.{i}.moe.router.gate.weight   block_sparse_moe.gate.weight  / mlp.gate.weight
-# layers.{i}.moe.experts.w1[j]        block_sparse_moe.experts.{j}.w1.weight /
-# mlp.experts.{j}.gate_proj.weight
+#   layers.{i}.moe.experts.w1[j]        ...experts.{j}.w1.weight  / mlp.experts.{j}.gate_proj.weight
 #   layers.{i}.moe.experts.w3[j]        ...experts.{j}.w3.weight  / mlp.experts.{j}.up_proj.weight
 #   layers.{i}.moe.experts.w2[j]        ...experts.{j}.w2.weight  / mlp.experts.{j}.down_proj.weight
 #   layers.{i}.attention.q_norm/k_norm  self_attn.q_norm / self_attn.k_norm (Qwen3)
@@ -47,16 +51,100 @@ _EXPERT_NAMES = {
     "mixtral": ("block_sparse_moe", {"w1": "w1", "w2": "w2", "w3": "w3"}),
     "qwen3_moe": ("mlp", {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}),
 }
-_ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+def routing_rows(norm_topk_prob: Optional[bool]) -> tuple[Row[MoEArgs], ...]:
+    """top_k and route_norm. ``norm_topk_prob``: the format's default for that key, or None when the
+    format has none and always renormalises (Mixtral). A top-1 router that renormalises is refused:
+    HF scales the one expert by 1, ours by its score."""
+
+    def read(cfg: HFConfig, model_type: str) -> dict[str, object]:
+        norm = True if norm_topk_prob is None else bool(cfg.get("norm_topk_prob", norm_topk_prob))
+        if cfg["num_experts_per_tok"] == 1 and norm:
+            field = "" if norm_topk_prob is None else " and norm_topk_prob=true"
+            raise ConfigError(
+                f"config.json has num_experts_per_tok=1{field}: {model_type} renormalises the one routing "
+                "weight to 1, meshwright keeps the router score; they route the same tokens but scale them "
+                "differently."
+            )
+        return {"route_norm": norm}
+
+    def write(args: MoEArgs) -> dict[str, object]:
+        # top-1 without renormalising is the raw score on both sides; the family refuses top-1 with it
+        return {} if norm_topk_prob is None else {"norm_topk_prob": bool(args.route_norm and args.top_k > 1)}
+
+    return (Key("top_k", "num_experts_per_tok"), Derived(read, write))
+
+
+def _dense_layers_read(cfg: HFConfig, model_type: str) -> dict[str, object]:
+    step = cfg.get("decoder_sparse_step", 1)
+    dense = sorted(cfg.get("mlp_only_layers") or [])
+    if step != 1 or dense != list(range(len(dense))):
+        raise ConfigError(
+            f"config.json: decoder_sparse_step={step}, mlp_only_layers={dense}; meshwright reads Qwen3-MoE "
+            "with every layer sparse except a leading run of dense layers."
+        )
+    return {"first_k_dense": len(dense)}
+
+
+def _dense_layers_write(args: MoEArgs) -> dict[str, object]:
+    return {"decoder_sparse_step": 1, "mlp_only_layers": list(range(args.first_k_dense))}
+
+
+# Softmax routing over routed experts only, every layer after the dense ones MoE.
+_ROUTER_FIXED = {"score_func": "softmax", "route_scale": 1.0, "num_shared_experts": 0, "moe_layer_freq": 1}
+_AUX_LOSS = Key[MoEArgs]("aux_loss_coeff", "router_aux_loss_coef", way="write")
+
+MIXTRAL_HF_FORMAT: HFFormat[MoEArgs] = HFFormat(
+    family="moe",
+    model_type="mixtral",
+    architecture="MixtralForCausalLM",
+    rows=(
+        *DECODER_ROWS,
+        *GQA_ROWS,
+        *routing_rows(None),
+        Key("num_experts", "num_local_experts"),
+        Key("moe_hidden_dim", "intermediate_size"),
+        Key("ffn_hidden_dim", "intermediate_size", way="read"),  # no dense layer: the experts' size
+        _AUX_LOSS,
+    ),
+    fixed={**_ROUTER_FIXED, "qk_norm": False, "first_k_dense": 0},
+    hf_fixed={"output_router_logits": False, "sliding_window": None},
+    sliding_window=SlidingWindow(),  # on whenever set (Mistral's rule)
+)
+QWEN3_MOE_HF_FORMAT: HFFormat[MoEArgs] = HFFormat(
+    family="moe",
+    model_type="qwen3_moe",
+    architecture="Qwen3MoeForCausalLM",
+    rows=(
+        *DECODER_ROWS,
+        *GQA_ROWS,
+        FFN_ROW,
+        *routing_rows(False),
+        Key("num_experts", ("num_experts", "num_local_experts")),  # transformers 5 writes the second
+        Key("moe_hidden_dim", "moe_intermediate_size"),
+        _AUX_LOSS,
+        Derived(_dense_layers_read, _dense_layers_write),
+    ),
+    fixed={**_ROUTER_FIXED, "qk_norm": True},
+    hf_fixed={
+        "output_router_logits": False,
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+    },
+    sliding_window=SlidingWindow(switch="use_sliding_window"),
+)
+_FORMATS = {fmt.model_type: fmt for fmt in (MIXTRAL_HF_FORMAT, QWEN3_MOE_HF_FORMAT)}
 
 
 class MoEHF:
     """Hugging Face Mixtral / Qwen3-MoE <-> meshwright MoE. ``model_types`` lists both; the format
     of an export follows the args (``qk_norm`` -> Qwen3-MoE, else Mixtral)."""
 
-    architecture = "MixtralForCausalLM"
-    model_type = "mixtral"
-    model_types = ("mixtral", "qwen3_moe")
+    architecture = MIXTRAL_HF_FORMAT.architecture
+    model_type = MIXTRAL_HF_FORMAT.model_type
+    model_types = tuple(_FORMATS)
 
     @staticmethod
     def format_of(args: MoEArgs) -> str:
@@ -88,112 +176,16 @@ class MoEHF:
 
     def to_hf_config(
         self, args: MoEArgs, *, bos_id: Optional[int], eos_id: Optional[int], dtype: str
-    ) -> dict:
-        fmt = self.format_of(args)
-        cfg: dict[str, Any] = {
-            **decoder_hf_config(
-                args,
-                architecture=_ARCHITECTURES[fmt],
-                model_type=fmt,
-                bos_id=bos_id,
-                eos_id=eos_id,
-                dtype=dtype,
-            ),
-            "num_experts_per_tok": args.top_k,
-            "output_router_logits": False,
-            "router_aux_loss_coef": args.aux_loss_coeff,
-        }
-        if fmt == "mixtral":
-            cfg.update(
-                intermediate_size=args.moe_hidden_dim, num_local_experts=args.num_experts, sliding_window=None
-            )
-        else:
-            cfg.update(
-                intermediate_size=args.hidden_dim,
-                moe_intermediate_size=args.moe_hidden_dim,
-                num_experts=args.num_experts,
-                num_local_experts=args.num_experts,
-                norm_topk_prob=bool(args.route_norm and args.top_k > 1),
-                decoder_sparse_step=1,
-                mlp_only_layers=list(range(args.first_k_dense)),
-                attention_bias=False,
-                use_sliding_window=False,
-                sliding_window=None,
-            )
-        return cfg
+    ) -> HFConfig:
+        """The ``config.json`` of ``args`` in its format (``format_of``)."""
+        return write_hf_config(
+            _FORMATS[self.format_of(args)], args, bos_id=bos_id, eos_id=eos_id, dtype=dtype
+        )
 
-    def args_from_hf_config(self, cfg: dict[str, Any]) -> dict[str, Any]:
+    def args_from_hf_config(self, cfg: HFConfig) -> dict[str, Any]:
         """Our ``MoEArgs`` fields from a Mixtral / Qwen3-MoE ``config.json``; ``ConfigError`` naming the
         field when the folder's model computes something meshwright's cannot."""
-        fmt = cfg.get("model_type")
-        if fmt not in self.model_types:
-            raise ConfigError(
-                f"config.json has model_type={fmt!r}; the moe family reads {list(self.model_types)}."
-            )
-        _refuse_attention_and_mlp(cfg, fmt)
-        top_k = cfg["num_experts_per_tok"]
-        route_norm = True if fmt == "mixtral" else bool(cfg.get("norm_topk_prob", False))
-        if top_k == 1 and route_norm:
-            field = "" if fmt == "mixtral" else " and norm_topk_prob=true"
-            raise ConfigError(
-                f"config.json has num_experts_per_tok=1{field}: {fmt} renormalises the one routing weight to "
-                "1, meshwright keeps the router score; they route the same tokens but scale them "
-                "differently."
-            )
-        training_only = {k: cfg[k] for k in ("router_jitter_noise", "attention_dropout") if cfg.get(k)}
-        if training_only:
-            logger.warning(
-                f"config.json sets {', '.join(f'{k}={v}' for k, v in training_only.items())}: training-time "
-                f"noise meshwright does not apply (the model computes the same in evaluation)."
-            )
-        theta, scaling = rope_scaling_from_hf(cfg)
-        dim, n_heads = cfg["hidden_size"], cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or dim // n_heads
-        out: dict[str, Any] = {
-            "family": "moe",
-            "dim": dim,
-            "n_layers": cfg["num_hidden_layers"],
-            "n_heads": n_heads,
-            "n_kv_heads": cfg.get("num_key_value_heads", n_heads),
-            "attn_head_dim": None if head_dim == dim // n_heads else head_dim,
-            "vocab_size": cfg["vocab_size"],
-            "norm_eps": cfg.get("rms_norm_eps", 1e-6),
-            "rope_theta": theta,
-            "rope_scaling": scaling,
-            "max_seq_len": cfg.get("max_position_embeddings", 2048),
-            "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
-            "top_k": top_k,
-            "score_func": "softmax",
-            "route_scale": 1.0,
-            "route_norm": route_norm,
-            "num_shared_experts": 0,
-            "moe_layer_freq": 1,
-        }
-        if fmt == "mixtral":
-            out.update(
-                num_experts=cfg["num_local_experts"],
-                moe_hidden_dim=cfg["intermediate_size"],
-                ffn_hidden_dim=cfg["intermediate_size"],
-                qk_norm=False,
-                first_k_dense=0,
-            )
-            return out
-        step = cfg.get("decoder_sparse_step", 1)
-        dense = sorted(cfg.get("mlp_only_layers") or [])
-        if step != 1 or dense != list(range(len(dense))):
-            raise ConfigError(
-                f"config.json: decoder_sparse_step={step}, mlp_only_layers={dense}; meshwright reads "
-                "Qwen3-MoE with "
-                f"every layer sparse except a leading run of dense layers."
-            )
-        out.update(
-            num_experts=cfg.get("num_experts", cfg.get("num_local_experts")),
-            moe_hidden_dim=cfg["moe_intermediate_size"],
-            ffn_hidden_dim=cfg["intermediate_size"],
-            qk_norm=True,
-            first_k_dense=len(dense),
-        )
-        return out
+        return read_hf_args(cfg, tuple(_FORMATS.values()))
 
     # -- names ------------------------------------------------------------------------
     def _layer_map(self, args: MoEArgs) -> dict[str, str]:
@@ -282,21 +274,3 @@ class MoEHF:
             else:
                 state[name] = torch.stack([hf_state[n] for n in hf_names])
         return finish_state_from_hf(state, hf_state, used, args, self.format_of(args))
-
-
-def _refuse_attention_and_mlp(cfg: dict[str, Any], fmt: Any) -> None:
-    """``ConfigError`` for attention biases, a non-SwiGLU activation or a sliding window."""
-    if cfg.get("attention_bias"):
-        raise ConfigError("config.json has attention_bias=true; meshwright's attention has no biases.")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ConfigError(
-            f"config.json has hidden_act={cfg['hidden_act']!r}; meshwright's experts are SwiGLU (silu)."
-        )
-    max_pos = cfg.get("max_position_embeddings", 2048)
-    window = cfg.get("sliding_window") if fmt == "mixtral" or cfg.get("use_sliding_window") else None
-    if window is not None and window < max_pos:
-        raise ConfigError(
-            f"config.json has sliding_window={window} (below max_position_embeddings={max_pos}"
-            f"{', use_sliding_window=true' if fmt == 'qwen3_moe' else ''}); meshwright's attention is "
-            f"full causal, without a sliding window."
-        )

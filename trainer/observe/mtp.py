@@ -12,7 +12,7 @@ MTP cross-entropy per target, over microbatches and data/context-parallel ranks.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -20,10 +20,7 @@ from torch import nn
 
 from models.spec import ModelSpec
 from parallelisms.parallel_dims import ParallelDims
-from trainer.step import token_loss_sum
-
-if TYPE_CHECKING:
-    from trainer.hooks import StepState
+from trainer.step import StepState, token_loss_sum
 
 __all__ = ["MTPStats"]
 

@@ -50,7 +50,7 @@ from parallelisms.fault_tolerance import ManagedReducer, allreduce_gradients
 
 if TYPE_CHECKING:
     from trainer.config import TrainConfig
-    from trainer.hooks import StepState
+    from trainer.step import StepState
 
 logger = logging.getLogger("meshwright")
 
