@@ -40,7 +40,8 @@ from trainer.observe.memory_ledger import MemoryLedger
 from trainer.observe.metrics import MetricsLogger, setup_logging
 from trainer.observe.mtp import MTPStats
 from trainer.observe.profiling import StepProfiler
-from trainer.optim import build_lr_scheduler, build_optimizer, build_qk_clip
+from trainer.optim import build_lr_scheduler, build_optimizer, optimizer_layout
+from trainer.optim.qk_clip import build_qk_clip
 from trainer.resilience.fault_tolerance import (
     FaultTolerance,
     check_environment,
@@ -344,6 +345,7 @@ class Trainer:
             device_type=self.device.type,
             shard_mesh=shard_mesh,
             adamw_modules=self.spec.first_modules + self.spec.last_modules,
+            layout=optimizer_layout(self.dims, p),
         )
         self.lr_scheduler = build_lr_scheduler(self.optimizer, self.cfg.lr_scheduler, self.cfg.training.steps)
         self.qk_clip = build_qk_clip(
