@@ -411,3 +411,15 @@ def test_newton_schulz_coefficients_have_one_copy() -> None:
     bad = OptimizerConfig(name="muon", muon=MuonConfig(ns_coefficients=(1.0, 2.0)))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=re.escape("e.g. [3.4445,-4.7750,2.0315].")):
         validate_muon_config(bad)
+
+
+def test_the_recipe_for_an_optimizer_names_files_that_exist() -> None:
+    """docs/architecture.md "Adding an optimizer": every file it names (templates aside) exists."""
+    from tests.configs import REPO
+
+    text = open(os.path.join(REPO, "docs", "architecture.md"), encoding="utf-8").read()
+    section = text.split("## Adding an optimizer", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`([\w/]+\.(?:py|yaml))`", section))
+    assert "trainer/optim/__init__.py" in named and "trainer/optim/config.py" in named, named
+    missing = sorted(p for p in named if not os.path.isfile(os.path.join(REPO, p)))
+    assert not missing, missing
