@@ -167,16 +167,20 @@ def count_work(trainer) -> dict:  # noqa: ANN001
 def record_qk_clip(trainer, observed: dict) -> dict:  # noqa: ANN001
     """Record QK-clip's per-step statistics (qk_max_logit, qk_clipped_heads) into ``observed``: its
     ``after_optimizer_step`` hook calls ``clip`` by name, so the wrapper is seen however the hook is run."""
-    if trainer.qk_clip is not None:
+    from trainer.optim.qk_clip import QKClip
+
+    hooks = getattr(trainer, "hooks", None)  # the step hooks; before they were wired: trainer.qk_clip
+    qk_clip = hooks.of_type(QKClip) if hooks is not None else trainer.qk_clip
+    if qk_clip is not None:
         observed["qk_clip"] = []
-        clip = trainer.qk_clip.clip
+        clip = qk_clip.clip
 
         def clip_and_record() -> dict:
             stats = clip()
             observed["qk_clip"].append(stats)
             return stats
 
-        trainer.qk_clip.clip = clip_and_record
+        qk_clip.clip = clip_and_record
     return observed
 
 
