@@ -25,7 +25,8 @@ IMPLEMENTATIONS = ("auto", "fused", "foreach", "for-loop")
 def param_groups(model: nn.Module | list[nn.Module], weight_decay: float) -> list[dict[str, Any]]:
     """Decay matrices (linear and embedding weights); never decay norms or other vectors. ``model``:
     a module or the model parts (each parameter once, in the parts' order)."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     parts = model if isinstance(model, list) else [model]
     for p in dict.fromkeys(p for part in parts for p in part.parameters()):
         if not p.requires_grad:
