@@ -15,6 +15,12 @@ indices but contains state only for the indices this rank owns, which is exactly
 ``torch.distributed.checkpoint`` expects of a sharded optimizer; ``consolidated_state_dict()``
 gathers the complete state into one plain-optimizer dict, and ``load_state_dict`` reshards any
 such dict (from any world size) onto the current owners.
+
+It lives here, with the strategies, and not with the optimizers in ``trainer/optim/``: it is the
+seed's data-parallel strategy (ZeRO-1 over the ``dp_replicate`` group, beside ``ddp.py``), it wraps
+any optimizer the registry builds, and what it needs to know of one comes in as arguments (the inner
+optimizer class and ``cost``, e.g. Muon's ``trainer.optim.muon.muon_cost``), so ``parallelisms/``
+never imports the trainer.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Union
 
 import torch
 import torch.distributed as dist
@@ -14,6 +15,8 @@ from models.errors import ConfigError
 
 # Config dtype name -> torch dtype: the one map (configs, export, FSDP mixed precision).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+Positions = Union[slice, torch.Tensor]  # flat element positions: a contiguous range, or int64 indices
 
 
 def to_dtype(name: str) -> torch.dtype:
@@ -91,3 +94,35 @@ def clip_grad_norm_(
 def is_finite(x: torch.Tensor) -> bool:
     """Host-side finiteness check (one device sync)."""
     return math.isfinite(float(x))
+
+
+def local_positions(p: torch.Tensor) -> Positions:
+    """Flat indices into the full tensor ``p`` of this rank's local elements, in local order.
+
+    A plain tensor holds everything; a DTensor holds exactly what ``distribute_tensor`` of an
+    ``arange`` over the same mesh and placements keeps locally (any placement: Shard, Replicate,
+    the strided shards of FSDP over TP). Muon finds its pieces with it, QK-clip its q/k rows."""
+    if not hasattr(p, "placements"):
+        return slice(0, p.numel())
+    from torch.distributed.tensor import distribute_tensor
+
+    full = torch.arange(math.prod(p.shape), dtype=torch.int64, device=p.to_local().device).view(p.shape)
+    idx = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local().reshape(-1)
+    return compress_positions(idx.cpu())
+
+
+def compress_positions(idx: torch.Tensor) -> Positions:
+    """``idx`` (int64 positions) as a slice when contiguous, else unchanged."""
+    if idx.numel() == 0:
+        return slice(0, 0)
+    start = int(idx[0])
+    if torch.equal(idx, torch.arange(start, start + idx.numel(), dtype=idx.dtype)):
+        return slice(start, start + idx.numel())
+    return idx
+
+
+def unwrapped_name(name: str) -> str:
+    """A parameter's or module's name as the model names it, without the prefixes of the wrappers
+    applied here (``compile.py``: ``_orig_mod.``; ``activation_checkpoint.py``:
+    ``_checkpoint_wrapped_module.``)."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")

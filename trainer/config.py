@@ -24,6 +24,8 @@ from parallelisms.config import DDPConfig, FSDPConfig, ParallelismConfig
 from parallelisms.utils import DTYPES
 from trainer.checkpoint.hf import parse_size
 from trainer.eval.config import EvalConfig, validate_eval
+from trainer.optim import validate_optimizer
+from trainer.optim.config import LRSchedulerConfig, MuonConfig, OptimizerConfig
 
 __all__ = [
     "CheckpointConfig",
@@ -79,42 +81,6 @@ class DataConfig:
     pack: bool = True  # pack documents into full windows; false = one padded window per document
     sources: list[MixtureSource] = field(default_factory=list)  # weighted mixture; replaces path
     prefetch: int = 2  # batches prepared ahead in a background thread; 0 = in the step
-
-
-@dataclass
-class MuonConfig:
-    """The Muon group of ``optimizer.name=muon`` (>=2-D hidden weights; experts per expert)."""
-
-    lr: float = 3e-4  # peak LR of the Muon group (the schedule scales it like the AdamW group's)
-    weight_decay: float = 0.1  # decoupled: p *= 1 - lr * weight_decay
-    momentum: float = 0.95
-    nesterov: bool = True
-    ns_steps: int = 5  # Newton-Schulz iterations
-    ns_coefficients: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
-    eps: float = 1e-7  # floor of the norm the iteration divides by
-    adjust_lr_fn: str = (
-        "match_rms_adamw"  # match_rms_adamw (0.2*sqrt(max(A,B))) | original (sqrt(max(1,A/B)))
-    )
-    ns_dtype: str = "bfloat16"  # bfloat16 (torch.optim.Muon's) | float32
-
-
-@dataclass
-class OptimizerConfig:
-    name: str = "adamw"  # adamw | muon (Muon for hidden matrices, AdamW with the keys below for the rest)
-    lr: float = 3e-4
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    implementation: str = "auto"  # auto | fused | foreach | for-loop
-    muon: MuonConfig = field(default_factory=MuonConfig)  # used when name=muon
-    qk_clip_tau: float = 0.0  # QK-clip: cap on each attention head's max pre-softmax logit; 0 = off
-
-
-@dataclass
-class LRSchedulerConfig:
-    warmup_steps: int = 10
-    decay_type: str = "cosine"  # cosine | linear | constant
-    min_lr_ratio: float = 0.1  # floor of the decay, as a fraction of optimizer.lr
 
 
 @dataclass
@@ -280,52 +246,6 @@ def _validate_training(t: TrainingConfig, max_seq_len: int) -> None:
         raise ConfigError(f"training.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping).")
 
 
-def _validate_optimizer(o: OptimizerConfig, s: LRSchedulerConfig) -> None:
-    check_choice(o.name, ("adamw", "muon"), "optimizer.name")
-    if o.name == "muon":
-        _validate_muon(o.muon)
-    if not (math.isfinite(o.qk_clip_tau) and o.qk_clip_tau >= 0):
-        raise ConfigError(f"optimizer.qk_clip_tau={o.qk_clip_tau} must be >= 0 (0 = off; Kimi K2 used 100).")
-    check_choice(o.implementation, ("auto", "fused", "foreach", "for-loop"), "optimizer.implementation")
-    for key in ("lr", "eps"):
-        value = getattr(o, key)
-        if not (math.isfinite(value) and value > 0):
-            raise ConfigError(
-                f"optimizer.{key}={value} must be a finite number > 0 (e.g. optimizer.{key}=3e-4)."
-            )
-    if not math.isfinite(o.weight_decay) or o.weight_decay < 0:
-        raise ConfigError(f"optimizer.weight_decay={o.weight_decay} must be a finite number >= 0.")
-    if not all(0.0 <= b < 1.0 for b in o.betas):
-        raise ConfigError(f"optimizer.betas={list(o.betas)} must lie in [0, 1).")
-    check_choice(s.decay_type, ("cosine", "linear", "constant"), "lr_scheduler.decay_type")
-    if s.warmup_steps < 0:
-        raise ConfigError(f"lr_scheduler.warmup_steps={s.warmup_steps} must be >= 0.")
-    if not 0.0 <= s.min_lr_ratio <= 1.0:
-        raise ConfigError(f"lr_scheduler.min_lr_ratio={s.min_lr_ratio} must lie in [0, 1].")
-
-
-def _validate_muon(m: MuonConfig) -> None:
-    check_choice(m.adjust_lr_fn, ("match_rms_adamw", "original"), "optimizer.muon.adjust_lr_fn")
-    check_choice(m.ns_dtype, ("bfloat16", "float32"), "optimizer.muon.ns_dtype")
-    if not (math.isfinite(m.lr) and m.lr > 0):
-        raise ConfigError(
-            f"optimizer.muon.lr={m.lr} must be a finite number > 0 (e.g. optimizer.muon.lr=3e-4)."
-        )
-    if not math.isfinite(m.weight_decay) or m.weight_decay < 0:
-        raise ConfigError(f"optimizer.muon.weight_decay={m.weight_decay} must be a finite number >= 0.")
-    if not 0.0 <= m.momentum < 1.0:
-        raise ConfigError(f"optimizer.muon.momentum={m.momentum} must lie in [0, 1) (e.g. 0.95).")
-    if not 1 <= m.ns_steps < 100:
-        raise ConfigError(f"optimizer.muon.ns_steps={m.ns_steps} must lie in [1, 99] (e.g. 5).")
-    if len(m.ns_coefficients) != 3:
-        raise ConfigError(
-            f"optimizer.muon.ns_coefficients={list(m.ns_coefficients)} must be three numbers (a, b, c), "
-            "e.g. [3.4445,-4.7750,2.0315]."
-        )
-    if not (math.isfinite(m.eps) and m.eps > 0):
-        raise ConfigError(f"optimizer.muon.eps={m.eps} must be a finite number > 0 (e.g. 1e-7).")
-
-
 def _validate_qk_clip(cfg: TrainConfig) -> None:
     tau = cfg.optimizer.qk_clip_tau
     if tau <= 0:
@@ -399,7 +319,7 @@ def validate(cfg: TrainConfig) -> None:
             "mode, under which torch.compile compiles nothing. Measure with training.compile=false (the "
             "collectives and their bytes are the same), or set metrics.comm_ledger=false."
         )
-    _validate_optimizer(cfg.optimizer, cfg.lr_scheduler)
+    validate_optimizer(cfg.optimizer, cfg.lr_scheduler)
     _validate_qk_clip(cfg)
     _validate_checkpoint(cfg.checkpoint)
     if cfg.checkpoint.last_save_in_hf and cfg.parallelism.pp > 1:

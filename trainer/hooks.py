@@ -162,7 +162,7 @@ def _load_balance(c: HookContext) -> Optional[Hook]:
 
 def _qk_clip(c: HookContext) -> Optional[Hook]:
     """``optimizer.qk_clip_tau > 0``: scale the q/k rows of heads whose max logit exceeded tau."""
-    from trainer.optim import build_qk_clip
+    from trainer.optim.qk_clip import build_qk_clip
 
     return build_qk_clip(c.model_parts, c.spec, c.cfg, c.dims)
 

@@ -36,7 +36,7 @@ from trainer.eval.validation import build_validation_loaders
 from trainer.hooks import HookContext, build_step_hooks
 from trainer.observe.metrics import MetricsLogger, setup_logging
 from trainer.observe.profiling import StepProfiler
-from trainer.optim import build_lr_scheduler, build_optimizer
+from trainer.optim import build_lr_scheduler, build_optimizer, check_optimizer_layout, optimizer_layout
 from trainer.resilience.fault_tolerance import (
     FaultTolerance,
     check_environment,
@@ -146,6 +146,8 @@ class Trainer:
             compile=t.compile,
             device_type=self.device.type,
         )
+        # The optimizer registry: does this optimizer run under this layout? (before any process group)
+        check_optimizer_layout(cfg.optimizer.name, optimizer_layout(self.dims, self.parallelism))
         self.grad_accum_steps = self.dims.grad_accum_steps(self.batch_size, t.micro_batch_size)
         if not cfg.checkpoint.create_seed:  # metrics.memory_check: will this layout fit on this host?
             self._check_memory()

@@ -67,7 +67,7 @@ def _overrides(model: str, extra: list[str]) -> list[str]:
 
 
 def _fp32_newton_schulz(grad, ns_coefficients, ns_steps, eps):  # noqa: ANN001, ANN202
-    from parallelisms.muon import zeropower_via_newtonschulz
+    from trainer.optim.muon import zeropower_via_newtonschulz
 
     return zeropower_via_newtonschulz(grad, ns_coefficients, ns_steps, eps, torch.float32)
 
@@ -165,17 +165,21 @@ def count_work(trainer) -> dict:  # noqa: ANN001
 
 
 def record_qk_clip(trainer, observed: dict) -> dict:  # noqa: ANN001
-    """Record QK-clip's per-step statistics (max logit, heads clipped) into ``observed``."""
-    if trainer.qk_clip is not None:
+    """Record QK-clip's per-step statistics (qk_max_logit, qk_clipped_heads) into ``observed``: its
+    ``after_optimizer_step`` hook calls ``clip`` by name, so the wrapper is seen however the hook is run."""
+    from trainer.optim.qk_clip import QKClip
+
+    qk_clip = trainer.hooks.of_type(QKClip)
+    if qk_clip is not None:
         observed["qk_clip"] = []
-        clip_step = trainer.qk_clip.after_step
+        clip = qk_clip.clip
 
         def clip_and_record() -> dict:
-            stats = clip_step()
+            stats = clip()
             observed["qk_clip"].append(stats)
             return stats
 
-        trainer.qk_clip.after_step = clip_and_record
+        qk_clip.clip = clip_and_record
     return observed
 
 
@@ -228,15 +232,15 @@ def test_layout_matches_torch_muon(layout: str, runs: GroupedRuns, references: d
     ref, got = _reference(layout, references), runs.get(layout)
     assert_parallel_run(ref, got, label=f"muon_{layout}")
     if LAYOUTS[layout][1] == "qkclip":  # the clip acted, on the same heads as in one process
-        want = [s["clipped_heads"] for s in ref["observed"][0]["qk_clip"]]
+        want = [s["qk_clipped_heads"] for s in ref["observed"][0]["qk_clip"]]
         for rank_observed in got["observed"]:
-            assert [s["clipped_heads"] for s in rank_observed["qk_clip"]] == want
+            assert [s["qk_clipped_heads"] for s in rank_observed["qk_clip"]] == want
         assert sum(want) > 0, want
         logged = [r["qk_clipped_heads"] for r in got["history"] if "loss" in r]  # metrics.jsonl
         assert logged == want, logged
         print(
             f"muon_{layout}: heads clipped per step {want}, max logit per step "
-            f"{[round(s['max_logit'], 3) for s in ref['observed'][0]['qk_clip']]}"
+            f"{[round(s['qk_max_logit'], 3) for s in ref['observed'][0]['qk_clip']]}"
         )
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import re
 
 import pytest
 import torch
@@ -10,6 +12,12 @@ import torch
 from models.llama import LlamaArgs, Transformer
 from trainer.config import LRSchedulerConfig, OptimizerConfig
 from trainer.optim import build_lr_scheduler, build_optimizer, lr_factor
+from trainer.step import StepState
+
+
+def _state() -> StepState:
+    """A step's hook state (QK-clip reads nothing of it)."""
+    return StepState(step=1, loader=None, tokens_seen=0)  # type: ignore[arg-type]
 
 
 def test_warmup_then_cosine_to_floor() -> None:
@@ -62,7 +70,8 @@ def test_newton_schulz_and_lr_adjustment_are_torchs() -> None:
     """bf16 (torch's dtype): bitwise torch.optim._muon's iteration, wide, tall and square."""
     from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
-    from parallelisms.muon import DEFAULT_NS_COEFFICIENTS, adjusted_lr, zeropower_via_newtonschulz
+    from trainer.optim.config import DEFAULT_NS_COEFFICIENTS
+    from trainer.optim.muon import adjusted_lr, zeropower_via_newtonschulz
 
     gen = torch.Generator().manual_seed(0)
     for shape in [(32, 64), (64, 32), (17, 17), (3, 40)]:
@@ -131,7 +140,7 @@ def test_muon_one_process_is_torch_muon_plus_adamw_bitwise(adjust_lr_fn: str) ->
 
 
 def test_owners_balance_newton_schulz_flops_within_candidates() -> None:
-    from parallelisms.muon import assign_owners
+    from trainer.optim.muon import assign_owners
 
     costs = [8, 7, 6, 5, 4, 3, 2, 1]
     owners = assign_owners(costs, [[0, 1, 2]] * 6 + [[1], [1]], 3)
@@ -217,7 +226,7 @@ def _naive_max_logits(model: Transformer, tokens: torch.Tensor, positions: torch
 
 @pytest.mark.parametrize("mask", ["causal", "block_causal"])
 def test_recorded_max_logit_equals_naive_attention(mask: str) -> None:
-    from parallelisms.qk_clip import QKClip
+    from trainer.optim.qk_clip import QKClip
 
     model = _qk_model(mask)
     tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(2))
@@ -229,7 +238,7 @@ def test_recorded_max_logit_equals_naive_attention(mask: str) -> None:
         n_kv_heads=2,
         tau=1e9,
     )
-    clip.begin_step()
+    clip.begin_step(_state())
     model(tokens, positions=positions)
     measured = clip.measured_max()
     naive = _naive_max_logits(model, tokens, positions)
@@ -243,7 +252,7 @@ def test_recorded_max_logit_equals_naive_attention(mask: str) -> None:
 def test_qk_clip_scales_the_head_above_tau_to_tau() -> None:
     """One head above tau: its q (and shared k) rows are scaled, the next forward's max of that head
     is tau, every other head's max is unchanged (GQA: the kv head's other query head compensates)."""
-    from parallelisms.qk_clip import QKClip
+    from trainer.optim.qk_clip import QKClip
 
     model = _qk_model("causal")
     tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
@@ -255,16 +264,19 @@ def test_qk_clip_scales_the_head_above_tau_to_tau() -> None:
         n_kv_heads=2,
         tau=0.0,
     )
-    clip.begin_step()
+    clip.begin_step(_state())
     model(tokens, positions=positions)
     before = clip.measured_max()
     top2 = before.flatten().topk(2).values
     clip.tau = float(top2.mean())  # between the largest and the second largest: exactly one head clipped
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-    clip.begin_step()
+    state = _state()
+    clip.begin_step(state)
     model(tokens, positions=positions)
-    stats = clip.after_step()
-    assert stats["clipped_heads"] == 1
+    clip.after_optimizer_step(state)
+    stats = clip.metrics(state, torch.device("cpu"))
+    assert set(stats) == {"qk_max_logit", "qk_clipped_heads"}
+    assert stats["qk_clipped_heads"] == 1 and stats["qk_max_logit"] == pytest.approx(float(top2[0]))
     layer, head = divmod(int(before.flatten().argmax()), 4)
     changed = {n for n, p in model.named_parameters() if not torch.equal(p, weights[n])}
     assert changed == {f"layers.{layer}.attention.wq.weight", f"layers.{layer}.attention.wk.weight"}, changed
@@ -277,7 +289,7 @@ def test_qk_clip_scales_the_head_above_tau_to_tau() -> None:
         )
     }
     assert wq_rows_changed == {head, head ^ 1}  # the head and its kv group's other query head
-    clip.begin_step()
+    clip.begin_step(_state())
     model(tokens, positions=positions)
     after = clip.measured_max()
     expected = before.clone()
@@ -308,3 +320,111 @@ def test_planner_counts_muon_newton_schulz_and_exchange() -> None:
     assert (
         plan.verdict["step_s"] > plan.compute["compute_with_bubble_s"] + plan.compute["optimizer_s"] * 0.999
     )
+
+
+# -- the registry ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_every_registered_optimizer_validates_builds_and_steps(name: str) -> None:
+    """Each name of the table is checked, built and steps a tiny model on one process; the table
+    holds exactly the optimizers the configs offer (configs/optimizer/<name>.yaml)."""
+    from tests.configs import CONFIG_DIR
+    from trainer.optim import OPTIMIZERS, validate_optimizer
+
+    assert sorted(OPTIMIZERS) == sorted(f[:-5] for f in os.listdir(f"{CONFIG_DIR}/optimizer")), OPTIMIZERS
+    cfg = OptimizerConfig(name=name)
+    validate_optimizer(cfg, LRSchedulerConfig())
+    model = _tiny_llama()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = build_optimizer([model], cfg, device_type="cpu")
+    model(torch.randint(0, 64, (2, 8))).logsumexp(-1).mean().backward()
+    opt.step()
+    assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters()), name
+
+
+def test_unknown_names_are_refused_naming_the_registered_ones() -> None:
+    from models.errors import ConfigError
+    from tests.configs import make_config
+    from trainer.optim import LR_SCHEDULES, lr_factor
+
+    msg = re.escape("optimizer.name='sgd' is not one of ['adamw', 'muon']")
+    with pytest.raises(ConfigError, match=msg):
+        build_optimizer(_tiny_llama(), OptimizerConfig(name="sgd"), device_type="cpu")
+    with pytest.raises(ConfigError, match=msg):
+        make_config("optimizer.name=sgd")
+    assert list(LR_SCHEDULES) == ["cosine", "linear", "constant"]
+    msg = re.escape("lr_scheduler.decay_type='step' is not one of ['cosine', 'linear', 'constant']")
+    with pytest.raises(ConfigError, match=msg):
+        make_config("lr_scheduler.decay_type=step")
+    with pytest.raises(ConfigError, match=msg):
+        lr_factor(3, warmup_steps=1, total_steps=9, decay_type="step", min_lr_ratio=0.0)
+
+
+def _run_layout(layout: str) -> frozenset[str]:
+    """optimizer_layout of a 2-rank run that uses ``layout`` (with what it needs besides)."""
+    from parallelisms.config import ParallelismConfig
+    from parallelisms.parallel_dims import ParallelDims
+    from trainer.optim import optimizer_layout
+
+    degrees = {"tp": {"tp": 2}, "pp": {"pp": 2}, "cp": {"cp": 2}}.get(layout, {})
+    if layout in ("ddp", "torch_ddp", "zero1"):
+        degrees = {"dp_replicate": 2}
+    p = ParallelismConfig()
+    p.ddp.impl = "torch" if layout == "torch_ddp" else "custom"
+    p.ddp.sharded_optimizer = layout == "zero1"
+    p.fault_tolerance.enable = layout == "fault_tolerance"
+    dims = ParallelDims(**degrees, ep=2 if layout == "ep" else 1, world_size=2)  # dp_shard fills the rest
+    return optimizer_layout(dims, p)
+
+
+def test_declared_layouts_are_what_the_registry_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """For every entry and every layout: refused exactly when the entry does not declare it. Today
+    both optimizers run everywhere; an entry without ``tp`` (registered here only) shows the refusal."""
+    from models.errors import ConfigError
+    from trainer.optim import LAYOUTS, OPTIMIZERS, OptimizerEntry, check_optimizer_layout
+    from trainer.optim.adamw import build_adamw
+
+    monkeypatch.setitem(OPTIMIZERS, "adamw_no_tp", OptimizerEntry(build_adamw, frozenset(LAYOUTS) - {"tp"}))
+    for name, entry in OPTIMIZERS.items():
+        for layout in LAYOUTS:
+            run = _run_layout(layout)
+            assert layout in run, (layout, run)
+            try:
+                check_optimizer_layout(name, run)
+                refused = False
+            except ConfigError:
+                refused = True
+            assert refused == (not run <= entry.layouts), (name, layout, run)
+    assert all(e.layouts == frozenset(LAYOUTS) for n, e in OPTIMIZERS.items() if n != "adamw_no_tp")
+    with pytest.raises(ConfigError, match=re.escape("optimizer.name=adamw_no_tp does not run under tp")):
+        build_optimizer(
+            _tiny_llama(), OptimizerConfig(name="adamw_no_tp"), device_type="cpu", layout=_run_layout("tp")
+        )
+
+
+def test_newton_schulz_coefficients_have_one_copy() -> None:
+    """The dataclass default, the preset's value and the error message's example are the constant."""
+    from models.errors import ConfigError
+    from tests.configs import make_config
+    from trainer.config import MuonConfig
+    from trainer.optim.config import DEFAULT_NS_COEFFICIENTS
+    from trainer.optim.muon import validate_muon_config
+
+    assert MuonConfig().ns_coefficients == DEFAULT_NS_COEFFICIENTS == (3.4445, -4.7750, 2.0315)
+    assert tuple(make_config("optimizer=muon").optimizer.muon.ns_coefficients) == DEFAULT_NS_COEFFICIENTS
+    bad = OptimizerConfig(name="muon", muon=MuonConfig(ns_coefficients=(1.0, 2.0)))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=re.escape("e.g. [3.4445,-4.7750,2.0315].")):
+        validate_muon_config(bad)
+
+
+def test_the_recipe_for_an_optimizer_names_files_that_exist() -> None:
+    """docs/architecture.md "Adding an optimizer": every file it names (templates aside) exists."""
+    from tests.configs import REPO
+
+    text = open(os.path.join(REPO, "docs", "architecture.md"), encoding="utf-8").read()
+    section = text.split("## Adding an optimizer", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`([\w/]+\.(?:py|yaml))`", section))
+    assert "trainer/optim/__init__.py" in named and "trainer/optim/config.py" in named, named
+    missing = sorted(p for p in named if not os.path.isfile(os.path.join(REPO, p)))
+    assert not missing, missing

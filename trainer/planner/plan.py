@@ -42,7 +42,7 @@ def _muon_ns_flops(c: PlanContext) -> float:
     """Newton-Schulz FLOPs per rank and step under optimizer=muon: every matrix (each expert) of a
     pipeline rank's stages once, spread over that stage's ranks by the owner balance (the mean;
     the slowest pipeline rank counts). Not overlapped: it runs in the optimizer step."""
-    from parallelisms.muon import ns_step_flops
+    from trainer.optim.muon import ns_step_flops
 
     steps = c.cfg.optimizer.muon.ns_steps
     ranks_per_stage = c.dims.world_size // c.dims.pp

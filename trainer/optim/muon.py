@@ -8,10 +8,11 @@ matrix, while FSDP (Shard(0) slices), TP (row/column slices), EP (expert stacks)
 
 * **Units.** Every Muon parameter is split into matrices: a 2-D weight is one unit, a 3-D
   expert stack ``(E, m, n)`` is E units (Muon per expert).
-* **Pieces.** What a rank holds of a unit is found once, from the parameter itself: a plain
-  tensor holds everything; a DTensor holds exactly what ``distribute_tensor`` of an ``arange``
-  over the same mesh and placements keeps locally (any placement: Shard, Replicate, the
-  strided shards of FSDP over TP), recorded as a slice when contiguous, else as an index.
+* **Pieces.** What a rank holds of a unit is found once, from the parameter itself
+  (``parallelisms.utils.local_positions``): a plain tensor holds everything; a DTensor holds
+  exactly what ``distribute_tensor`` of an ``arange`` over the same mesh and placements keeps
+  locally (any placement: Shard, Replicate, the strided shards of FSDP over TP), recorded as a
+  slice when contiguous, else as an index.
 * **Owners.** One rank per unit, among the ranks holding a piece of it (so PP stages own their
   own units), chosen largest-first onto the least-loaded rank by Newton-Schulz FLOPs
   ``m * n * min(m, n)``; every rank computes the same answer from one metadata all-gather.
@@ -33,28 +34,40 @@ elementwise, so it runs on the local pieces of any layout.
 The state is per parameter, under the parameter (``momentum_buffer``; AdamW's ``exp_avg``,
 ``exp_avg_sq``, ``step``), shaped like the parameter (a DTensor when it is one), so the
 flattened DCP names ``state.<fqn>.momentum_buffer`` are the same in every layout.
+
+From the config (the bottom of this file): :func:`build_muon` is the registry's builder
+(``trainer/optim/__init__.py``), :func:`muon_param_groups` splits the parameters,
+:func:`validate_muon_config` checks ``optimizer.muon.*`` and :func:`muon_cost` weights ZeRO-1's
+owners (the ``ShardedOptimizer`` in ``parallelisms/`` takes it as an argument).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
-from models.errors import ConfigError
+from models.errors import ConfigError, check_choice
+from parallelisms.sharded_optimizer import ShardedOptimizer
+from parallelisms.utils import Positions, compress_positions, local_positions, unwrapped_name
+from trainer.optim.adamw import impl_kwargs
+from trainer.optim.config import DEFAULT_NS_COEFFICIENTS
 
-DEFAULT_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan's) quintic
-ADJUST_LR_FNS = ("original", "match_rms_adamw")
-NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from trainer.optim.config import MuonConfig, OptimizerConfig
+
+NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # optimizer.muon.ns_dtype
+ADJUST_LR_FNS = ("match_rms_adamw", "original")  # optimizer.muon.adjust_lr_fn (see adjusted_lr)
 _ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
-
-Positions = Union[slice, Tensor]  # a contiguous range, or int64 indices
 
 
 def zeropower_via_newtonschulz(
@@ -106,26 +119,6 @@ def ns_flops(rows: int, cols: int) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def _local_positions(p: Tensor) -> Positions:
-    """Flat indices into the full parameter of this rank's local elements, in local order."""
-    if not hasattr(p, "placements"):
-        return slice(0, p.numel())
-    from torch.distributed.tensor import distribute_tensor
-
-    full = torch.arange(math.prod(p.shape), dtype=torch.int64, device=p.to_local().device).view(p.shape)
-    idx = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local().reshape(-1)
-    return _compress(idx.cpu())
-
-
-def _compress(idx: Tensor) -> Positions:
-    if idx.numel() == 0:
-        return slice(0, 0)
-    start = int(idx[0])
-    if torch.equal(idx, torch.arange(start, start + idx.numel(), dtype=idx.dtype)):
-        return slice(start, start + idx.numel())
-    return idx
-
-
 def _signature(pos: Positions) -> str:
     if isinstance(pos, slice):
         return f"{pos.start}:{pos.stop}"
@@ -146,7 +139,7 @@ def _split_by_unit(pos: Positions, unit_size: int, num_units: int) -> list[tuple
     unit_of = pos // unit_size
     for u in torch.unique(unit_of).tolist():
         local = (unit_of == u).nonzero().reshape(-1)
-        out.append((u, _compress(local), _compress(pos[local] - u * unit_size)))
+        out.append((u, compress_positions(local), compress_positions(pos[local] - u * unit_size)))
     return out
 
 
@@ -203,7 +196,7 @@ class _Plan:
             if len(shape) not in (2, 3):
                 raise ConfigError(f"Muon takes 2-D matrices and 3-D expert stacks; {name} has shape {shape}")
             rows, cols = shape[-2:]
-            pos = _local_positions(p)
+            pos = local_positions(p)
             units = _split_by_unit(pos, rows * cols, shape[0] if len(shape) == 3 else 1)
             sig = _signature(pos)
             self.local.append(_LocalParam(p, name, units, sig))
@@ -524,7 +517,9 @@ class Muon(torch.optim.Optimizer):
             for unit in plan.owned():
                 for sig, primary in sorted(unit.primaries.items(), key=lambda kv: kv[1]):
                     n = unit.counts[sig]
-                    positions[(unit.key, sig)] = _compress(received[offsets[primary] : offsets[primary] + n])
+                    positions[(unit.key, sig)] = compress_positions(
+                        received[offsets[primary] : offsets[primary] + n]
+                    )
                     offsets[primary] += n
             plan.positions = positions  # type: ignore[attr-defined]
         return plan.positions  # type: ignore[attr-defined]
@@ -549,3 +544,122 @@ class Muon(torch.optim.Optimizer):
             local.add_(
                 flat_update.view_as(local), alpha=-adjusted_lr(g["lr"], g["adjust_lr_fn"], lp.param.shape)
             )
+
+
+# --------------------------------------------------------------------------------------------
+# From the config: checks, parameter groups, the builder, ZeRO-1's owner weights
+# --------------------------------------------------------------------------------------------
+
+
+def validate_muon_config(o: OptimizerConfig) -> None:
+    """The ``optimizer.muon.*`` checks (``optimizer.name=muon`` only)."""
+    m: MuonConfig = o.muon
+    check_choice(m.adjust_lr_fn, ADJUST_LR_FNS, "optimizer.muon.adjust_lr_fn")
+    check_choice(m.ns_dtype, tuple(NS_DTYPES), "optimizer.muon.ns_dtype")
+    if not (math.isfinite(m.lr) and m.lr > 0):
+        raise ConfigError(
+            f"optimizer.muon.lr={m.lr} must be a finite number > 0 (e.g. optimizer.muon.lr=3e-4)."
+        )
+    if not math.isfinite(m.weight_decay) or m.weight_decay < 0:
+        raise ConfigError(f"optimizer.muon.weight_decay={m.weight_decay} must be a finite number >= 0.")
+    if not 0.0 <= m.momentum < 1.0:
+        raise ConfigError(f"optimizer.muon.momentum={m.momentum} must lie in [0, 1) (e.g. 0.95).")
+    if not 1 <= m.ns_steps < 100:
+        raise ConfigError(f"optimizer.muon.ns_steps={m.ns_steps} must lie in [1, 99] (e.g. 5).")
+    if len(m.ns_coefficients) != 3:
+        example = ",".join(f"{c:.4f}" for c in DEFAULT_NS_COEFFICIENTS)
+        raise ConfigError(
+            f"optimizer.muon.ns_coefficients={list(m.ns_coefficients)} must be three numbers (a, b, c), "
+            f"e.g. [{example}]."
+        )
+    if not (math.isfinite(m.eps) and m.eps > 0):
+        raise ConfigError(f"optimizer.muon.eps={m.eps} must be a finite number > 0 (e.g. 1e-7).")
+
+
+def muon_param_groups(
+    model: nn.Module | list[nn.Module], cfg: OptimizerConfig, adamw_modules: tuple[str, ...]
+) -> list[dict[str, Any]]:
+    """Muon for every >=2-D weight outside ``adamw_modules`` (the embedding and the output head,
+    e.g. ``spec.first_modules + spec.last_modules``); AdamW for those and every 1-D parameter.
+    Each group carries its own hyperparameters and the parameters' names (they key Muon's units)."""
+    parts = model if isinstance(model, list) else [model]
+    named: dict[torch.Tensor, str] = {}
+    for part in parts:
+        for name, p in part.named_parameters():
+            if p.requires_grad:
+                named.setdefault(p, unwrapped_name(name))
+    muon, decay, no_decay = [], [], []
+    for p, name in named.items():
+        if p.ndim < 2:
+            no_decay.append((name, p))
+        elif name.split(".", 1)[0] in adamw_modules:
+            decay.append((name, p))
+        else:
+            muon.append((name, p))
+    m = cfg.muon
+    groups = [
+        {
+            "params": [p for _, p in muon],
+            "names": [n for n, _ in muon],
+            "use_muon": True,
+            "lr": m.lr,
+            "weight_decay": m.weight_decay,
+            "momentum": m.momentum,
+            "nesterov": m.nesterov,
+            "ns_steps": m.ns_steps,
+            "ns_coefficients": tuple(m.ns_coefficients),
+            "eps": m.eps,
+            "adjust_lr_fn": m.adjust_lr_fn,
+        },
+        {
+            "params": [p for _, p in decay],
+            "names": [n for n, _ in decay],
+            "use_muon": False,
+            "lr": cfg.lr,
+            "betas": tuple(cfg.betas),
+            "eps": cfg.eps,
+            "weight_decay": cfg.weight_decay,
+        },
+        {
+            "params": [p for _, p in no_decay],
+            "names": [n for n, _ in no_decay],
+            "use_muon": False,
+            "lr": cfg.lr,
+            "betas": tuple(cfg.betas),
+            "eps": cfg.eps,
+            "weight_decay": 0.0,
+        },
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def build_muon(
+    parts: list[nn.Module],
+    cfg: OptimizerConfig,
+    *,
+    device_type: str,
+    shard_mesh: Optional[DeviceMesh],
+    adamw_modules: tuple[str, ...],
+) -> torch.optim.Optimizer:
+    """Muon + AdamW (:func:`muon_param_groups`). With ``shard_mesh`` it is the ZeRO-1
+    ShardedOptimizer's inner optimizer (each owner orthogonalises its whole matrices); without,
+    Muon spreads its matrices over the world group's ranks."""
+    groups = muon_param_groups(parts, cfg, adamw_modules)
+    kwargs: dict[str, Any] = {
+        "ns_dtype": NS_DTYPES[cfg.muon.ns_dtype],
+        "adamw_kwargs": impl_kwargs(cfg, device_type),
+    }
+    if shard_mesh is not None:
+        # ns_dtype / adamw_kwargs configure the inner optimizer, they are no group hyperparameters
+        inner = functools.partial(Muon, **kwargs)
+        return ShardedOptimizer(groups, inner, shard_mesh.get_group(), cost=muon_cost)  # type: ignore[arg-type]
+    group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    return Muon(groups, group, **kwargs)
+
+
+def muon_cost(p: torch.Tensor, group: dict[str, Any]) -> int:
+    """ZeRO-1 owner balance under Muon: Newton-Schulz FLOPs for Muon matrices, bytes otherwise."""
+    if group.get("use_muon"):
+        stack = p.shape[0] if p.ndim == 3 else 1
+        return stack * ns_flops(p.shape[-2], p.shape[-1])
+    return p.numel() * p.element_size()

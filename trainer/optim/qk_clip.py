@@ -1,17 +1,20 @@
 """QK-clip (MuonClip, Kimi K2): keep every attention head's largest pre-softmax logit at or below tau.
 
 The model side (``models/llama/model.py`` ``Attention``, also used by the MoE family) only records,
-when asked, the per-local-head max logit of each forward. This file adds what needs the layout:
+when asked, the per-local-head max logit of each forward. This file adds what needs the layout, as a
+step hook (``trainer/hooks.py``; it acts after any optimizer's step, with either optimizer):
 
 * ``begin_step`` turns recording on and resets the maxima;
-* ``after_step`` (after the optimizer step) places each rank's per-local-head maxima into one
+* ``after_optimizer_step`` (:meth:`QKClip.clip`) places each rank's per-local-head maxima into one
   ``(layers, heads)`` table (under TP a rank's heads are its ``tp`` coordinate's slice; a PP stage
   fills its own layers), takes the MAX over the world group (dp, cp, tp, pp at once: one
   all-reduce of layers x heads floats), and for every head with ``max > tau`` scales its query
   and key projection rows so the head's logits shrink by ``gamma = tau / max``: MHA: q and k
   rows by ``sqrt(gamma)`` each; GQA: the shared key head by ``sqrt(min gamma of its query
   heads)``, each query head by the rest, so every query head's logits scale by its own gamma.
-  The rows are found from each weight's own layout (plain, FSDP / TP DTensor shards).
+  The rows are found from each weight's own layout (plain, FSDP / TP DTensor shards:
+  ``parallelisms.utils.local_positions``);
+* ``metrics`` gives the step's ``qk_max_logit`` (before clipping) and ``qk_clipped_heads``.
 
 A module takes part if it has ``record_max_logit``, ``max_logit``, ``head_dim``, ``wq`` and ``wk``
 (Llama/MoE attention). DeepSeek's MLA (other projections, only the non-RoPE parts clipped) needs
@@ -20,13 +23,19 @@ its own ``scale_heads``: the seam is :meth:`QKClip.scale_heads`.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from parallelisms.muon import _local_positions
+from parallelisms.utils import local_positions, unwrapped_name
+
+if TYPE_CHECKING:
+    from models.spec import ModelSpec
+    from parallelisms.parallel_dims import ParallelDims
+    from trainer.config import TrainConfig
+    from trainer.step import StepState
 
 
 class QKClip:
@@ -52,7 +61,8 @@ class QKClip:
         self.last_max: Optional[Tensor] = None  # (layers, heads): the step's measured maxima
         self.last_stats: dict[str, float] = {}  # the last step's qk_max_logit and qk_clipped_heads
 
-    def begin_step(self) -> None:
+    def begin_step(self, state: StepState) -> None:
+        """Hook point: the attentions record (afresh) their per-head max logits of this step."""
         for _, attn in self.attentions:
             attn.record_max_logit, attn.max_logit = True, None
 
@@ -72,19 +82,24 @@ class QKClip:
         self.last_max = table
         return table
 
+    def after_optimizer_step(self, state: StepState) -> None:
+        """Hook point: measure and clip (:meth:`clip`), keeping the step's statistics for :meth:`metrics`."""
+        self.last_stats = self.clip()
+
+    def metrics(self, state: StepState, device: torch.device) -> dict[str, float]:
+        """The last step's ``qk_max_logit`` (before clipping) and ``qk_clipped_heads`` (no collective:
+        :meth:`clip` reduced them over the world)."""
+        return dict(self.last_stats)
+
     @torch.no_grad()
-    def after_step(self) -> dict[str, float]:
-        """Measure (all-reduce) and clip; returns the step's largest logit and the heads clipped."""
+    def clip(self) -> dict[str, float]:
+        """Measure (all-reduce) and clip; returns the step's ``qk_max_logit`` and ``qk_clipped_heads``."""
         table = self.measured_max()
         gamma = torch.where(table > self.tau, self.tau / table, torch.ones_like(table))  # (layers, heads)
         for layer, attn in self.attentions:
             if bool((gamma[layer] < 1).any()):
                 self.scale_heads(attn, gamma[layer])
-        self.last_stats = {"qk_max_logit": float(table.max()), "qk_clipped_heads": int((gamma < 1).sum())}
-        return {
-            "max_logit": self.last_stats["qk_max_logit"],
-            "clipped_heads": self.last_stats["qk_clipped_heads"],
-        }
+        return {"qk_max_logit": float(table.max()), "qk_clipped_heads": int((gamma < 1).sum())}
 
     def scale_heads(self, attn: nn.Module, gamma: Tensor) -> None:
         """Scale ``attn``'s q and k rows so query head h's logits scale by ``gamma[h]`` (heads,)."""
@@ -104,7 +119,7 @@ class QKClip:
     def _global_rows(self, weight: Tensor) -> Tensor:
         key = id(weight)
         if key not in self._rows:
-            pos = _local_positions(weight)
+            pos = local_positions(weight)
             idx = torch.arange(pos.start, pos.stop) if isinstance(pos, slice) else pos
             self._rows[key] = idx // weight.shape[1]
         return self._rows[key]
@@ -112,3 +127,30 @@ class QKClip:
 
 def _local_device(device: torch.device) -> torch.device:
     return device if device.type != "meta" else torch.device("cpu")
+
+
+def build_qk_clip(
+    parts: list[nn.Module], spec: ModelSpec, cfg: TrainConfig, dims: ParallelDims
+) -> Optional[QKClip]:
+    """QK-clip over this rank's attention modules (those of ``spec.blocks`` with
+    ``record_max_logit``), or None when ``optimizer.qk_clip_tau`` is 0."""
+    tau = cfg.optimizer.qk_clip_tau
+    if tau <= 0:
+        return None
+    prefix = f"{spec.blocks}."
+    attentions = []
+    for part in parts:
+        for name, module in part.named_modules():
+            name = unwrapped_name(name)
+            if hasattr(module, "record_max_logit") and name.startswith(prefix):
+                attentions.append((int(name[len(prefix) :].split(".", 1)[0]), module))
+    tp_rank = dims.get_mesh("tp").get_local_rank() if dims.tp > 1 else 0
+    return QKClip(
+        attentions,
+        num_layers=cfg.model.n_layers,
+        n_heads=cfg.model.n_heads,
+        n_kv_heads=cfg.model.kv_heads,
+        tau=tau,
+        tp_rank=tp_rank,
+        tp_size=dims.tp,
+    )

@@ -1,0 +1,227 @@
+"""Optimizers and LR schedules, each picked by name from one table (the registry).
+
+``OPTIMIZERS`` maps ``optimizer.name`` to an :class:`OptimizerEntry`: its builder, the layouts it
+runs under (:data:`LAYOUTS`) and the checks of its own keys. ``LR_SCHEDULES`` maps
+``lr_scheduler.decay_type`` to a factor function. :func:`build_optimizer`,
+:func:`build_lr_scheduler` and :func:`validate_optimizer` (called by ``trainer/config.py``) read
+only these tables, so a name is known, checked and built in one place.
+
+The package, by concern:
+
+================  ================================================================================
+``config.py``     the schemas (``OptimizerConfig``, ``MuonConfig``, ``LRSchedulerConfig``) and Muon's
+                  default Newton-Schulz coefficients; imports nothing of the trainer
+``adamw.py``      AdamW (matrices decayed, vectors not) and the implementation switches
+``muon.py``       Muon in every layout (+ AdamW for the rest), its groups, checks and ZeRO-1 weights
+``schedules.py``  the LR factor functions
+``qk_clip.py``    QK-clip, a step hook after any optimizer's step (``optimizer.qk_clip_tau``); not
+                  imported here: it reads ``TrainConfig``, and ``trainer/config.py`` imports this file
+================  ================================================================================
+
+ZeRO-1 is not here: ``parallelisms/sharded_optimizer.py``'s ``ShardedOptimizer`` is the seed's
+data-parallel strategy (it wraps any per-parameter optimizer and talks to the ``dp_replicate``
+group), so it stays with the other strategies and never imports the trainer; a builder wraps its
+optimizer in it when given ``shard_mesh``, and an entry declares ``"zero1"`` when it can be wrapped.
+The ZeRO-1 refusals that hold for every optimizer (with cp or tp) are ``parallelisms/validate.py``'s.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional, Protocol
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+
+from models.errors import ConfigError, check_choice
+from trainer.optim.adamw import IMPLEMENTATIONS, build_adamw, param_groups
+from trainer.optim.config import LRSchedulerConfig, OptimizerConfig
+from trainer.optim.muon import build_muon, muon_cost, muon_param_groups, validate_muon_config
+from trainer.optim.schedules import LRFactor, warmup_constant, warmup_cosine, warmup_linear
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from parallelisms.config import ParallelismConfig
+    from parallelisms.parallel_dims import ParallelDims
+
+__all__ = [
+    "LAYOUTS",
+    "LR_SCHEDULES",
+    "OPTIMIZERS",
+    "OptimizerEntry",
+    "build_lr_scheduler",
+    "build_optimizer",
+    "check_optimizer_layout",
+    "lr_factor",
+    "muon_cost",
+    "muon_param_groups",
+    "optimizer_entry",
+    "optimizer_layout",
+    "param_groups",
+    "validate_optimizer",
+]
+
+# The layouts an optimizer may or may not run under -> what turns each on (for the refusal message).
+LAYOUTS: dict[str, str] = {
+    "ddp": "parallelism.dp_replicate > 1 with dp_shard=1 (our bucketed DDP)",
+    "torch_ddp": "parallelism.ddp.impl=torch",
+    "zero1": "parallelism.ddp.sharded_optimizer=true",
+    "fsdp": "parallelism.dp_shard > 1 (or cp > 1 without DDP)",
+    "tp": "parallelism.tp > 1",
+    "ep": "parallelism.ep > 1",
+    "pp": "parallelism.pp > 1",
+    "cp": "parallelism.cp > 1",
+    "fault_tolerance": "parallelism.fault_tolerance.enable=true",
+}
+EVERY_LAYOUT = frozenset(LAYOUTS)
+
+
+class OptimizerBuilder(Protocol):
+    """Builds the optimizer of ``parts`` (the model parts: each parameter once, in their order);
+    with ``shard_mesh`` wrapped in ZeRO-1's ShardedOptimizer over that mesh's group;
+    ``adamw_modules``: top-level modules kept on AdamW by optimizers that split the parameters."""
+
+    def __call__(
+        self,
+        parts: list[nn.Module],
+        cfg: OptimizerConfig,
+        *,
+        device_type: str,
+        shard_mesh: Optional[DeviceMesh],
+        adamw_modules: tuple[str, ...],
+    ) -> torch.optim.Optimizer: ...
+
+
+def _no_keys_of_its_own(cfg: OptimizerConfig) -> None:
+    """An optimizer that reads only the shared keys (``validate_optimizer`` checks those)."""
+
+
+@dataclass(frozen=True)
+class OptimizerEntry:
+    """One optimizer: ``build``, the :data:`LAYOUTS` it runs under, and the checks of its own keys."""
+
+    build: OptimizerBuilder
+    layouts: frozenset[str]
+    validate: Callable[[OptimizerConfig], None] = _no_keys_of_its_own
+
+
+OPTIMIZERS: dict[str, OptimizerEntry] = {
+    # elementwise: runs on the local piece of any layout; ZeRO-1's default inner optimizer
+    "adamw": OptimizerEntry(build_adamw, EVERY_LAYOUT),
+    # finds each matrix's pieces from the parameter itself (any placement); see muon.py
+    "muon": OptimizerEntry(build_muon, EVERY_LAYOUT, validate=validate_muon_config),
+}
+
+LR_SCHEDULES: dict[str, LRFactor] = {
+    "cosine": warmup_cosine,
+    "linear": warmup_linear,
+    "constant": warmup_constant,
+}
+
+
+def optimizer_entry(name: str) -> OptimizerEntry:
+    """The registered optimizer ``name``; ConfigError naming the registered ones otherwise."""
+    check_choice(name, tuple(OPTIMIZERS), "optimizer.name")
+    return OPTIMIZERS[name]
+
+
+def optimizer_layout(dims: ParallelDims, p: ParallelismConfig) -> frozenset[str]:
+    """The :data:`LAYOUTS` a run with these degrees and options uses."""
+    on = {
+        "ddp": dims.ddp_enabled and p.ddp.impl == "custom",
+        "torch_ddp": dims.ddp_enabled and p.ddp.impl == "torch",
+        "zero1": dims.ddp_enabled and p.ddp.sharded_optimizer,
+        "fsdp": dims.fsdp_enabled,
+        "tp": dims.tp > 1,
+        "ep": dims.ep > 1,
+        "pp": dims.pp > 1,
+        "cp": dims.cp > 1,
+        "fault_tolerance": p.fault_tolerance.enable,
+    }
+    return frozenset(name for name, used in on.items() if used)
+
+
+def check_optimizer_layout(name: str, layout: Collection[str]) -> None:
+    """ConfigError when the optimizer ``name`` does not run under every layout in ``layout``."""
+    entry = optimizer_entry(name)
+    missing = [x for x in LAYOUTS if x in layout and x not in entry.layouts]
+    if missing:
+        able = [n for n, e in OPTIMIZERS.items() if set(layout) <= e.layouts]
+        raise ConfigError(
+            f"optimizer.name={name} does not run under {', '.join(f'{x} ({LAYOUTS[x]})' for x in missing)}; "
+            f"choose an optimizer that does ({able or 'none is registered'}) or another layout."
+        )
+
+
+def validate_optimizer(o: OptimizerConfig, s: LRSchedulerConfig) -> None:
+    """The ``optimizer`` and ``lr_scheduler`` groups' checks (no layout needed)."""
+    optimizer_entry(o.name).validate(o)
+    if not (math.isfinite(o.qk_clip_tau) and o.qk_clip_tau >= 0):
+        raise ConfigError(f"optimizer.qk_clip_tau={o.qk_clip_tau} must be >= 0 (0 = off; Kimi K2 used 100).")
+    check_choice(o.implementation, IMPLEMENTATIONS, "optimizer.implementation")
+    for key in ("lr", "eps"):
+        value = getattr(o, key)
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(
+                f"optimizer.{key}={value} must be a finite number > 0 (e.g. optimizer.{key}=3e-4)."
+            )
+    if not math.isfinite(o.weight_decay) or o.weight_decay < 0:
+        raise ConfigError(f"optimizer.weight_decay={o.weight_decay} must be a finite number >= 0.")
+    if not all(0.0 <= b < 1.0 for b in o.betas):
+        raise ConfigError(f"optimizer.betas={list(o.betas)} must lie in [0, 1).")
+    check_choice(s.decay_type, tuple(LR_SCHEDULES), "lr_scheduler.decay_type")
+    if s.warmup_steps < 0:
+        raise ConfigError(f"lr_scheduler.warmup_steps={s.warmup_steps} must be >= 0.")
+    if not 0.0 <= s.min_lr_ratio <= 1.0:
+        raise ConfigError(f"lr_scheduler.min_lr_ratio={s.min_lr_ratio} must lie in [0, 1].")
+
+
+def build_optimizer(
+    model: nn.Module | list[nn.Module],
+    cfg: OptimizerConfig,
+    *,
+    device_type: str,
+    shard_mesh: DeviceMesh | None = None,
+    adamw_modules: tuple[str, ...] = ("tok_embeddings", "norm", "output"),
+    layout: Collection[str] = (),
+) -> torch.optim.Optimizer:
+    """The registered optimizer ``cfg.name`` over ``model`` (a module or the model parts); with
+    ``shard_mesh`` it becomes the ZeRO-1 ShardedOptimizer on that mesh. ``layout``: the run's
+    :func:`optimizer_layout` (empty: one process), refused unless the entry runs under it."""
+    entry = optimizer_entry(cfg.name)
+    check_optimizer_layout(cfg.name, {*layout, *(("zero1",) if shard_mesh is not None else ())})
+    parts = model if isinstance(model, list) else [model]
+    return entry.build(
+        parts, cfg, device_type=device_type, shard_mesh=shard_mesh, adamw_modules=adamw_modules
+    )
+
+
+def lr_factor(
+    step: int, *, warmup_steps: int, total_steps: int, decay_type: str, min_lr_ratio: float
+) -> float:
+    """Multiplier of the peak LR for the ``step``-th optimizer step (0-based) under the schedule
+    ``decay_type`` (a name in :data:`LR_SCHEDULES`; ``trainer/optim/schedules.py``)."""
+    check_choice(decay_type, tuple(LR_SCHEDULES), "lr_scheduler.decay_type")
+    return LR_SCHEDULES[decay_type](
+        step, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio
+    )
+
+
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: LRSchedulerConfig, total_steps: int
+) -> LambdaLR:
+    """The schedule ``cfg.decay_type`` from :data:`LR_SCHEDULES`; ``scheduler.step()`` once per
+    optimizer step."""
+    check_choice(cfg.decay_type, tuple(LR_SCHEDULES), "lr_scheduler.decay_type")
+    factor = LR_SCHEDULES[cfg.decay_type]
+
+    def fn(step: int) -> float:
+        return factor(
+            step, warmup_steps=cfg.warmup_steps, total_steps=total_steps, min_lr_ratio=cfg.min_lr_ratio
+        )
+
+    return LambdaLR(optimizer, fn)

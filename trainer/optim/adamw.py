@@ -1,0 +1,64 @@
+"""AdamW: matrices decayed, vectors not; under ZeRO-1 the ShardedOptimizer's inner optimizer.
+
+Also the AdamW implementation switches (``optimizer.implementation``), which Muon's inner AdamW
+shares.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from torch import nn
+
+from parallelisms.sharded_optimizer import ShardedOptimizer
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from trainer.optim.config import OptimizerConfig
+
+# optimizer.implementation: auto = fused on CUDA, foreach otherwise
+IMPLEMENTATIONS = ("auto", "fused", "foreach", "for-loop")
+
+
+def param_groups(model: nn.Module | list[nn.Module], weight_decay: float) -> list[dict[str, Any]]:
+    """Decay matrices (linear and embedding weights); never decay norms or other vectors. ``model``:
+    a module or the model parts (each parameter once, in the parts' order)."""
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
+    parts = model if isinstance(model, list) else [model]
+    for p in dict.fromkeys(p for part in parts for p in part.parameters()):
+        if not p.requires_grad:
+            continue
+        (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def impl_kwargs(cfg: OptimizerConfig, device_type: str) -> dict[str, bool]:
+    """torch.optim.AdamW's ``fused`` / ``foreach`` switches for ``optimizer.implementation``."""
+    impl = cfg.implementation
+    if impl == "auto":
+        impl = "fused" if device_type == "cuda" else "foreach"
+    return {"fused": impl == "fused", "foreach": impl == "foreach"}
+
+
+def build_adamw(
+    parts: list[nn.Module],
+    cfg: OptimizerConfig,
+    *,
+    device_type: str,
+    shard_mesh: Optional[DeviceMesh],
+    adamw_modules: tuple[str, ...],
+) -> torch.optim.Optimizer:
+    """torch.optim.AdamW over :func:`param_groups` (``adamw_modules`` unused: every parameter is AdamW's);
+    with ``shard_mesh`` the ZeRO-1 ShardedOptimizer over that mesh's group wraps it."""
+    kwargs: dict[str, Any] = {"lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps}
+    kwargs.update(impl_kwargs(cfg, device_type))
+    groups = param_groups(parts, cfg.weight_decay)
+    if shard_mesh is not None:
+        return ShardedOptimizer(groups, torch.optim.AdamW, shard_mesh.get_group(), **kwargs)
+    return torch.optim.AdamW(groups, **kwargs)
