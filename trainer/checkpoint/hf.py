@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from models import MODEL_SPECS
+from models.common import unwrapped_name
 from models.errors import ConfigError
 from models.spec import ModelSpec
 
@@ -382,10 +383,6 @@ def _local_index(param: torch.Tensor) -> tuple[tuple[slice, ...], torch.Tensor]:
     return tuple(slice(0, s) for s in param.shape), param
 
 
-def _canonical(name: str) -> str:
-    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-
-
 def _named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Parameters (each once, tied ones under their first name), then persistent buffers (the
     state dict's other entries, e.g. the MoE routing bias), with canonical names."""
@@ -394,13 +391,13 @@ def _named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         if id(p) in seen:
             continue
         seen.add(id(p))
-        yield _canonical(name), p
+        yield unwrapped_name(name), p
     for prefix, sub in module.named_modules():
         for name, buf in sub._buffers.items():
             if buf is None or name in sub._non_persistent_buffers_set or id(buf) in seen:
                 continue
             seen.add(id(buf))
-            yield _canonical(f"{prefix}.{name}" if prefix else name), buf
+            yield unwrapped_name(f"{prefix}.{name}" if prefix else name), buf
 
 
 # Model settings that change what the weights compute but not their shapes (RoPE, norm, MoE routing).
