@@ -91,6 +91,8 @@ from trainer.checkpoint.storage import (
 
 if TYPE_CHECKING:
     from models.spec import ModelArgs
+    from parallelisms.config import ParallelismConfig
+    from parallelisms.parallel_dims import ParallelDims
     from trainer.config import CheckpointConfig
 
 __all__ = [  # the checkpoint_io names re-exported here are the ones other modules use
@@ -142,10 +144,11 @@ def one_module(parts: list[nn.Module]) -> nn.Module:
     return view
 
 
-def describe_layout(dims: Any, parallelism: Any) -> dict[str, Any]:
-    """What wrote the checkpoint (informational; loading never depends on it)."""
-    layout = {k: getattr(dims, k) for k in DEGREE_NAMES}
-    if dims.dp_replicate > 1 and dims.dp_shard == 1:
+def describe_layout(dims: ParallelDims, parallelism: ParallelismConfig) -> dict[str, Any]:
+    """What wrote the checkpoint (informational; loading never depends on it): the degrees, and the
+    DDP options when DDP runs (``ParallelDims.ddp_enabled``, the one answer to whether it does)."""
+    layout: dict[str, Any] = {k: getattr(dims, k) for k in DEGREE_NAMES}
+    if dims.ddp_enabled:
         layout["ddp"] = parallelism.ddp.impl
         layout["sharded_optimizer"] = parallelism.ddp.sharded_optimizer
     return layout
