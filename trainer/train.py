@@ -197,7 +197,7 @@ class Trainer:
         )
         # Downstream tasks (eval.tasks): read and tokenized here, so a bad file fails on every rank.
         # Rows are padded to a multiple of what context / sequence parallelism split.
-        align = (2 * self.dims.cp if self.dims.cp > 1 else 1) * self.dims.tp
+        align = self.dims.seq_len_divisor(cfg.parallelism.cp_load_balance, cfg.parallelism.sequence_parallel)
         self.task_evaluator = TaskEvaluator.build(
             cfg.eval, self.tokenizer, max_seq_len=cfg.model.max_seq_len, align=align, default_freq=t.eval_freq
         )
