@@ -22,7 +22,8 @@ class, so a new family plugs in without touching any strategy:
   and ``attention_mask(args)`` (both with the dense, untied, causal answer as the default), and
   ``mtp_depth(args)`` (multi-token-prediction modules, 0 by default; DeepSeek-V3), and
   ``attention_comm(args)`` (what attention moves under CP / TP beyond the plan's kinds, for the planner),
-  and ``qk_clip`` (whether the attention supports QK-clip).
+  ``qk_norm(args)`` (per-head q/k RMSNorms before RoPE, off by default; Qwen3, Qwen3-MoE, a Llama
+  that asks for them), and ``qk_clip`` (whether the attention supports QK-clip).
 """
 
 from __future__ import annotations
@@ -95,6 +96,10 @@ def _no_mtp(_args: Any) -> int:
     return 0
 
 
+def _no_qk_norm(_args: Any) -> bool:
+    return False
+
+
 @dataclass(frozen=True)
 class AttentionComm:
     """What an attention layer communicates beyond the TP plan's kinds (for the planner).
@@ -140,6 +145,7 @@ class ModelSpec:
     ties_embeddings: Callable[[Any], bool] = _untied
     attention_mask: Callable[[Any], str] = _causal
     mtp_depth: Callable[[Any], int] = _no_mtp  # multi-token-prediction modules (0: none)
+    qk_norm: Callable[[Any], bool] = _no_qk_norm  # per-head RMSNorm of q and k before RoPE (Qwen3)
     attention_comm: Callable[[Any], AttentionComm] = _gqa_comm  # the planner's view of attention traffic
     # Whether the blocks' attention records per-head max logits and has per-head wq / wk rows to
     # scale (QK-clip, ``optimizer.qk_clip_tau``): Llama's attention (MoE, Qwen3) does; MLA does not yet.

@@ -18,6 +18,7 @@ adapter refuses a value HF cannot represent (a non-zero bias), before any file i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -400,7 +401,8 @@ def _named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             yield unwrapped_name(f"{prefix}.{name}" if prefix else name), buf
 
 
-# Model settings that change what the weights compute but not their shapes (RoPE, norm, MoE routing).
+# Model settings that change what the weights compute but not their shapes (RoPE, norm, MoE routing);
+# those the family's args have.
 _SAME_SHAPE_SETTINGS = (
     "rope_theta",
     "rope_scaling",
@@ -429,10 +431,12 @@ def _check_folder(hf_dir: str, spec: ModelSpec, args: Any, full_names: Iterable[
             f"{hf_dir} has tensor {extra[0]!r} that this model lacks ({len(extra)} in all); set the model "
             "config to match its config.json."
         )
+    # Both are the family's args class (checked above): the same fields, read without probing.
+    theirs, ours = dataclasses.asdict(folder_args), dataclasses.asdict(args)
     differ = [
-        f"{key}={getattr(folder_args, key)} (this run: {getattr(args, key)})"
+        f"{key}={theirs[key]} (this run: {ours[key]})"
         for key in _SAME_SHAPE_SETTINGS
-        if getattr(folder_args, key, None) != getattr(args, key, None)
+        if key in ours and theirs[key] != ours[key]
     ]
     if differ:
         logger.warning(f"{hf_dir}/config.json differs from model config: {'; '.join(differ)}")
