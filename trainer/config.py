@@ -5,6 +5,9 @@ schema registered here (``defaults: [base_<group>, _self_]``) and the whole tree
 ``base_train``, so unknown keys and wrong types fail at composition time with OmegaConf's
 own message. ``to_train_config`` then converts the composed tree once into these
 dataclasses and ``validate`` checks the cross-field rules, raising ``ConfigError``.
+
+Defaults are written twice, here and in the group files; ``tests/trainer/test_config_defaults.py``
+holds them equal (a non-default option's own settings are listed there).
 """
 
 from __future__ import annotations
