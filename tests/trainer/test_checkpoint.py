@@ -22,8 +22,9 @@ from models.errors import ConfigError
 from models.llama import LlamaHF
 from tests.configs import tiny_config
 from tests.dist import run_distributed
-from trainer.checkpoint.checkpointer import complete_steps, load_full_state, validate_checkpoint_config
+from trainer.checkpoint.checkpointer import complete_steps, load_full_state
 from trainer.checkpoint.hf import read_hf
+from trainer.checkpoint.seed import validate_checkpoint_config
 from trainer.checkpoint.storage import remove_leftovers
 
 # -- folder rules and config validation (no processes) -----------------------------------
