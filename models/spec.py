@@ -1,8 +1,8 @@
 """The model spec: everything the rest of the stack needs to know about a model family.
 
-Each family (``models/llama.py``, ``models/moe.py``) defines one ``ModelSpec``, listed in
-``models/__init__.py``'s ``MODEL_SPECS``. The trainer picks it with ``get_spec(model.family)``;
-``parallelisms/`` receives the spec and never a concrete model
+Each family (a package ``models/<family>/``: ``model.py``, ``hf.py``, and its ``__init__.py`` joining
+them) defines one ``ModelSpec``, listed in ``models/__init__.py``'s ``MODEL_SPECS``. The trainer picks
+it with ``get_spec(model.family)``; ``parallelisms/`` receives the spec and never a concrete model
 class, so a new family plugs in without touching any strategy:
 
 - ``args_cls`` / ``model_cls``: the typed args (also the Hydra schema of the family's presets)
