@@ -32,7 +32,7 @@ from trainer.checkpoint.storage import (
 from trainer.data.tokenizer import build_tokenizer
 
 if TYPE_CHECKING:
-    from models.spec import ModelArgs, ModelSpec
+    from models.spec import ModelSpec
     from trainer.config import CheckpointConfig
 
 __all__ = ["export", "hf_sidecar", "save_hf_step"]
@@ -90,7 +90,7 @@ def hf_sidecar(
 
 def save_hf_step(
     module: nn.Module,
-    target: tuple[ModelSpec, ModelArgs],
+    target: tuple[ModelSpec, Any],  # (spec, the family's args: ModelArgs names no max_seq_len)
     cfg: CheckpointConfig,
     info: dict[str, Any],
     step: int,
