@@ -33,6 +33,7 @@ __all__ = [
     "CopyFn",
     "ParamInit",
     "RMSNorm",
+    "WRAPPER_PREFIXES",
     "RopeScaling",
     "apply_rotary_emb",
     "num_params",
@@ -40,6 +41,7 @@ __all__ = [
     "repeat_kv",
     "rope_attention_factor",
     "rope_inv_freq",
+    "unwrapped_name",
     "yarn_mscale",
     "yarn_softmax_scale",
 ]
@@ -48,6 +50,23 @@ __all__ = [
 IGNORE_INDEX = -100
 
 CopyFn = Callable[[nn.Parameter, Tensor], None]
+
+# The name components that wrapping a block adds to its parameters' names: torch.compile's
+# ``OptimizedModule`` (``_orig_mod``) and activation checkpointing's ``CheckpointWrapper``
+# (``_checkpoint_wrapped_module``). The one definition: it lives in models/, the lowest layer,
+# because the model (MoE layer names), parallelisms, the trainer (optimizer and HF names) and the
+# tests all need a parameter's name as the model itself spells it. FSDP2 adds no component, and
+# DDP's ``module.`` never reaches these readers (``parallelisms.parallelize.model_parts`` strips it).
+WRAPPER_PREFIXES: tuple[str, ...] = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def unwrapped_name(name: str) -> str:
+    """A parameter's, buffer's or module's name as the model names it: without the compile and
+    activation-checkpoint wrapper components (``WRAPPER_PREFIXES``), wherever they occur."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
 
 # --------------------------------------------------------------------------------------------
 # Rotary position embedding

@@ -1,8 +1,8 @@
 """The model spec: everything the rest of the stack needs to know about a model family.
 
-Each family (``models/llama/``, ``models/moe/``, ...) defines one ``ModelSpec``, listed in
-``models/__init__.py``'s ``MODEL_SPECS``. The trainer picks it with ``get_spec(model.family)``;
-``parallelisms/`` receives the spec and never a concrete model
+Each family (a package ``models/<family>/``: ``model.py``, ``hf.py``, and its ``__init__.py`` joining
+them) defines one ``ModelSpec``, listed in ``models/__init__.py``'s ``MODEL_SPECS``. The trainer picks
+it with ``get_spec(model.family)``; ``parallelisms/`` receives the spec and never a concrete model
 class, so a new family plugs in without touching any strategy:
 
 - ``args_cls`` / ``model_cls``: the typed args (also the Hydra schema of the family's presets)
@@ -26,7 +26,8 @@ class, so a new family plugs in without touching any strategy:
   window, e.g. MTP's shifted ids and targets: the model's one call is
   ``model(tokens, positions=..., **extras)``), and
   ``attention_comm(args)`` (what attention moves under CP / TP beyond the plan's kinds, for the planner),
-  and ``qk_clip`` (whether the attention supports QK-clip).
+  ``qk_norm(args)`` (per-head q/k RMSNorms before RoPE, off by default; Qwen3, Qwen3-MoE, a Llama
+  that asks for them), and ``qk_clip`` (whether the attention supports QK-clip).
 """
 
 from __future__ import annotations
@@ -112,6 +113,10 @@ def _no_inputs(
     return {}
 
 
+def _no_qk_norm(_args: Any) -> bool:
+    return False
+
+
 @dataclass(frozen=True)
 class AttentionComm:
     """What an attention layer communicates beyond the TP plan's kinds (for the planner).
@@ -163,6 +168,7 @@ class ModelSpec:
     batch_inputs: Callable[
         [Any, torch.Tensor, torch.Tensor, Optional[torch.Tensor]], dict[str, torch.Tensor]
     ] = _no_inputs
+    qk_norm: Callable[[Any], bool] = _no_qk_norm  # per-head RMSNorm of q and k before RoPE (Qwen3)
     attention_comm: Callable[[Any], AttentionComm] = _gqa_comm  # the planner's view of attention traffic
     # Whether the blocks' attention records per-head max logits and has per-head wq / wk rows to
     # scale (QK-clip, ``optimizer.qk_clip_tau``): Llama's attention (MoE, Qwen3) does; MLA does not yet.

@@ -49,6 +49,7 @@ from models.attention import (
     compiled_flex_attention,
 )
 from models.errors import ConfigError
+from parallelisms.parallel_dims import cp_chunks
 
 __all__ = [
     "AllGatherAttention",
@@ -71,11 +72,11 @@ def shard_indices(seq_len: int, cp: int, rank: int, load_balance: str, device: A
     ``headtail``: chunks ``rank`` and ``2cp-1-rank`` of 2cp equal chunks; ``none``: chunk ``rank``
     of cp.
     """
+    chunks = cp_chunks(cp, load_balance)
+    n = seq_len // chunks
     if load_balance == "none":
-        n = seq_len // cp
         return torch.arange(rank * n, (rank + 1) * n, device=device)
-    n = seq_len // (2 * cp)
-    tail = 2 * cp - 1 - rank
+    tail = chunks - 1 - rank
     return torch.cat(
         [
             torch.arange(rank * n, (rank + 1) * n, device=device),

@@ -58,6 +58,23 @@ FLAT_VIEWS: dict[str, tuple[str, ...]] = {
 OPTIONAL_VIEWS: dict[str, tuple[str, ...]] = {DP_REPLICATE_CP: ("dp_replicate", "cp")}
 
 
+def cp_chunks(cp: int, load_balance: str) -> int:
+    """How many equal chunks context parallel cuts each sequence into (``parallelism.cp_load_balance``):
+    ``headtail`` 2*cp (rank r holds chunks r and 2cp-1-r, which balances causal attention work),
+    ``none`` cp (rank r holds the r-th). ``context_parallel.shard_indices`` cuts by it."""
+    return 2 * cp if load_balance == "headtail" else cp
+
+
+def seq_len_divisor(cp: int, tp: int, load_balance: str, sequence_parallel: bool) -> int:
+    """What every sequence the model runs on must be a multiple of in length: the context-parallel
+    chunks (``cp_chunks``; nothing is cut without cp) and, under sequence parallelism, cp*tp (each
+    rank's S/cp tokens are split again over tp). The one copy of the rule: ``validate_cp`` checks
+    ``training.seq_len`` against it, the trainer pads evaluation rows to it."""
+    chunks = cp_chunks(cp, load_balance) if cp > 1 else 1
+    sp = tp if tp > 1 and sequence_parallel else 1
+    return math.lcm(chunks, cp * sp)
+
+
 @dataclass
 class ParallelDims:
     """Degrees of every parallel axis for one run (keyword construction; validated on construction)."""
@@ -137,6 +154,10 @@ class ParallelDims:
     @property
     def hsdp_enabled(self) -> bool:
         return self.fsdp_enabled and self.dp_replicate > 1
+
+    def seq_len_divisor(self, load_balance: str, sequence_parallel: bool) -> int:
+        """``seq_len_divisor`` of this layout's cp and tp."""
+        return seq_len_divisor(self.cp, self.tp, load_balance, sequence_parallel)
 
     def grad_accum_steps(self, global_batch_size: int, micro_batch_size: int) -> int:
         """Microbatches per optimizer step on each dp rank; validated."""

@@ -119,10 +119,3 @@ def compress_positions(idx: torch.Tensor) -> Positions:
     if torch.equal(idx, torch.arange(start, start + idx.numel(), dtype=idx.dtype)):
         return slice(start, start + idx.numel())
     return idx
-
-
-def unwrapped_name(name: str) -> str:
-    """A parameter's or module's name as the model names it, without the prefixes of the wrappers
-    applied here (``compile.py``: ``_orig_mod.``; ``activation_checkpoint.py``:
-    ``_checkpoint_wrapped_module.``)."""
-    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")

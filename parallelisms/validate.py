@@ -17,7 +17,7 @@ import torch
 from models.errors import ConfigError, check_choice
 from models.spec import ModelSpec
 from parallelisms.config import ParallelismConfig
-from parallelisms.parallel_dims import ParallelDims
+from parallelisms.parallel_dims import ParallelDims, cp_chunks, seq_len_divisor
 from parallelisms.pipeline_split import (
     ZERO_BUBBLE,
     canonical_schedule,
@@ -235,7 +235,7 @@ def validate_cp(
         )
     if cp == 1:
         return
-    chunks = 2 * cp if load_balance == "headtail" else cp
+    chunks = cp_chunks(cp, load_balance)
     if seq_len % chunks != 0:
         raise ConfigError(
             f"training.seq_len={seq_len} is not divisible by {chunks} = "
@@ -243,11 +243,12 @@ def validate_cp(
             f"{load_balance} cuts each sequence into {chunks} chunks); choose a seq_len that is a multiple "
             f"of {chunks}, or change parallelism.cp."
         )
-    if tp > 1 and sequence_parallel and (seq_len // cp) % tp != 0:
+    divisor = seq_len_divisor(cp, tp, load_balance, sequence_parallel)
+    if seq_len % divisor != 0:  # what is left of the rule past the chunks: sequence parallel's cp*tp
         raise ConfigError(
             f"training.seq_len={seq_len} / parallelism.cp={cp} = {seq_len // cp} local tokens are not "
             f"divisible by parallelism.tp={tp}, which sequence parallelism needs; choose a seq_len that is a "
-            f"multiple of {_lcm(chunks, cp * tp)}, "
+            f"multiple of {divisor}, "
             f"or set parallelism.sequence_parallel=false."
         )
     if cp_impl == "ring":
@@ -263,16 +264,6 @@ def validate_cp(
                 f"has no document mask), got {attention_mask}; use parallelism.cp_impl=allgather for "
                 f"block_causal."
             )
-
-
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
-
-
-def _lcm(a: int, b: int) -> int:
-    return a * b // _gcd(a, b)
 
 
 def validate_ep(spec: ModelSpec, args: Any, dims: ParallelDims, *, compile: bool, device_type: str) -> None:

@@ -32,12 +32,12 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from models.common import unwrapped_name
 from tests.dist import run_distributed
 
 PARITY_RTOL = 1e-5  # fp32 on CPU; measured ~1e-7 (losses) .. 2.6e-6 (sharded grad norms)
 PARAM_ATOL = 1e-5  # final weights after 8 AdamW steps (measured <= ~1e-6)
 METRICS = ("loss", "grad_norm")
-_WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.")  # torch.compile, activation checkpointing
 
 
 # --------------------------------------------------------------------------------------------
@@ -117,12 +117,6 @@ def assert_parity(
 # --------------------------------------------------------------------------------------------
 
 
-def _clean(name: str) -> str:
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
-
-
 def full_params(parts: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
     """This rank's parameters, gathered to full (unsharded) fp32 CPU copies, under the model's own names.
 
@@ -134,7 +128,7 @@ def full_params(parts: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
     named = {}
     for part in parts:
         for name, p in part.named_parameters():
-            named[_clean(name)] = p
+            named[unwrapped_name(name)] = p
     out = {}
     for name in sorted(named):  # the same order on every rank that shares a DTensor's mesh
         t = named[name].detach()

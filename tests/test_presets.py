@@ -51,6 +51,11 @@ def test_experiment_composes_and_validates(name: str) -> None:
     assert n == spec.param_counts(cfg.model).total
     if cfg.model.name in PUBLISHED:
         assert abs(n - PUBLISHED[cfg.model.name]) / PUBLISHED[cfg.model.name] < 0.02
+    # What the spec declares (the trainer's config checks read it) is what the model builds.
+    names = [name for name, _ in model.named_parameters()]  # k_norm: MLA has a q_norm of its latent only
+    assert spec.qk_norm(cfg.model) == any(name.endswith("attention.k_norm.weight") for name in names)
+    experts = {m.w1.shape[0] for m in spec.expert_modules(model)} if spec.has_experts else {0}
+    assert experts == {spec.num_experts(cfg.model)}
 
 
 def test_experiment_list_is_not_empty() -> None:

@@ -5,6 +5,9 @@ schema registered here (``defaults: [base_<group>, _self_]``) and the whole tree
 ``base_train``, so unknown keys and wrong types fail at composition time with OmegaConf's
 own message. ``to_train_config`` then converts the composed tree once into these
 dataclasses and ``validate`` checks the cross-field rules, raising ``ConfigError``.
+
+Defaults are written twice, here and in the group files; ``tests/trainer/test_config_defaults.py``
+holds them equal (a non-default option's own settings are listed there).
 """
 
 from __future__ import annotations
@@ -257,14 +260,15 @@ def _validate_qk_clip(cfg: TrainConfig) -> None:
             "measured from local keys only, and a context shard does not hold all of them. Set "
             "optimizer.qk_clip_tau=0 or parallelism.cp=1."
         )
-    if not get_spec(cfg.model.family).qk_clip:
+    spec = get_spec(cfg.model.family)
+    if not spec.qk_clip:
         raise ConfigError(
             f"optimizer.qk_clip_tau={tau} with model.family={cfg.model.family}: QK-clip is built for Llama's "
             "attention (llama, moe, qwen3 families); this family's attention (multi-head latent attention) "
             "does "
             "not record per-head max logits. Set optimizer.qk_clip_tau=0."
         )
-    if getattr(cfg.model, "qk_norm", False):
+    if spec.qk_norm(cfg.model):
         raise ConfigError(
             f"optimizer.qk_clip_tau={tau} with model.qk_norm=true: the per-head RMSNorm of q and k undoes "
             "any "
@@ -415,9 +419,10 @@ def _validate_fault_tolerance(cfg: TrainConfig) -> None:
             "failed group's share to the survivors. Prepare the data (python -m trainer.prepare_data) or set "
             "data.streaming=false."
         )
-    if getattr(cfg.model, "num_experts", 0):
+    num_experts = get_spec(cfg.model.family).num_experts(cfg.model)
+    if num_experts:
         raise ConfigError(
-            f"{key}.enable=true is not supported for MoE models (model.num_experts={cfg.model.num_experts}): "
+            f"{key}.enable=true is not supported for MoE models (model.num_experts={num_experts}): "
             "the "
             "expert load balancer updates its biases from group-local token counts, so replica groups would "
             "diverge. Use a dense model, or train without fault tolerance."

@@ -19,13 +19,8 @@ from models.errors import ConfigError
 from parallelisms.parallelize import PartOptions, model_parts, parallelize, parallelize_pipeline
 from parallelisms.utils import clip_grad_norm_, copy_full_into
 from parallelisms.validate import validated_dims
-from trainer.checkpoint.checkpointer import (
-    Checkpointer,
-    describe_layout,
-    model_info,
-    seed_parallelism,
-    validate_checkpoint_config,
-)
+from trainer.checkpoint.checkpointer import Checkpointer, describe_layout, model_info
+from trainer.checkpoint.seed import seed_parallelism, validate_checkpoint_config
 from trainer.config import TrainConfig, to_yaml
 from trainer.data import DataLoader, build_dataloader
 from trainer.data.tokenizer import build_tokenizer, check_vocab_size
@@ -194,7 +189,7 @@ class Trainer:
         )
         # Downstream tasks (eval.tasks): read and tokenized here, so a bad file fails on every rank.
         # Rows are padded to a multiple of what context / sequence parallelism split.
-        align = (2 * self.dims.cp if self.dims.cp > 1 else 1) * self.dims.tp
+        align = self.dims.seq_len_divisor(cfg.parallelism.cp_load_balance, cfg.parallelism.sequence_parallel)
         self.task_evaluator = TaskEvaluator.build(
             cfg.eval, self.tokenizer, max_seq_len=cfg.model.max_seq_len, align=align, default_freq=t.eval_freq
         )

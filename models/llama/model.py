@@ -486,6 +486,11 @@ def attention_mask(args: LlamaArgs) -> str:
     return args.attention_mask
 
 
+def qk_norm(args: LlamaArgs) -> bool:
+    """Whether the attention normalises each q and k head before RoPE (``ModelSpec.qk_norm``)."""
+    return args.qk_norm
+
+
 def tp_divisible(args: LlamaArgs) -> dict[str, int]:
     """Sizes tensor parallelism splits evenly (key -> value)."""
     return {

@@ -7,7 +7,7 @@ the adapter; this file joins the two.
 
 from __future__ import annotations
 
-from models.llama.model import attention_mask, ties_embeddings
+from models.llama.model import attention_mask, qk_norm, ties_embeddings
 from models.moe.hf import MoEHF
 from models.moe.model import (
     TP_PLAN,
@@ -46,4 +46,5 @@ MOE_SPEC = ModelSpec(
     expert_modules=expert_modules,
     ties_embeddings=ties_embeddings,
     attention_mask=attention_mask,
+    qk_norm=qk_norm,
 )

@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.common import ParamInit, RMSNorm
+from models.common import ParamInit, RMSNorm, unwrapped_name
 from models.errors import ConfigError, check_choice
 from models.llama.model import (
     TP_PLAN as LLAMA_TP_PLAN,
@@ -511,8 +511,7 @@ def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
     out = []
     for name, module in model.named_modules():
         if isinstance(module, MoE):
-            name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-            out.append((name, module))
+            out.append((unwrapped_name(name), module))
     return out
 
 

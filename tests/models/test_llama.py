@@ -284,6 +284,24 @@ def test_init_through_wrappers_and_copy_fn() -> None:
     assert torch.equal(reference(tokens), wrapped(tokens))
 
 
+def test_unwrapped_name_undoes_the_real_wrappers() -> None:
+    """``models.common.unwrapped_name`` (the one copy of the wrapper prefixes) against the names that
+    activation checkpointing and torch.compile really add, in parallelize's order (AC, then compile)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from models.common import unwrapped_name
+
+    args = tiny_args()
+    plain = Transformer(args)
+    wrapped = Transformer(args)
+    for key in list(wrapped.layers.keys()):
+        wrapped.layers[key] = torch.compile(checkpoint_wrapper(wrapped.layers[key]))  # compiles on call only
+    names = [n for n, _ in wrapped.named_parameters()]
+    assert any("_orig_mod" in n for n in names) and any("_checkpoint_wrapped_module" in n for n in names)
+    assert [unwrapped_name(n) for n in names] == [n for n, _ in plain.named_parameters()]
+    assert [unwrapped_name(n) for n, _ in wrapped.named_buffers()] == [n for n, _ in plain.named_buffers()]
+
+
 def test_init_respects_param_dtype() -> None:
     args = tiny_args()
     ref = build(args, seed=2)

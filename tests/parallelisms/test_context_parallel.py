@@ -10,6 +10,7 @@ the gradients of q, k and v must match (fp32, 1e-5).
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -124,6 +125,45 @@ def test_validate_cp_rejects(kw: dict, needle: str) -> None:
     args.update(kw)
     with pytest.raises(ConfigError, match=needle.replace("*", r"\*").replace("(", r"\(")):
         validate_cp(**args)
+
+
+def test_one_sequence_length_rule_for_validation_sharding_and_eval_rows() -> None:
+    """``seq_len_divisor`` is the rule: the layout checks accept exactly its multiples (cp=1: the
+    sequence-parallel check of validate_model), ``shard_indices`` cuts those evenly, and the trainer
+    pads evaluation rows to ``ParallelDims.seq_len_divisor``, the same number."""
+    from models import get_spec
+    from parallelisms.config import ParallelismConfig
+    from parallelisms.parallel_dims import seq_len_divisor
+
+    spec = get_spec("llama")
+    model = tiny_config("/tmp/unused").model  # 4 heads, 2 kv heads: tp up to 2
+    for cp, tp, lb, sp in itertools.product((1, 2, 4), (1, 2), ("headtail", "none"), (True, False)):
+        divisor = seq_len_divisor(cp, tp, lb, sp)
+        accepted = []
+        for seq_len in range(1, 65):
+            cfg = ParallelismConfig(cp=cp, tp=tp, cp_load_balance=lb, sequence_parallel=sp)
+            try:
+                dims = validated_dims(
+                    cfg,
+                    cp * tp,
+                    spec=spec,
+                    model_args=model,
+                    seq_len=seq_len,
+                    global_batch_size=1,
+                    micro_batch_size=1,
+                )
+            except ConfigError:
+                continue
+            accepted.append(seq_len)
+            assert dims.seq_len_divisor(lb, sp) == divisor
+            if cp == 1:
+                continue  # nothing is cut
+            pieces = [shard_indices(seq_len, cp, r, lb) for r in range(cp)]
+            assert sorted(torch.cat(pieces).tolist()) == list(range(seq_len))
+            assert all(len(piece) % (tp if sp else 1) == 0 for piece in pieces)
+        assert accepted == list(range(divisor, 65, divisor)), (cp, tp, lb, sp)
+    assert seq_len_divisor(2, 1, "none", True) == 2  # none cuts cp chunks, headtail 2*cp
+    assert seq_len_divisor(2, 1, "headtail", True) == 4
 
 
 def test_parallel_dims_accepts_cp_and_rejects_bad_combinations() -> None:

@@ -10,6 +10,7 @@ foreign weights (a Hugging Face folder, a seed checkpoint).
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 
@@ -21,8 +22,9 @@ from models.errors import ConfigError
 from models.llama import LlamaHF
 from tests.configs import tiny_config
 from tests.dist import run_distributed
-from trainer.checkpoint.checkpointer import complete_steps, load_full_state, validate_checkpoint_config
+from trainer.checkpoint.checkpointer import complete_steps, load_full_state
 from trainer.checkpoint.hf import read_hf
+from trainer.checkpoint.seed import validate_checkpoint_config
 from trainer.checkpoint.storage import remove_leftovers
 
 # -- folder rules and config validation (no processes) -----------------------------------
@@ -58,6 +60,29 @@ def test_seed_checkpoint_needs_one_process(tmp_path) -> None:
     cfg = tiny_config(str(tmp_path), "checkpoint.create_seed=true")
     with pytest.raises(ConfigError, match="one process, but the world size is 2"):
         validate_checkpoint_config(cfg.checkpoint, 2)
+
+
+@pytest.mark.parametrize(
+    "degrees",
+    [
+        dict(dp_replicate=2, dp_shard=1),  # DDP
+        dict(dp_replicate=2, dp_shard=1, cp=2),  # DDP over dp_replicate x cp
+        dict(dp_replicate=2, dp_shard=2),  # HSDP
+        dict(dp_shard=4),  # FSDP
+        dict(dp_shard=1, cp=4),  # cp alone: FSDP over cp
+        dict(dp_shard=1),  # one process
+    ],
+)
+def test_marker_layout_names_ddp_options_exactly_when_ddp_runs(degrees: dict) -> None:
+    """The marker's layout reads whether DDP runs from ``ParallelDims.ddp_enabled``, no copy of the rule."""
+    from parallelisms.config import ParallelismConfig
+    from parallelisms.parallel_dims import ParallelDims
+    from trainer.checkpoint.checkpointer import describe_layout
+
+    dims = ParallelDims(**degrees, world_size=math.prod(degrees.values()))
+    layout = describe_layout(dims, ParallelismConfig(**degrees))
+    assert ("ddp" in layout) == ("sharded_optimizer" in layout) == dims.ddp_enabled
+    assert {k: layout[k] for k in degrees} == degrees
 
 
 def test_hf_names_round_trip() -> None:

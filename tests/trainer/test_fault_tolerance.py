@@ -42,6 +42,7 @@ def test_config_errors() -> None:
         "parallelism.ddp.sharded_optimizer=true": "parallelism.ddp.sharded_optimizer=false",
         "training.global_batch_size=15": "multiple of parallelism.dp_replicate=2",
         "optimizer.qk_clip_tau=50": "optimizer.qk_clip_tau=0",
+        "model=moe_debug": "not supported for MoE models (model.num_experts=8)",
     }
     for override, message in cases.items():
         with pytest.raises(ConfigError, match=None) as err:

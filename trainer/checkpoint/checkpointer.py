@@ -3,16 +3,16 @@
 What a checkpoint holds (DCP keys, identical whatever layout wrote them, so a checkpoint is
 one logical model: any layout loads what any other wrote):
 
-* ``model.<fqn>``: the weights, named as in ``models/llama.py`` (no ``module.`` / FSDP /
-  compile prefixes), via ``get_model_state_dict`` on each model part (``model_parts``: DDP
-  stripped, pipeline stages merged).
+* ``model.<fqn>``: the weights, named as the model names them (``models/<family>/model.py``; no
+  ``module.`` / FSDP / compile prefixes), via ``get_model_state_dict`` on each model part
+  (``model_parts``: DDP stripped, pipeline stages merged).
 * ``optimizer.state.<fqn>.<exp_avg|exp_avg_sq|step>`` and ``optimizer.param_groups.<fqn>.<key>``:
   the flattened optimizer state (``flatten_optimizer_state_dict``), so FSDP/TP shards, ZeRO-1
   owners and replicated optimizers all write the same logical keys.
 * ``lr_scheduler.*``, ``dataloader.*`` (the global sample count: reshards over any dp
   degree), ``train_state.{step,tokens_seen}``, and ``rng.rank<R>.{cpu,cuda}`` per rank.
 
-Atomic commit (see ``checkpoint_io`` for the folder layout): every rank writes into
+Atomic commit (see ``trainer.checkpoint.storage`` for the folder layout): every rank writes into
 ``step-N.tmp-<id>``; DCP writes ``.metadata`` only after every rank's data is on disk; then
 rank 0 writes the marker ``checkpoint.json`` (sizes and CRC32 of every file, fsync), renames
 the folder to ``step-N`` and fsyncs the parent. Old checkpoints are purged oldest-first by
@@ -25,11 +25,14 @@ process group; rank 0 commits when the write finishes; a second save first waits
 RNG on resume: restored per rank when the world size is unchanged. Under another world size
 the per-rank streams have no meaning, so every rank reseeds with ``seed + step`` (the model
 has no dropout; the RNG does not affect the losses).
+
+Two neighbours have their own modules: the seed checkpoint (``trainer.checkpoint.seed``: what a seed
+is; ``save_seed`` here writes it as a model-only checkpoint) and the Hugging Face folder written at the
+last step (``checkpoint.last_save_in_hf``: ``trainer.checkpoint.export.save_hf_step``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -54,8 +57,9 @@ from torch.distributed.checkpoint.state_dict import (
 
 from models.errors import ConfigError
 from parallelisms.parallel_dims import DEGREE_NAMES
-from parallelisms.utils import DTYPES
+from trainer.checkpoint.export import save_hf_step
 from trainer.checkpoint.reader import dcp_load
+from trainer.checkpoint.seed import check_seed_folder
 from trainer.checkpoint.space import (
     CheckpointDiskFull,
     as_disk_full,
@@ -78,7 +82,6 @@ from trainer.checkpoint.storage import (
     crash_point,
     file_crc32,
     fsync_dir,
-    hf_step_dir,
     load_full_state,
     make_dir,
     read_marker,
@@ -91,9 +94,13 @@ from trainer.checkpoint.storage import (
 
 if TYPE_CHECKING:
     from models.spec import ModelArgs
+    from parallelisms.config import ParallelismConfig
+    from parallelisms.parallel_dims import ParallelDims
     from trainer.config import CheckpointConfig
 
-__all__ = [  # the checkpoint_io names re-exported here are the ones other modules use
+# Re-exported here: the storage names other modules use, and the seed's two that trainer/train.py
+# imports from this module (their home is trainer.checkpoint.seed).
+__all__ = [
     "MARKER",
     "Checkpointer",
     "ModelState",
@@ -105,9 +112,7 @@ __all__ = [  # the checkpoint_io names re-exported here are the ones other modul
     "load_full_state",
     "model_info",
     "one_module",
-    "seed_parallelism",
     "read_marker",
-    "validate_checkpoint_config",
     "verify_files",
 ]
 
@@ -142,10 +147,11 @@ def one_module(parts: list[nn.Module]) -> nn.Module:
     return view
 
 
-def describe_layout(dims: Any, parallelism: Any) -> dict[str, Any]:
-    """What wrote the checkpoint (informational; loading never depends on it)."""
-    layout = {k: getattr(dims, k) for k in DEGREE_NAMES}
-    if dims.dp_replicate > 1 and dims.dp_shard == 1:
+def describe_layout(dims: ParallelDims, parallelism: ParallelismConfig) -> dict[str, Any]:
+    """What wrote the checkpoint (informational; loading never depends on it): the degrees, and the
+    DDP options when DDP runs (``ParallelDims.ddp_enabled``, the one answer to whether it does)."""
+    layout: dict[str, Any] = {k: getattr(dims, k) for k in DEGREE_NAMES}
+    if dims.ddp_enabled:
         layout["ddp"] = parallelism.ddp.impl
         layout["sharded_optimizer"] = parallelism.ddp.sharded_optimizer
     return layout
@@ -222,21 +228,6 @@ def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
 
 
 # -- the checkpointer ------------------------------------------------------------------
-
-
-def validate_checkpoint_config(cfg: CheckpointConfig, world_size: int) -> None:
-    """Checks that need the world size; run before any process group exists."""
-    if cfg.create_seed and world_size != 1:
-        raise ConfigError(
-            f"checkpoint.create_seed=true runs on one process, but the world size is {world_size}; "
-            "run it with `python trainer/main.py ... checkpoint.create_seed=true` (or --nproc_per_node=1)."
-        )
-
-
-def seed_parallelism(parallelism: Any) -> Any:
-    """The layout a seed checkpoint is built in: one process, nothing sharded (the preset's
-    degrees are for the real run, which then loads the seed under any layout)."""
-    return dataclasses.replace(parallelism, dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1)
 
 
 class Checkpointer:
@@ -537,8 +528,17 @@ class Checkpointer:
             self._poll()
             if step % self.cfg.interval == 0 or (last and self.cfg.save_final):
                 self.save(step, final=last)
-        if last and self.cfg.last_save_in_hf:
-            self.save_hf(step)
+        if last and self.cfg.last_save_in_hf:  # the weights as a HF folder too (export.py)
+            save_hf_step(
+                self.module,
+                self.hf_target,
+                self.cfg,
+                self.info,
+                step,
+                folder=self.folder,
+                token=self._token,
+                group=self._pg,
+            )
 
     def save(self, step: int, *, final: bool = False) -> None:
         """Checkpoint ``step`` (async unless ``final``); a second save first waits for the first."""
@@ -560,64 +560,18 @@ class Checkpointer:
                 f"checkpoint step {step}: staged in {time.perf_counter() - start:.2f}s, writing async"
             )
             return
+        self._write_and_commit(step, tmp, state, marker)
+        logger.info(f"checkpoint step {step} saved in {time.perf_counter() - start:.2f}s")
+
+    def _write_and_commit(self, step: int, tmp: str, state: dict[str, Any], marker: dict[str, Any]) -> None:
+        """A synchronous save of ``state`` into ``tmp``, committed as ``step-N``; visible once this
+        returns on any rank."""
         try:
             dcp.save(state, storage_writer=CheckpointWriter(tmp, step), process_group=self._pg)
         except BaseException as e:  # DCP raises CheckpointException (a BaseException) on every rank
             self._save_failed(step, tmp, e)
             raise
-        self._commit_everywhere(step, tmp, marker)  # the checkpoint is visible once save() returns anywhere
-        logger.info(f"checkpoint step {step} saved in {time.perf_counter() - start:.2f}s")
-
-    def save_hf(self, step: int) -> str:
-        """Write the model as a Hugging Face folder ``<folder>/step-N-hf`` (as ``trainer.export_hf``
-        would from the checkpoint of ``step``); return its path. Collective.
-
-        One tensor is gathered at a time and rank 0 writes each safetensors file as soon as it is
-        full (``trainer.checkpoint.hf.save_hf_distributed``). Atomic like a checkpoint: written into
-        ``step-N-hf.tmp-<id>`` and renamed when complete, replacing an older folder of that step.
-        """
-        from trainer.checkpoint.export import hf_sidecar
-        from trainer.checkpoint.hf import parse_size, save_hf_distributed
-        from trainer.checkpoint.hf_tokenizer import write_tokenizer_files
-
-        start = time.perf_counter()
-        final = hf_step_dir(self.folder, step)
-        tmp = f"{final}.tmp-{self._token}"
-        if self.rank == 0:
-            make_dir(self.folder)
-            make_dir(tmp)
-        source = os.path.abspath(step_dir(self.folder, step) if self.cfg.enable else self.folder)
-        extra, bos, eos, tokenizer = hf_sidecar(self.info, step, source)
-        spec, args = self.hf_target
-        files = save_hf_distributed(
-            self.module,
-            spec,
-            args,
-            tmp,
-            is_writer=self.rank == 0,
-            max_shard_bytes=parse_size(self.cfg.hf_max_shard_size),
-            dtype=DTYPES[self.cfg.hf_dtype],
-            extra=extra,
-            bos_id=bos,
-            eos_id=eos,
-        )
-        if self.rank == 0:
-            files += write_tokenizer_files(tmp, tokenizer, max_len=args.max_seq_len)
-            for name in os.listdir(tmp):
-                with open(os.path.join(tmp, name), "rb") as f:
-                    os.fsync(f.fileno())
-            trash = f"{final}.trash-{self._token}"
-            if os.path.exists(final):
-                os.rename(final, trash)
-            os.rename(tmp, final)
-            fsync_dir(self.folder)
-            shutil.rmtree(trash, ignore_errors=True)
-        dist.barrier(group=self._pg)  # the folder is complete once save_hf() returns anywhere
-        logger.info(
-            f"Hugging Face weights of step {step} ({len(files)} files) saved to {final} in "
-            f"{time.perf_counter() - start:.2f}s"
-        )
-        return final
+        self._commit_everywhere(step, tmp, marker)
 
     def _poll(self) -> None:
         if self._pending is not None and self._pending[3].done():
@@ -643,23 +597,11 @@ class Checkpointer:
         logger.info(f"checkpoint step {step} committed")
 
     def save_seed(self) -> str:
-        """Write the model-only seed checkpoint ``step-0`` (one process); return its path."""
-        if complete_steps(self.folder):
-            raise ConfigError(
-                f"checkpoint.create_seed=true but {self.folder} already holds checkpoints "
-                f"{complete_steps(self.folder)}; use a fresh job.dump_folder (or checkpoint.folder)."
-            )
+        """Write the model-only seed checkpoint ``step-0`` (one process; ``trainer.checkpoint.seed``);
+        return its path."""
+        check_seed_folder(self.folder)
         tmp = self._begin(0)
-        try:
-            dcp.save(
-                {"model": self.states["model"]},
-                storage_writer=CheckpointWriter(tmp, 0),
-                process_group=self._pg,
-            )
-        except BaseException as e:
-            self._save_failed(0, tmp, e)
-            raise
-        self._commit_everywhere(0, tmp, self._marker(0, model_only=True))
+        self._write_and_commit(0, tmp, {"model": self.states["model"]}, self._marker(0, model_only=True))
         logger.info(f"seed checkpoint written to {step_dir(self.folder, 0)}")
         return step_dir(self.folder, 0)
 

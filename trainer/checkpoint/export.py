@@ -1,22 +1,43 @@
-"""Export logic: a DCP checkpoint -> a Hugging Face folder, and the ``meshwright.json`` sidecar that
-the checkpointer also writes beside its own HF exports (``hf_sidecar``); both add the tokenizer
-files and ``generation_config.json`` (``trainer.checkpoint.hf_tokenizer``). The command line is
-``python -m trainer.export_hf`` (``trainer/export_hf.py``)."""
+"""Hugging Face export: a DCP checkpoint -> a HF folder (``export``, the command line
+``python -m trainer.export_hf``, ``trainer/export_hf.py``), the live model of a run -> ``<folder>/step-N-hf``
+at its last step (``save_hf_step``, ``checkpoint.last_save_in_hf``; the ``Checkpointer`` calls it), and
+the ``meshwright.json`` sidecar both write (``hf_sidecar``); both add the tokenizer files and
+``generation_config.json`` (``trainer.checkpoint.hf_tokenizer``)."""
 
 from __future__ import annotations
 
+import logging
 import os
-from typing import Any, Optional
+import shutil
+import time
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch.distributed as dist
+from torch import nn
 
 from models import get_spec
 from models.errors import ConfigError
 from parallelisms.utils import DTYPES
-from trainer.checkpoint.hf import parse_size, save_hf
+from trainer.checkpoint.hf import parse_size, save_hf, save_hf_distributed
 from trainer.checkpoint.hf_tokenizer import write_tokenizer_files
-from trainer.checkpoint.storage import load_full_state, read_marker, verify_files
+from trainer.checkpoint.storage import (
+    fsync_dir,
+    hf_step_dir,
+    load_full_state,
+    make_dir,
+    read_marker,
+    step_dir,
+    verify_files,
+)
 from trainer.data.tokenizer import build_tokenizer
 
-__all__ = ["export", "hf_sidecar"]
+if TYPE_CHECKING:
+    from models.spec import ModelSpec
+    from trainer.config import CheckpointConfig
+
+__all__ = ["export", "hf_sidecar", "save_hf_step"]
+
+logger = logging.getLogger("meshwright")
 
 
 def export(
@@ -65,3 +86,69 @@ def hf_sidecar(
     if tokenizer == "byte":
         return extra, tok.bos_id, tok.eos_id, "byte"
     return {**extra, "tokenizer": "tokenizer.json"}, tok.bos_id, tok.eos_id, tokenizer
+
+
+def save_hf_step(
+    module: nn.Module,
+    target: tuple[ModelSpec, Any],  # (spec, the family's args: ModelArgs names no max_seq_len)
+    cfg: CheckpointConfig,
+    info: dict[str, Any],
+    step: int,
+    *,
+    folder: str,
+    token: str,
+    group: Optional[dist.ProcessGroup] = None,
+) -> str:
+    """Write the live ``module`` (``one_module`` of the run's parts, any layout but PP) as a Hugging Face
+    folder ``<folder>/step-N-hf`` (as ``export`` would from the checkpoint of ``step``); return its path.
+    Collective over ``group``; ``info`` is the run's marker fields (``model_info``), ``target`` its
+    (spec, model args), ``token`` names the temporary folder.
+
+    One tensor is gathered at a time and rank 0 writes each safetensors file as soon as it is
+    full (``trainer.checkpoint.hf.save_hf_distributed``). Atomic like a checkpoint: written into
+    ``step-N-hf.tmp-<token>`` and renamed when complete, replacing an older folder of that step.
+    """
+    rank = dist.get_rank()
+    start = time.perf_counter()
+    final = hf_step_dir(folder, step)
+    tmp = f"{final}.tmp-{token}"
+    if rank == 0:
+        make_dir(folder)
+        make_dir(tmp)
+    source = os.path.abspath(step_dir(folder, step) if cfg.enable else folder)
+    extra, bos, eos, tokenizer = hf_sidecar(info, step, source)
+    spec, args = target
+    files = save_hf_distributed(
+        module,
+        spec,
+        args,
+        tmp,
+        is_writer=rank == 0,
+        max_shard_bytes=parse_size(cfg.hf_max_shard_size),
+        dtype=DTYPES[cfg.hf_dtype],
+        extra=extra,
+        bos_id=bos,
+        eos_id=eos,
+    )
+    if rank == 0:
+        files += write_tokenizer_files(tmp, tokenizer, max_len=args.max_seq_len)
+        _commit_folder(tmp, final, f"{final}.trash-{token}")
+    dist.barrier(group=group)  # the folder is complete once save_hf_step() returns anywhere
+    logger.info(
+        f"Hugging Face weights of step {step} ({len(files)} files) saved to {final} in "
+        f"{time.perf_counter() - start:.2f}s"
+    )
+    return final
+
+
+def _commit_folder(tmp: str, final: str, trash: str) -> None:
+    """Rank 0: fsync every file of ``tmp``, then rename it to ``final`` (an older ``final`` goes to
+    ``trash`` first and is deleted after)."""
+    for name in os.listdir(tmp):
+        with open(os.path.join(tmp, name), "rb") as f:
+            os.fsync(f.fileno())
+    if os.path.exists(final):
+        os.rename(final, trash)
+    os.rename(tmp, final)
+    fsync_dir(os.path.dirname(final))
+    shutil.rmtree(trash, ignore_errors=True)

@@ -18,6 +18,7 @@ adapter refuses a value HF cannot represent (a non-zero bias), before any file i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -30,6 +31,7 @@ import torch
 from torch import nn
 
 from models import MODEL_SPECS
+from models.common import unwrapped_name
 from models.errors import ConfigError
 from models.spec import ModelSpec
 
@@ -382,10 +384,6 @@ def _local_index(param: torch.Tensor) -> tuple[tuple[slice, ...], torch.Tensor]:
     return tuple(slice(0, s) for s in param.shape), param
 
 
-def _canonical(name: str) -> str:
-    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-
-
 def _named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Parameters (each once, tied ones under their first name), then persistent buffers (the
     state dict's other entries, e.g. the MoE routing bias), with canonical names."""
@@ -394,16 +392,17 @@ def _named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         if id(p) in seen:
             continue
         seen.add(id(p))
-        yield _canonical(name), p
+        yield unwrapped_name(name), p
     for prefix, sub in module.named_modules():
         for name, buf in sub._buffers.items():
             if buf is None or name in sub._non_persistent_buffers_set or id(buf) in seen:
                 continue
             seen.add(id(buf))
-            yield _canonical(f"{prefix}.{name}" if prefix else name), buf
+            yield unwrapped_name(f"{prefix}.{name}" if prefix else name), buf
 
 
-# Model settings that change what the weights compute but not their shapes (RoPE, norm, MoE routing).
+# Model settings that change what the weights compute but not their shapes (RoPE, norm, MoE routing);
+# those the family's args have.
 _SAME_SHAPE_SETTINGS = (
     "rope_theta",
     "rope_scaling",
@@ -432,10 +431,12 @@ def _check_folder(hf_dir: str, spec: ModelSpec, args: Any, full_names: Iterable[
             f"{hf_dir} has tensor {extra[0]!r} that this model lacks ({len(extra)} in all); set the model "
             "config to match its config.json."
         )
+    # Both are the family's args class (checked above): the same fields, read without probing.
+    theirs, ours = dataclasses.asdict(folder_args), dataclasses.asdict(args)
     differ = [
-        f"{key}={getattr(folder_args, key)} (this run: {getattr(args, key)})"
+        f"{key}={theirs[key]} (this run: {ours[key]})"
         for key in _SAME_SHAPE_SETTINGS
-        if getattr(folder_args, key, None) != getattr(args, key, None)
+        if key in ours and theirs[key] != ours[key]
     ]
     if differ:
         logger.warning(f"{hf_dir}/config.json differs from model config: {'; '.join(differ)}")

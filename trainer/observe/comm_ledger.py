@@ -14,7 +14,7 @@ flag) are not counted: they are not the step's traffic and the planner does not 
 Bytes are *logical* sizes, the planner's ``size`` of a call: the full tensor of an all-reduce or
 broadcast, the gathered output of an all-gather, the unreduced input of a reduce-scatter, what
 this rank hands to an all-to-all or sends/receives point-to-point. What a ring moves on the wire
-follows from it (:func:`trainer.plan.ring_wire_bytes`).
+follows from it (:func:`trainer.planner.cluster.ring_wire_bytes`).
 
 When the ledger is off nothing is installed: no mode, no hook, no extra collective. When it is on,
 the per-step counts of every rank are gathered to rank 0 at each logged step (one

@@ -54,9 +54,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from models.common import unwrapped_name
 from models.errors import ConfigError, check_choice
 from parallelisms.sharded_optimizer import ShardedOptimizer
-from parallelisms.utils import Positions, compress_positions, local_positions, unwrapped_name
+from parallelisms.utils import Positions, compress_positions, local_positions
 from trainer.optim.adamw import impl_kwargs
 from trainer.optim.config import DEFAULT_NS_COEFFICIENTS
 

@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from parallelisms.utils import local_positions, unwrapped_name
+from models.common import unwrapped_name
+from parallelisms.utils import local_positions
 
 if TYPE_CHECKING:
     from models.spec import ModelSpec

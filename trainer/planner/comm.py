@@ -376,7 +376,7 @@ def _pp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
 
 
 def _muon_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
-    """optimizer=muon (``parallelisms/muon.py``), after the first step: one all_to_all over the world
+    """optimizer=muon (``trainer/optim/muon.py``), after the first step: one all_to_all over the world
     group of the primaries' fp32 update pieces to their owners (each piece once: 1/replicas of what a
     rank holds, on average), one of the owners' orthogonalised pieces back to every holder (what a
     rank holds). Per rank the bytes follow the owners (balanced by Newton-Schulz FLOPs): the plan

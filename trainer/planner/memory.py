@@ -514,7 +514,7 @@ def muon_held(c: PlanContext, pp_rank: int) -> tuple[float, float]:
 
 
 def _muon_optimizer_bytes(c: PlanContext, pp_rank: int, local: float, held: float) -> float:
-    """Muon's momentum (fp32, 4 B) only on the primary of each piece (``parallelisms/muon.py``), on
+    """Muon's momentum (fp32, 4 B) only on the primary of each piece (``trainer/optim/muon.py``), on
     average 1/replicas of the held pieces; AdamW's two moments (8 B) for the rest, sharded like the
     parameters (ZeRO-1: everything on its owner, 1/dp_replicate on average)."""
     dims = c.dims

@@ -132,7 +132,7 @@ def param_table(spec: ModelSpec, args: Any) -> ParamTable:
         block = next((i for pre, i in prefix_of.items() if name.startswith(pre)), None)
         group = groups[block] if block is not None else (first if id(p) in first_ids else last)
         kind = kinds.get(module_name)
-        muon = block is not None and p.ndim >= 2  # optimizer=muon's split (trainer/optim.py)
+        muon = block is not None and p.ndim >= 2  # optimizer=muon's split (trainer/optim/muon.py)
         if muon:
             group.muon_shapes.append((p.shape[0] if p.ndim == 3 else 1, p.shape[-2], p.shape[-1]))
         if id(p) in expert_ids:
