@@ -108,9 +108,9 @@ class Trainer:
             )
         self._build_operations()  # timeouts, preemption, profiling
         self._write_run_folder()  # 3. run folder, identical on every rank
-        self._build_model()  # 4. model on meta -> parallelize -> deterministic weights
+        full_shapes = self._build_model()  # 4. model on meta -> parallelize -> deterministic weights
         self._build_optimizer()  # 5. optimizer and schedule
-        self._build_checkpointer()  # 6. resume from the newest complete checkpoint
+        self._build_checkpointer(full_shapes)  # 6. resume from the newest complete checkpoint
         self._build_metrics()
         self._log_summary()
 
@@ -262,11 +262,12 @@ class Trainer:
         """The attention mask of the family's args (``ModelSpec.attention_mask``: causal by default)."""
         return self.spec.attention_mask(self.cfg.model)
 
-    def _build_model(self) -> None:
+    def _build_model(self) -> dict[str, torch.Size]:
+        """Returns the full (unsharded) shapes of the model's state, for the checkpointer."""
         cfg, t, p = self.cfg, self.cfg.training, self.parallelism
         with torch.device("meta"):
             model = self.spec.build(cfg.model)
-        self.full_shapes = {k: v.shape for k, v in model.state_dict().items()}  # before any wrapper renames
+        full_shapes = {k: v.shape for k, v in model.state_dict().items()}  # before any wrapper renames
         options = PartOptions(
             device=self.device,
             init_weights=lambda m: m.init_weights(seed=t.seed, copy_fn=copy_full_into),
@@ -316,6 +317,7 @@ class Trainer:
         self._train_mode(True)
         # Every parameter of this rank's parts, each once: what the optimizer, clipping and the ledger see.
         self.parameters = list(dict.fromkeys(p for part in self.model_parts for p in part.parameters()))
+        return full_shapes
 
     def _build_optimizer(self) -> None:
         p = self.parallelism
@@ -336,7 +338,7 @@ class Trainer:
         # test-only (trainer/resilience/guards.py): MESHWRIGHT_TEST_NAN_AT=<rank>@<step> injects a NaN
         install_test_nan_hook(self.model, self.rank, lambda: self.state.step + 1)
 
-    def _build_checkpointer(self) -> None:
+    def _build_checkpointer(self, full_shapes: dict[str, torch.Size]) -> None:
         cfg = self.cfg
         self.checkpointer = Checkpointer(
             cfg.checkpoint,
@@ -349,7 +351,7 @@ class Trainer:
             seed=cfg.training.seed,
             device=self.device,
             info=model_info(cfg.model, cfg.data.tokenizer, describe_layout(self.dims, self.parallelism)),
-            full_shapes=self.full_shapes,
+            full_shapes=full_shapes,
             hf_target=(self.spec, cfg.model),
             shared_folder=self.ft is not None,
         )
