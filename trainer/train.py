@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from models import get_spec
 from models.errors import ConfigError
+from parallelisms.parallel_dims import MESH_DIM_NAMES
 from parallelisms.parallelize import PartOptions, model_parts, parallelize, parallelize_pipeline
 from parallelisms.utils import clip_grad_norm_, copy_full_into
 from parallelisms.validate import validated_dims
@@ -402,11 +403,11 @@ class Trainer:
         )
         counts = self.spec.param_counts(cfg.model)
         active = f" ({counts.active / 1e6:.2f}M active)" if counts.active != counts.total else ""
+        degrees = " x ".join(f"{name} {getattr(d, name)}" for name in MESH_DIM_NAMES)  # the mesh's order
         logger.info(
             f"model {cfg.model.name} ({self.spec.family}): {counts.total / 1e6:.2f}M params{active} | world "
-            f"{self.world_size} = pp {d.pp} x dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x cp "
-            f"{d.cp} "
-            f"x tp {d.tp} | global batch {t.global_batch_size} x {t.seq_len} tokens, micro batch "
+            f"{self.world_size} = {degrees} | global batch "
+            f"{t.global_batch_size} x {t.seq_len} tokens, micro batch "
             f"{t.micro_batch_size}, {accumulation} | device {self.device}"
         )
 
