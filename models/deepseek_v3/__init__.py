@@ -13,10 +13,10 @@ from models.deepseek_v3.model import (
     DeepSeekV3Args,
     DeepSeekV3Transformer,
     MLAttention,
-    attention_comm,
     flops_per_token,
     mtp_depth,
     param_counts,
+    planner_terms,
     tp_divisible,
 )
 from models.llama.model import attention_mask, ties_embeddings
@@ -39,7 +39,7 @@ DEEPSEEK_V3_SPEC = ModelSpec(
     ties_embeddings=ties_embeddings,
     attention_mask=attention_mask,
     mtp_depth=mtp_depth,
-    attention_comm=attention_comm,
+    planner_terms=planner_terms,
     last_modules=("norm", "output", "mtp"),  # MTP modules share the final norm and the head
     qk_clip=False,  # MLA: QK-clip would scale only the non-RoPE q/k parts (Kimi K2); not built yet
 )

@@ -14,6 +14,7 @@ from models.llama.model import (
     attention_mask,
     num_flops_per_token,
     param_counts,
+    planner_terms,
     ties_embeddings,
     tp_divisible,
 )
@@ -32,4 +33,5 @@ LLAMA_SPEC = ModelSpec(
     hf=LlamaHF(),
     ties_embeddings=ties_embeddings,
     attention_mask=attention_mask,
+    planner_terms=planner_terms,
 )

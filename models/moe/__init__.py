@@ -18,6 +18,7 @@ from models.moe.model import (
     flops_per_token,
     moe_layers,
     param_counts,
+    planner_terms,
     tp_divisible,
 )
 from models.spec import ModelSpec
@@ -46,4 +47,5 @@ MOE_SPEC = ModelSpec(
     expert_modules=expert_modules,
     ties_embeddings=ties_embeddings,
     attention_mask=attention_mask,
+    planner_terms=planner_terms,
 )

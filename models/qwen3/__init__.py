@@ -13,6 +13,7 @@ from models.llama.model import (
     attention_mask,
     num_flops_per_token,
     param_counts,
+    planner_terms,
     ties_embeddings,
     tp_divisible,
 )
@@ -33,4 +34,5 @@ QWEN3_SPEC = ModelSpec(
     hf=Qwen3HF(),
     ties_embeddings=ties_embeddings,
     attention_mask=attention_mask,
+    planner_terms=planner_terms,
 )
