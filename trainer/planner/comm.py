@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from parallelisms.parallel_dims import DP_REPLICATE_CP
+from parallelisms.parallel_dims import DP_REPLICATE_CP, FLAT_VIEWS, MESH_DIM_NAMES, OPTIONAL_VIEWS
 from trainer.planner.context import Collective, PlanContext, link_kind, make_collective
 
 __all__ = ["rank_collectives"]
@@ -82,7 +82,7 @@ def _fsdp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
         (
             "",
             "dp_shard_cp",
-            ("dp_shard", "cp"),
+            FLAT_VIEWS["dp_shard_cp"],
             [*dense, head, root],
             ([*dense[:-1], root] if again else []) + mtp,
         ),
@@ -140,7 +140,7 @@ def _ddp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
         "DDP all_reduce (grads, bucketed)",
         "all_reduce",
         axis,
-        ("dp_replicate", "cp"),
+        OPTIONAL_VIEWS[DP_REPLICATE_CP],
         buckets,
         size / buckets,
         "backward",
@@ -387,7 +387,7 @@ def _muon_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
     if c.dims.ddp_enabled and c.cfg.parallelism.ddp.sharded_optimizer:
         return
     held, replicas = muon_held(c, pp_rank)
-    world = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+    world = MESH_DIM_NAMES
     rows.add(
         "Muon all_to_all (update pieces -> owners)",
         "all_to_all",

@@ -7,7 +7,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from models import get_spec
 from models.errors import ConfigError
@@ -227,21 +227,26 @@ def planner_terms_of(spec: ModelSpec, args: ModelArgs) -> PlannerTerms:
     return spec.planner_terms(args)
 
 
-def build_context(cfg: TrainConfig, cluster: ClusterConfig) -> PlanContext:
+def build_context(
+    cfg: TrainConfig, cluster: ClusterConfig, dims: Optional[ParallelDims] = None
+) -> PlanContext:
+    """The plan's shared context for ``cfg`` on ``cluster``. ``dims``: the run's layout when the caller
+    has validated it already against ``cfg`` (the trainer's launch check); None validates it here."""
     from parallelisms.pipeline_split import num_microbatches, stages_per_rank
 
     spec, t, p = get_spec(cfg.model.family), cfg.training, cfg.parallelism
-    dims = validated_dims(
-        p,
-        world_size_of(cfg, cluster),
-        spec=spec,
-        model_args=cfg.model,
-        seq_len=t.seq_len,
-        global_batch_size=t.global_batch_size,
-        micro_batch_size=t.micro_batch_size,
-        compile=t.compile,
-        device_type="cpu" if cluster.backend == "gloo" else "cuda",
-    )
+    if dims is None:
+        dims = validated_dims(
+            p,
+            world_size_of(cfg, cluster),
+            spec=spec,
+            model_args=cfg.model,
+            seq_len=t.seq_len,
+            global_batch_size=t.global_batch_size,
+            micro_batch_size=t.micro_batch_size,
+            compile=t.compile,
+            device_type="cpu" if cluster.backend == "gloo" else "cuda",
+        )
     local_batch = dims.local_batch_size(t.global_batch_size)
     if dims.pp > 1:
         accum = num_microbatches(p, local_batch_size=local_batch, micro_batch_size=t.micro_batch_size)
