@@ -573,7 +573,7 @@ def ffn_saved(args: MoEArgs, layout: BlockLayout, moe: bool) -> dict[str, float]
     if not moe:
         return llama_ffn_saved(args, layout)
     H, k, E, Fe, cb = args.dim, args.top_k, args.num_experts, args.moe_hidden_dim, layout.compute
-    terms = {
+    terms: dict[str, float] = {
         "router": 4 * E + 4 * k + (4 if args.route_norm and k > 1 else 0),
         "routing_ids": _INT64 * k * 6,
         "expert_rows": cb * k * H,
