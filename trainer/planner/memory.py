@@ -170,7 +170,7 @@ def block_bytes_per_token(c: PlanContext, block: int = 0, keys: Optional[int] = 
 
 def block_constant(c: PlanContext) -> float:
     """Per block and microbatch, independent of tokens: FSDP's bf16 cast of the block's inputs
-    includes the whole rotary table (max_seq_len x head_dim), which RoPE then saves."""
+    includes the whole rotary table (max_seq_len x the family's ``rope_dim``), which RoPE then saves."""
     return 2.0 * c.cfg.model.max_seq_len * c.terms.rope_dim if dtype_policy(c).fsdp_bf16 else 0.0
 
 
