@@ -25,9 +25,12 @@ class, so a new family plugs in without touching any strategy:
   ``batch_inputs(args, inputs, labels, positions)`` (the family's extra keyword inputs of a training
   window, e.g. MTP's shifted ids and targets: the model's one call is
   ``model(tokens, positions=..., **extras)``), and
-  ``attention_comm(args)`` (what attention moves under CP / TP beyond the plan's kinds, for the planner),
   ``qk_norm(args)`` (per-head q/k RMSNorms before RoPE, off by default; Qwen3, Qwen3-MoE, a Llama
-  that asks for them), and ``qk_clip`` (whether the attention supports QK-clip).
+  that asks for them), and ``qk_clip`` (whether the attention supports QK-clip);
+- ``planner_terms(args)``: the planner's view of the family's blocks (``PlannerTerms``): what the
+  attention moves under CP / TP beyond the plan's kinds (``AttentionComm``) and what a block saves
+  for backward per token (the family's own arithmetic, from a ``BlockLayout``), so that
+  ``trainer/planner/`` never probes the args.
 """
 
 from __future__ import annotations
@@ -40,7 +43,16 @@ from typing import Any, Optional, Protocol
 import torch
 from torch import nn
 
-__all__ = ["AttentionComm", "HFAdapter", "ModelArgs", "ModelSpec", "ParamCounts"]
+__all__ = [
+    "AttentionComm",
+    "AttentionShape",
+    "BlockLayout",
+    "HFAdapter",
+    "ModelArgs",
+    "ModelSpec",
+    "ParamCounts",
+    "PlannerTerms",
+]
 
 
 @dataclass
@@ -119,7 +131,7 @@ def _no_qk_norm(_args: Any) -> bool:
 
 @dataclass(frozen=True)
 class AttentionComm:
-    """What an attention layer communicates beyond the TP plan's kinds (for the planner).
+    """What an attention layer communicates beyond the TP plan's kinds (the planner's ``PlannerTerms.comm``).
 
     ``cp_gather_dim``: numbers per token all-gathered over cp (Llama: K and V of the kv heads, 2 x
     n_kv_heads x head_dim; MLA: the latent, kv_lora_rank + qk_rope_head_dim). ``tp_entry_partial``:
@@ -134,12 +146,57 @@ class AttentionComm:
     tp_backward_all_reduce_dim: int = 0
     # Saved-activation numbers per token of the attention's projections, when they differ from
     # Llama's (q, k, v and the output projection's input, H each): (split by tp: per-head tensors,
-    # not split: latents computed on the whole sequence by replicated modules); None = Llama's.
+    # not split: latents computed on the whole sequence by replicated modules); None = Llama's. Read by the
+    # seed article's per-layer rule (``trainer/planner/memory.py``'s ``layer_activation_bytes``).
     saved: Optional[tuple[int, int]] = None
 
 
-def _gqa_comm(args: Any) -> AttentionComm:
-    return AttentionComm(cp_gather_dim=2 * args.kv_heads * args.head_dim)
+@dataclass(frozen=True)
+class BlockLayout:
+    """How one rank runs a block, as far as a family's saved-activation arithmetic needs it
+    (``PlannerTerms``); the planner derives it from the layout and its dtype policy."""
+
+    tp: int  # tensor-parallel degree: heads and hidden sizes are split by it
+    cp: int  # context-parallel degree: gathered keys and values (latents) cover cp x the local tokens
+    compute: int  # bytes of a matmul or attention output (2 under bf16 autocast or bf16 FSDP params, else 4)
+    cast_each: bool  # bf16 autocast over an fp32 stream: each matmul saves its own bf16 cast of its input
+    keys: int  # key positions each query sees (the training sequence, the whole of it under CP)
+    # SDPA has a fused kernel for q/k head sizes unlike v's (CUDA's memory-efficient attention); on CPU
+    # (gloo) torch runs its math path instead, which saves other tensors
+    fused_attention: bool
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """The attention's heads as Llama's rules count them: the seed article's per-layer rule and the
+    op-level selective-checkpointing cache (``trainer/planner/memory.py``). ``head_dim``: the q/k/v
+    projections' head size (MLA, which has none: dim / n_heads)."""
+
+    n_heads: int
+    kv_heads: int
+    head_dim: int
+    qk_norm: bool = False  # per-head q/k RMSNorms (Qwen3)
+
+
+@dataclass(frozen=True)
+class PlannerTerms:
+    """The planner's view of a family's blocks (``ModelSpec.planner_terms(args)``): the family's own
+    numbers and arithmetic; the generic parts (the blocks' input norms, the rotary rows, the dtype
+    policy, checkpointing, schedules, collectives) stay in ``trainer/planner/``.
+
+    ``attention_saved(layout)``: what the attention saves for backward per local token, by term, after
+    its input norm (that norm feeds ``attention_norm_consumers`` matmuls). ``ffn_saved(layout, moe)``:
+    the same for the feed-forward after its norm; ``moe``: the block is one of the spec's
+    ``moe_layers`` (the planner's parameter table knows which; an MTP block never is)."""
+
+    comm: AttentionComm  # what the attention moves under CP / TP beyond the plan's kinds
+    shape: AttentionShape
+    rope_dim: int  # rotary size: the rows gathered per token when positions are passed; the table's width
+    ffn_hidden_dim: int  # the dense SwiGLU's hidden size (MoE families: their dense layers and MTP blocks)
+    attention_saved: Callable[[BlockLayout], dict[str, float]]
+    ffn_saved: Callable[[BlockLayout, bool], dict[str, float]]
+    attention_norm_consumers: int = 3  # matmuls the attention's input norm feeds (Llama: wq, wk, wv)
+    experts_per_token: int = 0  # routed copies of each token (top_k); 0 without experts
 
 
 @dataclass(frozen=True)
@@ -169,7 +226,8 @@ class ModelSpec:
         [Any, torch.Tensor, torch.Tensor, Optional[torch.Tensor]], dict[str, torch.Tensor]
     ] = _no_inputs
     qk_norm: Callable[[Any], bool] = _no_qk_norm  # per-head RMSNorm of q and k before RoPE (Qwen3)
-    attention_comm: Callable[[Any], AttentionComm] = _gqa_comm  # the planner's view of attention traffic
+    # The planner's view of the blocks (its traffic and saved activations); None: the planner refuses
+    planner_terms: Optional[Callable[[Any], PlannerTerms]] = None
     # Whether the blocks' attention records per-head max logits and has per-head wq / wk rows to
     # scale (QK-clip, ``optimizer.qk_clip_tau``): Llama's attention (MoE, Qwen3) does; MLA does not yet.
     qk_clip: bool = True

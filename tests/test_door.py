@@ -49,12 +49,8 @@ def probes(folders: tuple[str, ...] = OUTSIDE_MODELS) -> list[str]:
     return found
 
 
-# Probes being removed on other branches of this redesign (planner terms, config checks); emptied at merge.
-PENDING = ("trainer/planner/memory.py:",)
-
-
 def test_no_model_args_probe_outside_models() -> None:
-    found = [p for p in probes() if not p.startswith(PENDING)]
+    found = probes()
     assert not found, "read these through the family's ModelSpec instead:\n" + "\n".join(found)
 
 
@@ -67,6 +63,15 @@ def test_the_probe_finder_finds_probes(tmp_path: Path) -> None:
     )
     calls = [n for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Call)]
     assert [_is_model_args(c.args[0]) for c in calls] == [True, True, True, True, False, False]
+    clean = (
+        "getattr(dims, name)\ngetattr(self.c.dims, a)\nhasattr(torch.nn.init, name)\n"
+        "c.spec.mtp_depth(c.cfg.model)\n"
+    )
+    assert not any(
+        _is_model_args(n.args[0])
+        for n in ast.walk(ast.parse(clean))
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("getattr", "hasattr")
+    )
 
 
 def _trainer_class() -> ast.ClassDef:

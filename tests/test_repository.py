@@ -90,10 +90,7 @@ def _prose() -> Iterator[tuple[Path, int, str]]:
 _PATH = re.compile(r"(?<![\w./-])((?:[\w.-]+/)+[\w.-]*\w\.(?:py|md|yaml|sh))\b")
 # Paths named on purpose that are not files of this repository.
 PATH_EXCEPTIONS = {
-    "torch/optim/_muon.py",  # torch's own source, which parallelisms/muon.py follows
-    # Stale, in trainer/planner/memory.py (the test is tests/trainer/test_plan_measured.py now); that
-    # package is being rewritten on another branch: fix it there, then drop this line.
-    "tests/trainer/test_memory_measured.py",
+    "torch/optim/_muon.py",  # torch's own source, which trainer/optim/muon.py follows
 }
 
 

@@ -203,7 +203,8 @@ class Trainer:
         from trainer.planner.fit import run_check
 
         resolved = dataclasses.replace(self.parallelism, dp_shard=self.dims.dp_shard)  # dp_shard=-1 resolved
-        result = run_check(dataclasses.replace(self.cfg, parallelism=resolved), self.device, logger.warning)
+        cfg = dataclasses.replace(self.cfg, parallelism=resolved)
+        result = run_check(cfg, self.device, logger.warning, dims=self.dims)  # the layout validated once
         if result is not None and result.fits:
             logger.info(f"memory check: the plan needs {result.need_bytes / 2**30:.2f} GiB per rank (fits)")
 

@@ -13,11 +13,11 @@ from models.deepseek_v3.model import (
     DeepSeekV3Args,
     DeepSeekV3Transformer,
     MLAttention,
-    attention_comm,
     batch_inputs,
     flops_per_token,
     mtp_depth,
     param_counts,
+    planner_terms,
     tp_divisible,
 )
 from models.llama.model import attention_mask, ties_embeddings
@@ -41,7 +41,7 @@ DEEPSEEK_V3_SPEC = ModelSpec(
     attention_mask=attention_mask,
     mtp_depth=mtp_depth,
     batch_inputs=batch_inputs,
-    attention_comm=attention_comm,
+    planner_terms=planner_terms,
     last_modules=("norm", "output", "mtp"),  # MTP modules share the final norm and the head
     qk_clip=False,  # MLA: QK-clip would scale only the non-RoPE q/k parts (Kimi K2); not built yet
 )

@@ -54,6 +54,7 @@ forward (``mtp_records``) for the trainer to log as ``mtp_loss``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -69,7 +70,8 @@ from models.errors import ConfigError
 from models.llama.model import _positive_int, rope_rows
 from models.moe.model import TP_PLAN as MOE_TP_PLAN
 from models.moe.model import AddAuxGrad, MoEArgs, MoEBlock, MoETransformer, _recomputing
-from models.spec import AttentionComm, ParamCounts
+from models.moe.model import planner_terms as moe_planner_terms
+from models.spec import AttentionComm, AttentionShape, BlockLayout, ParamCounts, PlannerTerms
 
 __all__ = [
     "TP_PLAN",
@@ -82,6 +84,7 @@ __all__ = [
     "flops_per_token",
     "mtp_depth",
     "param_counts",
+    "planner_terms",
     "tp_divisible",
 ]
 
@@ -523,6 +526,62 @@ def attention_comm(args: DeepSeekV3Args) -> AttentionComm:
             args.n_heads * 2 * (args.qk_head_dim + args.v_head_dim),
             2 * q_latent + 2 * args.kv_lora_rank + args.qk_rope_head_dim,
         ),
+    )
+
+
+def _latent_norm(layout: BlockLayout, width: float, source_width: float) -> float:
+    """A latent RMSNorm (``q_norm`` / ``kv_norm``, ``width`` wide) over a projection's output: its fp32
+    input (the projection's output storage itself, ``source_width`` wide, when that is fp32; a fresh
+    fp32 copy otherwise), the rsqrt, the normalised latent (compute dtype)."""
+    source = 4 * source_width if layout.compute == 4 else 4 * width
+    return source + 4 + layout.compute * width
+
+
+def attention_saved(args: DeepSeekV3Args, layout: BlockLayout) -> dict[str, float]:
+    """What ``MLAttention`` saves for backward per local token, after the input norm (which feeds two
+    replicated down-projections, ``wq``/``wq_a`` and ``wkv_a``): the query latent's norm and the
+    up-projection's input (q_lora_rank); the KV latent's norm; the latent [c | k_rope] that ``wkv_b``
+    keeps (under CP gathered over the whole sequence; under autocast over an fp32 latent, the bf16
+    cast of c); then what SDPA keeps of q (nh x Dqk, split by tp), of the per-head expanded keys and
+    values and of its result, which depends on the kernel: q/k and v head sizes differ (Dqk != Dv,
+    every DeepSeek shape), which torch's fused CPU kernel does not take, so on CPU SDPA runs its math
+    path (measured): copies of the scaled q, of K and of V, the softmax probabilities (nh x ``keys``
+    per query token: the whole sequence, S^2 per head), no log-sum-exp; a fused kernel (CUDA's
+    memory-efficient attention, or Dqk == Dv) keeps q, K, V as given -- V a view of ``wkv_b``'s whole
+    output, nh x (Dn + Dv) -- and the fp32 log-sum-exp per head (planned, not measured here). The
+    output (nh x Dv) is ``wo``'s input."""
+    nh, cb, cp = args.n_heads / layout.tp, layout.compute, layout.cp
+    Dn, R, Dv = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
+    C, Cq = args.kv_lora_rank, args.q_lora_rank
+    terms: dict[str, float] = {}
+    if Cq:  # query latent: its norm, and wq_b's input (the gain's output, cast by autocast)
+        terms["q_latent"] = _latent_norm(layout, Cq, Cq) + cb * Cq
+    terms["kv_latent_norm"] = _latent_norm(layout, C, C + R)
+    terms["kv_latent"] = (2 * C if layout.cast_each else cb * (C + R)) * cp
+    terms["q"] = cb * nh * (Dn + R)
+    terms["k_expanded"] = cb * nh * (Dn + R) * cp
+    if Dn + R != Dv and not layout.fused_attention:  # SDPA's math path
+        terms["v_expanded"] = cb * nh * Dv * cp
+        terms["attention_probs"] = cb * nh * layout.keys
+    else:  # a fused kernel
+        terms["v_expanded"] = cb * nh * (Dn + Dv) * cp
+        terms["attention_lse"] = 4 * nh
+    terms["attention_out"] = cb * nh * Dv
+    return terms
+
+
+def planner_terms(args: DeepSeekV3Args) -> PlannerTerms:
+    """The planner's view of DeepSeek-V3 blocks: MLA (its traffic, its saved latents and per-head
+    tensors, RoPE over R = qk_rope_head_dim, a norm feeding two down-projections) and the MoE
+    feed-forward. Llama's rules (the article's, the op-level checkpointing cache) count MLA as n_heads
+    heads of dim / n_heads."""
+    return dataclasses.replace(
+        moe_planner_terms(args),
+        comm=attention_comm(args),
+        shape=AttentionShape(args.n_heads, args.n_heads, args.dim // args.n_heads),
+        rope_dim=args.qk_rope_head_dim,
+        attention_saved=functools.partial(attention_saved, args),
+        attention_norm_consumers=2,
     )
 
 

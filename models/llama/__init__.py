@@ -14,6 +14,7 @@ from models.llama.model import (
     attention_mask,
     num_flops_per_token,
     param_counts,
+    planner_terms,
     qk_norm,
     ties_embeddings,
     tp_divisible,
@@ -34,4 +35,5 @@ LLAMA_SPEC = ModelSpec(
     ties_embeddings=ties_embeddings,
     attention_mask=attention_mask,
     qk_norm=qk_norm,
+    planner_terms=planner_terms,
 )

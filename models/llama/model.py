@@ -34,6 +34,7 @@ the Hugging Face adapter lives in ``models/llama/hf.py`` (this file never import
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -54,7 +55,7 @@ from models.common import (
     repeat_kv,
 )
 from models.errors import ConfigError
-from models.spec import ModelArgs, ParamCounts
+from models.spec import AttentionComm, AttentionShape, BlockLayout, ModelArgs, ParamCounts, PlannerTerms
 
 __all__ = [
     "TP_PLAN",
@@ -65,6 +66,7 @@ __all__ = [
     "TransformerBlock",
     "num_flops_per_token",
     "param_counts",
+    "planner_terms",
 ]
 
 
@@ -489,6 +491,52 @@ def attention_mask(args: LlamaArgs) -> str:
 def qk_norm(args: LlamaArgs) -> bool:
     """Whether the attention normalises each q and k head before RoPE (``ModelSpec.qk_norm``)."""
     return args.qk_norm
+
+
+# --------------------------------------------------------------------------------------------
+# The planner's terms (``ModelSpec.planner_terms``)
+# --------------------------------------------------------------------------------------------
+
+
+def attention_saved(args: LlamaArgs, layout: BlockLayout) -> dict[str, float]:
+    """What ``Attention`` and ``models/attention.py``'s core save for backward per local token, after
+    the input norm: q after RoPE; K and V after the grouped-query repeat (a copy to n_heads, or a free
+    view when one KV head is local), gathered over the whole sequence under CP (all-gather
+    implementation); SDPA's fp32 log-sum-exp per head; its output (also the input of ``wo``). With
+    ``qk_norm`` (Qwen3), the per-head RMSNorms' (before RoPE, on the local heads and tokens) fp32 input
+    (the projection's output itself when fp32), rsqrt per head, and normalised head saved by the gain
+    multiply (compute dtype)."""
+    D, cb = args.head_dim, layout.compute
+    nh, nkv = args.n_heads / layout.tp, args.kv_heads / layout.tp
+    kv_width = nkv * D if nh == nkv else (D if nkv == 1 else nh * D)
+    terms = {
+        "q": cb * nh * D,
+        "kv": 2 * cb * kv_width * layout.cp,
+        "attention_lse": 4 * nh,
+        "attention_out": cb * nh * D,
+    }
+    if args.qk_norm:
+        terms["qk_norm"] = (nh + nkv) * ((4 + cb) * D + 4)
+    return terms
+
+
+def ffn_saved(args: LlamaArgs, layout: BlockLayout, moe: bool = False) -> dict[str, float]:
+    """SwiGLU (``FeedForward``), after its norm: w1 and w3 outputs, silu(w1 x) and their product (the
+    input of w2), all hidden/tp wide. A dense family has no MoE block (``moe`` is never set)."""
+    return {"mlp": 4 * layout.compute * args.hidden_dim / layout.tp}
+
+
+def planner_terms(args: LlamaArgs) -> PlannerTerms:
+    """The planner's view of Llama blocks (also Qwen3's and the MoE family's attention): CP gathers K
+    and V of the kv heads."""
+    return PlannerTerms(
+        comm=AttentionComm(cp_gather_dim=2 * args.kv_heads * args.head_dim),
+        shape=AttentionShape(args.n_heads, args.kv_heads, args.head_dim, qk_norm=args.qk_norm),
+        rope_dim=args.head_dim,
+        ffn_hidden_dim=args.hidden_dim,
+        attention_saved=functools.partial(attention_saved, args),
+        ffn_saved=functools.partial(ffn_saved, args),
+    )
 
 
 def tp_divisible(args: LlamaArgs) -> dict[str, int]:

@@ -18,6 +18,7 @@ from models.moe.model import (
     flops_per_token,
     moe_layers,
     param_counts,
+    planner_terms,
     tp_divisible,
 )
 from models.spec import ModelSpec
@@ -47,4 +48,5 @@ MOE_SPEC = ModelSpec(
     ties_embeddings=ties_embeddings,
     attention_mask=attention_mask,
     qk_norm=qk_norm,
+    planner_terms=planner_terms,
 )

@@ -46,6 +46,8 @@ which expert parallelism, FSDP, the load balancer and the planner use.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -69,7 +71,9 @@ from models.llama.model import (
     _positive_int,
     num_flops_per_token,
 )
-from models.spec import ParamCounts
+from models.llama.model import ffn_saved as llama_ffn_saved
+from models.llama.model import planner_terms as llama_planner_terms
+from models.spec import BlockLayout, ParamCounts, PlannerTerms
 
 __all__ = [
     "TP_PLAN",
@@ -82,8 +86,10 @@ __all__ = [
     "expert_modules",
     "moe_layers",
     "param_counts",
+    "planner_terms",
 ]
 
+_INT64 = 8  # bytes of an int64 index
 SCORE_FUNCS = ("softmax", "sigmoid")
 AUX_LOSS_TYPES = ("global", "sequence")
 GROUPED_MM = ("auto", "on", "off")
@@ -548,6 +554,41 @@ def param_counts(args: MoEArgs) -> ParamCounts:
 def flops_per_token(args: MoEArgs, seq_len: int) -> int:
     """Training FLOPs per token from the ACTIVE parameters (see ``llama.num_flops_per_token``)."""
     return num_flops_per_token(args, seq_len, param_counts(args))
+
+
+# --------------------------------------------------------------------------------------------
+# The planner's terms (``ModelSpec.planner_terms``)
+# --------------------------------------------------------------------------------------------
+
+
+def ffn_saved(args: MoEArgs, layout: BlockLayout, moe: bool) -> dict[str, float]:
+    """What an MoE block's feed-forward saves for backward per local token, after its norm: the routed
+    experts see top_k copies of each token (balanced routing): the router's fp32 softmax scores over
+    all experts and top-k weights (+ their sum under ``route_norm``), the int64 bookkeeping (top-k
+    ids, the sorted order and source token of each copy, the received copies' expert / row /
+    position indices), the rows the local experts receive, the four SwiGLU tensors per copy (w1, w3
+    outputs, silu, product), the copies back at their tokens and weighted; shared experts are a
+    dense SwiGLU. A dense block (``moe`` false) saves Llama's."""
+    if not moe:
+        return llama_ffn_saved(args, layout)
+    H, k, E, Fe, cb = args.dim, args.top_k, args.num_experts, args.moe_hidden_dim, layout.compute
+    terms: dict[str, float] = {
+        "router": 4 * E + 4 * k + (4 if args.route_norm and k > 1 else 0),
+        "routing_ids": _INT64 * k * 6,
+        "expert_rows": cb * k * H,
+        "experts": 4 * cb * k * Fe,
+        "expert_combine": 2 * cb * k * H,
+    }
+    if args.num_shared_experts:
+        terms["shared_experts"] = 4 * cb * args.num_shared_experts * Fe / layout.tp
+    return terms
+
+
+def planner_terms(args: MoEArgs) -> PlannerTerms:
+    """The planner's view of MoE blocks: Llama's attention, the routed feed-forward above."""
+    return dataclasses.replace(
+        llama_planner_terms(args), ffn_saved=functools.partial(ffn_saved, args), experts_per_token=args.top_k
+    )
 
 
 def tp_divisible(args: MoEArgs) -> dict[str, int]:

@@ -52,6 +52,51 @@ def test_38m_ddp_on_8_cpu_ranks_of_a_24_gib_host_is_stopped_with_fixes(
     assert two.fits and two.need_bytes == pytest.approx(result.need_bytes, rel=0.01)
 
 
+def _trainer_dims(cfg, world_size: int):
+    """The layout as ``Trainer._validate_and_load_data`` validates it."""
+    from models import get_spec
+    from parallelisms.validate import validated_dims
+
+    t = cfg.training
+    return validated_dims(
+        cfg.parallelism,
+        world_size,
+        spec=get_spec(cfg.model.family),
+        model_args=cfg.model,
+        seq_len=t.seq_len,
+        global_batch_size=t.global_batch_size,
+        micro_batch_size=t.micro_batch_size,
+        compile=t.compile,
+        device_type="cpu",
+    )
+
+
+def test_the_check_plans_the_trainers_validated_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Given the trainer's ``ParallelDims`` the check plans them as they are (no second validation of
+    the layout; only the fixes it re-plans, which change the layout, are validated) to the same
+    answer; whether DDP is on is the layout's own ``ddp_enabled`` (dp_shard=-1 that resolves to 1
+    included), so the FSDP and ZeRO-1 fixes are offered there too."""
+    from trainer.planner import context
+
+    monkeypatch.setattr(fit, "host_memory_bytes", lambda: 24 * GIB)
+    monkeypatch.setattr(fit, "process_rss_bytes", lambda: 0.5 * GIB)
+    validations: list[int] = []
+    validate = context.validated_dims
+    monkeypatch.setattr(context, "validated_dims", lambda *a, **k: validations.append(1) or validate(*a, **k))
+    cpu = torch.device("cpu")
+    two = compose_config("+experiment=38m_ddp", "parallelism.dp_replicate=2")
+    fits = fit.check_memory(two, cpu, 2, 2)
+    assert fits.fits and validations == [1]
+    assert fit.check_memory(two, cpu, 2, 2, dims=_trainer_dims(two, 2)) == fits and validations == [1]
+    eight = compose_config("+experiment=38m_ddp")
+    assert fit.check_memory(eight, cpu, 8, 8, dims=_trainer_dims(eight, 8)) == fit.check_memory(
+        eight, cpu, 8, 8
+    )
+    resolved = compose_config("+experiment=38m_ddp", "parallelism.dp_shard=-1")
+    result = fit.check_memory(resolved, cpu, 8, 8, dims=_trainer_dims(resolved, 8))
+    assert not result.fits and "(FSDP)" in result.message and "(ZeRO-1)" in result.message
+
+
 def test_trainer_errors_before_any_output_or_warns(tmp_path, monkeypatch: pytest.MonkeyPatch, capfd) -> None:
     """``error`` (default): ConfigError in the constructor, no run folder; ``warn``: trains, logs why;
     ``off``: no check. The host here has 64 MiB (fewer than the tiny run's own process)."""

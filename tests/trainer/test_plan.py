@@ -250,3 +250,48 @@ def test_recommend_small_model_stays_data_parallel() -> None:
 
     chosen, tried = recommend(compose_config("+experiment=38m_ddp"), ClusterConfig())
     assert chosen is tried[0] and chosen.label == "DDP 8" and chosen.ac == "none"
+
+
+# -- the family door ----------------------------------------------------------------------------
+
+
+def test_the_planner_takes_a_familys_block_terms_from_its_spec(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a block saves and what its attention moves come from ``spec.planner_terms(args)``: a
+    variant of the Llama spec whose terms save one more kB per token in every feed-forward and gather
+    twice the K/V width under CP changes the plan by exactly that; a spec without terms is refused."""
+    import dataclasses
+
+    from models import MODEL_SPECS
+    from models.errors import ConfigError
+    from models.spec import BlockLayout, PlannerTerms
+
+    cfg = compose_config("+experiment=debug_cp")
+    cluster = compose_cluster(["cluster=cpu", "cluster.nodes=1"])
+    base = build_plan(cfg, cluster)
+    llama = MODEL_SPECS["llama"]
+
+    def heavier(args: object) -> PlannerTerms:
+        terms = llama.planner_terms(args)
+
+        def ffn_saved(layout: BlockLayout, moe: bool) -> dict[str, float]:
+            return {**terms.ffn_saved(layout, moe), "extra": 1000.0}
+
+        comm = dataclasses.replace(terms.comm, cp_gather_dim=2 * terms.comm.cp_gather_dim)
+        return dataclasses.replace(terms, ffn_saved=ffn_saved, comm=comm)
+
+    monkeypatch.setitem(MODEL_SPECS, "llama", dataclasses.replace(llama, planner_terms=heavier))
+    variant = build_plan(cfg, cluster)
+    assert variant.activation_per_token_layer["no_ac"] == base.activation_per_token_layer["no_ac"] + 1000.0
+    (stage,), (base_stage,) = variant.stages, base.stages
+    micro_tokens = variant.layout["micro_tokens"]
+    extra = cfg.model.n_layers * micro_tokens * 1000.0  # every block, one microbatch in flight
+    assert stage.peak_saved == pytest.approx(base_stage.peak_saved + extra)
+    gathers = {c.name: c for c in variant.collectives if c.name.startswith("CP ")}
+    for name, row in gathers.items():
+        (before,) = [c for c in base.collectives if c.name == name]
+        assert row.size_bytes == 2 * before.size_bytes
+    assert gathers
+
+    monkeypatch.setitem(MODEL_SPECS, "llama", dataclasses.replace(llama, planner_terms=None))
+    with pytest.raises(ConfigError, match="declares no planner_terms"):
+        build_plan(cfg, cluster)

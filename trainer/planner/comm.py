@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from parallelisms.parallel_dims import DP_REPLICATE_CP
+from parallelisms.parallel_dims import DP_REPLICATE_CP, FLAT_VIEWS, MESH_DIM_NAMES, OPTIONAL_VIEWS
 from trainer.planner.context import Collective, PlanContext, link_kind, make_collective
 
 __all__ = ["rank_collectives"]
@@ -82,7 +82,7 @@ def _fsdp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
         (
             "",
             "dp_shard_cp",
-            ("dp_shard", "cp"),
+            FLAT_VIEWS["dp_shard_cp"],
             [*dense, head, root],
             ([*dense[:-1], root] if again else []) + mtp,
         ),
@@ -140,7 +140,7 @@ def _ddp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
         "DDP all_reduce (grads, bucketed)",
         "all_reduce",
         axis,
-        ("dp_replicate", "cp"),
+        OPTIONAL_VIEWS[DP_REPLICATE_CP],
         buckets,
         size / buckets,
         "backward",
@@ -193,7 +193,7 @@ def _tp_counts(c: PlanContext, pp_rank: int) -> dict[str, float]:
             elif kind == "moe_io" and sp:  # gather fwd, gather the output's gradient bwd; the
                 counts["all_gather"] += repeat + 1  # input's gradient is complete: a slice
 
-    attn = c.spec.attention_comm(c.cfg.model)
+    attn = c.terms.comm
     mtp = c.spec.mtp_depth(c.cfg.model)
     for st in c.ranks[pp_rank]:
         for b in st.blocks:
@@ -215,7 +215,7 @@ def _tp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
     overlap = ("matmuls (async TP)", "compute_s") if p.async_tp else ("none: critical path", "")
     for op, calls in _tp_counts(c, pp_rank).items():
         rows.add(f"TP {op} (block activations)", op, "tp", ("tp",), calls * c.accum, size, *overlap)
-    extra = c.spec.attention_comm(args).tp_backward_all_reduce_dim
+    extra = c.terms.comm.tp_backward_all_reduce_dim
     last = any(st.last for st in c.ranks[pp_rank])
     mtp = c.spec.mtp_depth(args) if last else 0  # MTP modules: D more blocks and head calls (last stage)
     blocks = sum(len(st.blocks) for st in c.ranks[pp_rank]) + mtp
@@ -305,7 +305,7 @@ def _cp_ep_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
     fwd_repeat = 2 if c.recompute else 1
     if dims.cp > 1:
         # (b, S, 2 kv_dim) of K and V; MLA: (b, S, C + R) of latents
-        kv = c.micro_tokens * dims.cp * c.spec.attention_comm(args).cp_gather_dim * c.act_bytes
+        kv = c.micro_tokens * dims.cp * c.terms.comm.cp_gather_dim * c.act_bytes
         ring = p.cp_impl == "ring"
         overlap = ("attention (ring)", "compute_s") if ring else ("none: critical path", "")
         # MTP modules' blocks (last stage; never recomputed) gather their latents too
@@ -330,7 +330,8 @@ def _cp_ep_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
         )
     moe = [b for b in blocks if b in c.table.moe_layers]
     if dims.ep > 1 and moe:
-        routed = c.micro_tokens * args.top_k * args.dim * c.act_bytes  # this rank's token copies (mean)
+        # this rank's token copies (mean)
+        routed = c.micro_tokens * c.terms.experts_per_token * args.dim * c.act_bytes
         calls = len(moe) * c.accum
         rows.add(
             "EP all_to_all (dispatch + combine, fwd + bwd)",
@@ -348,7 +349,7 @@ def _cp_ep_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
             "ep",
             ("ep",),
             fwd_repeat * calls,
-            args.num_experts * 8,
+            c.spec.num_experts(args) * 8,
             "none: critical path",
             "",
         )
@@ -386,7 +387,7 @@ def _muon_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
     if c.dims.ddp_enabled and c.cfg.parallelism.ddp.sharded_optimizer:
         return
     held, replicas = muon_held(c, pp_rank)
-    world = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+    world = MESH_DIM_NAMES
     rows.add(
         "Muon all_to_all (update pieces -> owners)",
         "all_to_all",

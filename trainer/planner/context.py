@@ -7,10 +7,11 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from models import get_spec
 from models.errors import ConfigError
+from models.spec import ModelArgs, ModelSpec, PlannerTerms
 from parallelisms.parallel_dims import MESH_DIM_NAMES, ParallelDims
 from parallelisms.validate import validated_dims
 from trainer.planner.cluster import DTYPE_BYTES, GB, ClusterConfig, ring_steps, ring_wire_bytes
@@ -145,7 +146,8 @@ class PlanContext:
     """Everything the sections of the plan share (derived once from the config)."""
 
     cfg: TrainConfig
-    spec: Any
+    spec: ModelSpec
+    terms: PlannerTerms  # the family's view of its blocks (``spec.planner_terms(cfg.model)``)
     dims: ParallelDims
     cluster: ClusterConfig
     table: ParamTable  # parameters per block / first / last modules, TP kinds
@@ -215,21 +217,36 @@ def stages_of(spec: Any, args: Any, p: Any, dims: ParallelDims, per_rank: int) -
     return out
 
 
-def build_context(cfg: TrainConfig, cluster: ClusterConfig) -> PlanContext:
+def planner_terms_of(spec: ModelSpec, args: ModelArgs) -> PlannerTerms:
+    """The family's planner terms (``ModelSpec.planner_terms``); a ConfigError when it declares none."""
+    if spec.planner_terms is None:
+        raise ConfigError(
+            f"model.family={spec.family!r} declares no planner_terms on its ModelSpec: the planner cannot "
+            "plan its blocks; add them (models/spec.py, PlannerTerms) or set metrics.memory_check=off."
+        )
+    return spec.planner_terms(args)
+
+
+def build_context(
+    cfg: TrainConfig, cluster: ClusterConfig, dims: Optional[ParallelDims] = None
+) -> PlanContext:
+    """The plan's shared context for ``cfg`` on ``cluster``. ``dims``: the run's layout when the caller
+    has validated it already against ``cfg`` (the trainer's launch check); None validates it here."""
     from parallelisms.pipeline_split import num_microbatches, stages_per_rank
 
     spec, t, p = get_spec(cfg.model.family), cfg.training, cfg.parallelism
-    dims = validated_dims(
-        p,
-        world_size_of(cfg, cluster),
-        spec=spec,
-        model_args=cfg.model,
-        seq_len=t.seq_len,
-        global_batch_size=t.global_batch_size,
-        micro_batch_size=t.micro_batch_size,
-        compile=t.compile,
-        device_type="cpu" if cluster.backend == "gloo" else "cuda",
-    )
+    if dims is None:
+        dims = validated_dims(
+            p,
+            world_size_of(cfg, cluster),
+            spec=spec,
+            model_args=cfg.model,
+            seq_len=t.seq_len,
+            global_batch_size=t.global_batch_size,
+            micro_batch_size=t.micro_batch_size,
+            compile=t.compile,
+            device_type="cpu" if cluster.backend == "gloo" else "cuda",
+        )
     local_batch = dims.local_batch_size(t.global_batch_size)
     if dims.pp > 1:
         accum = num_microbatches(p, local_batch_size=local_batch, micro_batch_size=t.micro_batch_size)
@@ -244,6 +261,7 @@ def build_context(cfg: TrainConfig, cluster: ClusterConfig) -> PlanContext:
     return PlanContext(
         cfg=cfg,
         spec=spec,
+        terms=planner_terms_of(spec, cfg.model),
         dims=dims,
         cluster=cluster,
         table=param_table(spec, cfg.model),

@@ -25,7 +25,9 @@ from trainer.planner.cluster import GIB, ClusterConfig
 if TYPE_CHECKING:
     import torch
 
+    from parallelisms.parallel_dims import ParallelDims
     from trainer.config import TrainConfig
+    from trainer.planner.context import StageMemory
 
 __all__ = ["Budget", "FitCheck", "check_memory", "host_memory_bytes", "process_rss_bytes", "rank_budget"]
 
@@ -101,16 +103,22 @@ class FitCheck:
     message: str  # empty when it fits
 
 
-def _need(cfg: TrainConfig, budget: Budget) -> tuple[float, Any]:
-    from trainer.planner.plan import build_plan
+def _need(
+    cfg: TrainConfig, budget: Budget, dims: Optional[ParallelDims] = None
+) -> tuple[float, StageMemory, ParallelDims]:
+    """Per-rank need of ``cfg``: the plan's largest pp rank plus the budget's overhead; that rank's
+    memory; the layout planned (``dims`` when given: already validated against ``cfg``)."""
+    from trainer.planner.context import build_context
+    from trainer.planner.plan import plan_of
 
-    plan = build_plan(cfg, dataclasses.replace(budget.cluster, workspace_gib=0.0))
-    worst = max(plan.stages, key=lambda s: s.total_bytes)
-    return worst.total_bytes + budget.overhead_bytes, worst
+    c = build_context(cfg, dataclasses.replace(budget.cluster, workspace_gib=0.0), dims)
+    worst = max(plan_of(c).stages, key=lambda s: s.total_bytes)
+    return worst.total_bytes + budget.overhead_bytes, worst, c.dims
 
 
 def _try(cfg: TrainConfig, budget: Budget, apply: Callable[[Any], None]) -> Optional[float]:
-    """Per-rank need of ``cfg`` changed by ``apply``; None when that is not a valid layout."""
+    """Per-rank need of ``cfg`` changed by ``apply`` (its layout validated anew); None when that is not
+    a valid layout."""
     variant = copy.deepcopy(cfg)
     apply(variant)
     try:
@@ -119,9 +127,9 @@ def _try(cfg: TrainConfig, budget: Budget, apply: Callable[[Any], None]) -> Opti
         return None
 
 
-def _fixes(cfg: TrainConfig, budget: Budget) -> list[str]:
+def _fixes(cfg: TrainConfig, budget: Budget, dims: ParallelDims) -> list[str]:
     """The cheapest changes, each re-planned: full AC, the largest smaller micro batch that fits
-    (else the smallest), FSDP over the data-parallel ranks, ZeRO-1."""
+    (else the smallest), FSDP over the data-parallel ranks and ZeRO-1 (under DDP: ``dims``)."""
     t, p = cfg.training, cfg.parallelism
     tried: list[tuple[str, Optional[float]]] = []
     if t.activation_checkpoint != "full":
@@ -141,7 +149,7 @@ def _fixes(cfg: TrainConfig, budget: Budget) -> list[str]:
         mb //= 2
     if micro is not None:
         tried.append(micro)
-    if p.dp_replicate > 1 and p.dp_shard == 1:
+    if dims.ddp_enabled:
 
         def fsdp(c: Any, n: int = p.dp_replicate) -> None:
             c.parallelism.dp_replicate, c.parallelism.dp_shard = 1, n
@@ -168,12 +176,16 @@ def _fixes(cfg: TrainConfig, budget: Budget) -> list[str]:
 
 
 def check_memory(
-    cfg: TrainConfig, device: torch.device, local_world_size: int, world_size: Optional[int] = None
+    cfg: TrainConfig,
+    device: torch.device,
+    local_world_size: int,
+    world_size: Optional[int] = None,
+    dims: Optional[ParallelDims] = None,
 ) -> FitCheck:
     """Plan ``cfg`` on this host (``local_world_size`` of ``world_size`` ranks on it) and compare with
-    its memory."""
+    its memory. ``dims``: the run's layout, already validated against ``cfg`` (None: validated here)."""
     budget = rank_budget(device, local_world_size, world_size)
-    need, worst = _need(cfg, budget)
+    need, worst, dims = _need(cfg, budget, dims)
     if budget.total_bytes <= 0 or need <= budget.per_rank_bytes:
         return FitCheck(True, need, "")
     parts = (
@@ -181,7 +193,7 @@ def check_memory(
         f"{worst.optimizer_bytes / GIB:.2f}, saved activations {worst.activations_bytes / GIB:.2f}, buffers "
         f"{sum(worst.buffers.values()) / GIB:.2f}, process {budget.overhead_bytes / GIB:.2f}"
     )
-    fixes = _fixes(cfg, budget)
+    fixes = _fixes(cfg, budget, dims)
     compiled = (
         " (planned for eager execution; training.compile=true saves less, so this is an upper bound)"
         if cfg.training.compile
@@ -203,14 +215,21 @@ def local_world_size() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
 
 
-def run_check(cfg: TrainConfig, device: torch.device, log: Callable[[str], None]) -> Optional[FitCheck]:
+def run_check(
+    cfg: TrainConfig,
+    device: torch.device,
+    log: Callable[[str], None],
+    dims: Optional[ParallelDims] = None,
+) -> Optional[FitCheck]:
     """``metrics.memory_check`` at start-up: raise ConfigError (``error``), log (``warn``), or nothing.
+    ``dims``: the trainer's layout (``validated_dims``), planned as it is instead of validated again.
     A planner failure never stops training: it is logged and the check is skipped."""
     mode = cfg.metrics.memory_check
     if mode == "off":
         return None
     try:
-        result = check_memory(cfg, device, local_world_size(), int(os.environ.get("WORLD_SIZE", "1")))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        result = check_memory(cfg, device, local_world_size(), world, dims=dims)
     except Exception as e:  # noqa: BLE001 -- a family the planner cannot model yet must still train
         log(f"metrics.memory_check skipped: the planner could not plan this config ({type(e).__name__}: {e})")
         return None

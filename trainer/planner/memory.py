@@ -2,7 +2,7 @@
 
 The activation model is read off what our code saves, term by term, and checked against the
 memory ledger (``metrics.memory_ledger=true``, ``trainer/observe/memory_ledger.py``) by
-``tests/trainer/test_memory_measured.py``. Units: bytes per *local token* of one microbatch
+``tests/trainer/test_plan_measured.py``. Units: bytes per *local token* of one microbatch
 (after CP, before SP: sequence-parallel terms are divided here), per block.
 
 Dtype policy (``DtypePolicy``): the residual stream (``stream``) is fp32 unless FSDP gathers
@@ -15,10 +15,11 @@ weight (``weight_copies``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
+from models.spec import BlockLayout, ModelArgs, ModelSpec
 from trainer.planner.cluster import ADAM_BYTES, DTYPE_BYTES
-from trainer.planner.context import PlanContext, PlannedStage, StageMemory
+from trainer.planner.context import PlanContext, PlannedStage, StageMemory, planner_terms_of
 
 INT64 = 8
 
@@ -76,30 +77,29 @@ def activation_bytes_per_token_layer(
 
 
 def layer_activation_bytes(
-    spec: Any, args: Any, *, tp: int, sequence_parallel: bool, act_bytes: int
+    spec: ModelSpec, args: ModelArgs, *, tp: int, sequence_parallel: bool, act_bytes: int
 ) -> float:
     """``activation_bytes_per_token_layer`` (the article's rule, not the plan's model: that is
-    :func:`block_terms`) for the family: Llama's rule (head size and q/k norm included), with the
-    attention's projections replaced by the family's own saved tensors when it declares them
-    (``AttentionComm.saved``, MLA): Llama's q, k, v and output-projection input (4 H at full heads,
-    split by tp) out, the per-head tensors (split by tp) and the latents (never split: replicated
-    modules compute them on the whole sequence) in."""
-    saved = spec.attention_comm(args).saved
-    if saved is None:  # Llama's attention: its projections' true widths (explicit head_dim) and q/k norms
-        return activation_bytes_per_token_layer(
-            args.dim,
-            args.n_heads,
-            args.kv_heads,
-            tp=tp,
-            sequence_parallel=sequence_parallel,
-            act_bytes=act_bytes,
-            head_dim=args.head_dim,
-            qk_norm=bool(getattr(args, "qk_norm", False)),
-        )
+    :func:`block_terms`) for the family: Llama's rule at the family's ``AttentionShape`` (head size
+    and q/k norm included), with the attention's projections replaced by the family's own saved
+    tensors when it declares them (``AttentionComm.saved``, MLA): Llama's q, k, v and output-projection
+    input (4 H at full heads, split by tp) out, the per-head tensors (split by tp) and the latents
+    (never split: replicated modules compute them on the whole sequence) in."""
+    terms = planner_terms_of(spec, args)
+    shape = terms.shape
     base = activation_bytes_per_token_layer(
-        args.dim, args.n_heads, args.kv_heads, tp=tp, sequence_parallel=sequence_parallel, act_bytes=act_bytes
+        args.dim,
+        shape.n_heads,
+        shape.kv_heads,
+        tp=tp,
+        sequence_parallel=sequence_parallel,
+        act_bytes=act_bytes,
+        head_dim=shape.head_dim,
+        qk_norm=shape.qk_norm,
     )
-    per_head, latents = saved
+    if terms.comm.saved is None:  # Llama's attention: its projections' true widths and q/k norms
+        return base
+    per_head, latents = terms.comm.saved
     return base + (per_head / tp + latents - 4 * args.dim / tp) * act_bytes
 
 
@@ -122,105 +122,38 @@ def _norm_terms(c: PlanContext, pol: DtypePolicy, name: str, consumers: int) -> 
     }
 
 
-def attention_terms(c: PlanContext, pol: DtypePolicy, keys: Optional[int] = None) -> dict[str, float]:
-    """Attention (``models/llama/model.py`` ``Attention`` + ``models/attention.py`` ``attend``):
-    q after RoPE; K and V after the grouped-query repeat (a copy to n_heads, or a free view when one
-    KV head is local), gathered over the whole sequence under CP (all-gather implementation); SDPA's
-    fp32 log-sum-exp per head; its output (also the input of ``wo``); the rotary rows gathered per
-    token when positions are passed (CP, packed documents)."""
-    a, tp, cp = c.cfg.model, c.dims.tp, c.dims.cp
-    if hasattr(a, "kv_lora_rank"):
-        return mla_terms(c, pol, keys)
-    D = a.dim // a.n_heads if getattr(a, "attn_head_dim", None) is None else a.attn_head_dim
-    nh, nkv = a.n_heads / tp, a.kv_heads / tp
-    kv_width = nkv * D if nh == nkv else (D if nkv == 1 else nh * D)
-    cb = pol.compute
-    terms = _norm_terms(c, pol, "attention_norm", 3)
-    terms.update(
-        {
-            "q": cb * nh * D,
-            "kv": 2 * cb * kv_width * cp,
-            "attention_lse": 4 * nh,
-            "attention_out": cb * nh * D,
-        }
+def block_layout(c: PlanContext, pol: DtypePolicy, keys: Optional[int] = None) -> BlockLayout:
+    """What the family's saved-activation arithmetic (``PlannerTerms``) needs of the layout; ``keys``:
+    the sequence length attention sees when it is not the training's."""
+    return BlockLayout(
+        tp=c.dims.tp,
+        cp=c.dims.cp,
+        compute=pol.compute,
+        cast_each=pol.cast_each,
+        keys=c.cfg.training.seq_len if keys is None else keys,  # key positions per query (CP: all)
+        fused_attention=c.cluster.backend != "gloo",  # CPU: SDPA's math path for unlike head sizes
     )
-    if getattr(a, "qk_norm", False):
-        # Qwen3's per-head q/k RMSNorms (before RoPE, on the local heads and tokens): the fp32 input
-        # (the projection's output itself when fp32), the rsqrt per head, the normalised head saved
-        # by the gain multiply (compute dtype)
-        terms["qk_norm"] = (nh + nkv) * ((4 + cb) * D + 4)
-    if cp > 1 or getattr(a, "attention_mask", "causal") == "block_causal":
-        terms["rope_rows"] = (2 if pol.fsdp_bf16 else 4) * D
-    return terms
 
 
-def _latent_norm(pol: DtypePolicy, width: float, source_width: float) -> float:
-    """A latent RMSNorm (MLA's ``q_norm`` / ``kv_norm``, ``width`` wide) over a projection's output:
-    its fp32 input (the projection's output storage itself, ``source_width`` wide, when that is
-    fp32; a fresh fp32 copy otherwise), the rsqrt, the normalised latent (compute dtype)."""
-    source = 4 * source_width if pol.compute == 4 else 4 * width
-    return source + 4 + pol.compute * width
-
-
-def mla_terms(c: PlanContext, pol: DtypePolicy, keys: Optional[int] = None) -> dict[str, float]:
-    """Multi-head latent attention (``models/deepseek_v3/model.py`` ``MLAttention``): the norm feeds
-    two replicated down-projections (``wq``/``wq_a``, ``wkv_a``); the query latent's norm and the
-    up-projection's input (q_lora_rank); the KV latent's norm; the latent [c | k_rope] that ``wkv_b``
-    keeps (under CP gathered over the whole sequence; under autocast over an fp32 latent, the bf16
-    cast of c); then what SDPA keeps of q (nh x Dqk, split by tp), of the per-head expanded keys and
-    values and of its result, which depends on the kernel: q/k and v head sizes differ (Dqk != Dv,
-    every DeepSeek shape), which torch's fused CPU kernel does not take, so on CPU (``cluster.backend``
-    gloo) SDPA runs its math path (measured): copies of the scaled q, of K and of V, the softmax
-    probabilities (nh x ``keys`` per query token: the whole sequence, S^2 per head), no log-sum-exp; a
-    fused kernel (CUDA's memory-efficient attention, or Dqk == Dv) keeps q, K, V as given -- V a view
-    of ``wkv_b``'s whole output, nh x (Dn + Dv) -- and the fp32 log-sum-exp per head (planned, not
-    measured here). The output (nh x Dv) is ``wo``'s input."""
-    a, tp, cp = c.cfg.model, c.dims.tp, c.dims.cp
-    nh, cb = a.n_heads / tp, pol.compute
-    Dn, R, Dv, C, Cq = a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.kv_lora_rank, a.q_lora_rank
-    keys = c.cfg.training.seq_len if keys is None else keys  # key positions per query (CP: all)
-    terms = _norm_terms(c, pol, "attention_norm", 2)
-    if Cq:  # query latent: its norm, and wq_b's input (the gain's output, cast by autocast)
-        terms["q_latent"] = _latent_norm(pol, Cq, Cq) + cb * Cq
-    terms["kv_latent_norm"] = _latent_norm(pol, C, C + R)
-    terms["kv_latent"] = (2 * C if pol.cast_each else cb * (C + R)) * cp
-    terms["q"] = cb * nh * (Dn + R)
-    terms["k_expanded"] = cb * nh * (Dn + R) * cp
-    if Dn + R != Dv and c.cluster.backend == "gloo":  # SDPA's math path
-        terms["v_expanded"] = cb * nh * Dv * cp
-        terms["attention_probs"] = cb * nh * keys
-    else:  # a fused kernel
-        terms["v_expanded"] = cb * nh * (Dn + Dv) * cp
-        terms["attention_lse"] = 4 * nh
-    terms["attention_out"] = cb * nh * Dv
-    if cp > 1 or getattr(a, "attention_mask", "causal") == "block_causal":
-        terms["rope_rows"] = (2 if pol.fsdp_bf16 else 4) * R
+def attention_terms(c: PlanContext, pol: DtypePolicy, keys: Optional[int] = None) -> dict[str, float]:
+    """Attention: its input norm (feeding the family's ``attention_norm_consumers`` matmuls), what the
+    family's attention saves (``PlannerTerms.attention_saved``: Llama's q, K/V, log-sum-exp and output;
+    MLA's latents and per-head tensors), and the rotary rows gathered per token when positions are
+    passed (CP, packed documents)."""
+    t = c.terms
+    terms = _norm_terms(c, pol, "attention_norm", t.attention_norm_consumers)
+    terms.update(t.attention_saved(block_layout(c, pol, keys)))
+    if c.dims.cp > 1 or c.spec.attention_mask(c.cfg.model) == "block_causal":
+        terms["rope_rows"] = (2 if pol.fsdp_bf16 else 4) * t.rope_dim
     return terms
 
 
 def mlp_terms(c: PlanContext, pol: DtypePolicy, block: int) -> dict[str, float]:
-    """SwiGLU (``FeedForward``): w1 and w3 outputs, silu(w1 x), and their product (the input of
-    w2), all F/tp wide. MoE blocks: the routed experts see top_k copies of each token (balanced
-    routing): the gathered rows, the same four SwiGLU tensors per copy, the expert outputs; the
-    router keeps fp32 logits/scores over all experts; shared experts are a dense SwiGLU."""
-    a, tp = c.cfg.model, c.dims.tp
-    cb = pol.compute
+    """The feed-forward: its input norm (feeding two matmuls), then what the family's feed-forward
+    saves (``PlannerTerms.ffn_saved``: SwiGLU; an MoE block -- one of the parameter table's
+    ``moe_layers`` -- its router, routed copies and shared experts)."""
     terms = _norm_terms(c, pol, "ffn_norm", 2)
-    if block not in c.table.moe_layers:
-        hidden = a.hidden_dim if hasattr(a, "hidden_dim") else a.ffn_hidden_dim
-        terms["mlp"] = 4 * cb * hidden / tp
-        return terms
-    H, k, E, F = a.dim, a.top_k, a.num_experts, a.moe_hidden_dim
-    # router (fp32): softmax scores over all experts, top-k weights (+ their sum under route_norm)
-    terms["router"] = 4 * E + 4 * k + (4 if getattr(a, "route_norm", False) and k > 1 else 0)
-    # int64 bookkeeping: top-k ids, the sorted order and source token of each copy, the received
-    # copies' expert / row / position indices
-    terms["routing_ids"] = INT64 * k * 6
-    terms["expert_rows"] = cb * k * H  # the rows the local experts receive (balanced routing)
-    terms["experts"] = 4 * cb * k * F  # w1, w3 outputs, silu, product per routed copy
-    terms["expert_combine"] = 2 * cb * k * H  # the copies back at their tokens, and weighted
-    if getattr(a, "num_shared_experts", 0):
-        terms["shared_experts"] = 4 * cb * a.num_shared_experts * F / tp
+    terms.update(c.terms.ffn_saved(block_layout(c, pol), block in c.table.moe_layers))
     return terms
 
 
@@ -237,9 +170,8 @@ def block_bytes_per_token(c: PlanContext, block: int = 0, keys: Optional[int] = 
 
 def block_constant(c: PlanContext) -> float:
     """Per block and microbatch, independent of tokens: FSDP's bf16 cast of the block's inputs
-    includes the whole rotary table (max_seq_len x head_dim), which RoPE then saves."""
-    a = c.cfg.model
-    return 2.0 * a.max_seq_len * a.head_dim if dtype_policy(c).fsdp_bf16 else 0.0  # MLA: the RoPE size
+    includes the whole rotary table (max_seq_len x the family's ``rope_dim``), which RoPE then saves."""
+    return 2.0 * c.cfg.model.max_seq_len * c.terms.rope_dim if dtype_policy(c).fsdp_bf16 else 0.0
 
 
 def weight_copy_bytes(c: PlanContext, block: int) -> float:
@@ -272,13 +204,13 @@ def ac_input_bytes(c: PlanContext) -> float:
 
 def sac_cache_bytes(c: PlanContext, block: int) -> float:
     """Op-level selective checkpointing keeps the outputs of matmuls and SDPA per token (not seen by
-    the ledger: torch caches them below autograd's hooks): q/k/v projections, wo, w1/w3/w2, SDPA."""
-    a, tp, cb = c.cfg.model, c.dims.tp, dtype_policy(c).compute
-    D = a.dim // a.n_heads if getattr(a, "attn_head_dim", None) is None else a.attn_head_dim
-    hidden = getattr(a, "hidden_dim", None) or getattr(a, "moe_hidden_dim", a.dim)
+    the ledger: torch caches them below autograd's hooks): q/k/v projections, wo, w1/w3/w2, SDPA, at the
+    family's ``AttentionShape`` and dense FFN hidden size (Llama's modules; MLA and experts: estimated)."""
+    s, tp, cb = c.terms.shape, c.dims.tp, dtype_policy(c).compute
+    D, hidden, H = s.head_dim, c.terms.ffn_hidden_dim, c.cfg.model.dim
     return (
-        cb * ((a.n_heads + 2 * a.kv_heads) * D / tp + 2 * a.dim + 2 * hidden / tp + a.n_heads * D / tp)
-        + 4 * a.n_heads / tp
+        cb * ((s.n_heads + 2 * s.kv_heads) * D / tp + 2 * H + 2 * hidden / tp + s.n_heads * D / tp)
+        + 4 * s.n_heads / tp
     )
 
 
@@ -319,7 +251,7 @@ def stage_saved(c: PlanContext, stage: PlannedStage, *, receives: bool) -> dict[
     if stage.last:
         h = head_terms(c)
         out["loss"] = T * h.pop("log_softmax")
-        if getattr(c.cfg.model, "mtp_depth", 0) and pol.stream == 4:  # the final norm's fp32 input is the
+        if c.spec.mtp_depth(c.cfg.model) and pol.stream == 4:  # the final norm's fp32 input is the
             h.pop("final_norm_input")  # last block's output, saved first by MTP's hnorm (the mtp term)
         out["head"] = T * sum(h.values())
         if pol.weight_copies:
@@ -339,12 +271,11 @@ def mtp_bytes(c: PlanContext) -> float:
     under sequence parallelism), one dense block (MLA + SwiGLU of ``hidden_dim``, its own TP/SP
     terms), then the shared head (its norm's fp32 input, the rest as the main head's), the fp32
     log-softmax over the (vocab-sharded) vocabulary and a contiguous copy of the int64 targets."""
-    a = c.cfg.model
-    depth = getattr(a, "mtp_depth", 0) or 0
+    depth = c.spec.mtp_depth(c.cfg.model)
     if not depth:
         return 0.0
     pol = dtype_policy(c)
-    H = a.dim
+    H = c.cfg.model.dim
     sp = c.dims.tp if c.tp_sp[1] else 1
     head = head_terms(c)
     head_rest = sum(head.values()) - head["final_norm_input"]  # rsqrt, normed, output's input, log-softmax
@@ -409,7 +340,7 @@ def saved_plan(c: PlanContext, pp_rank: int) -> SavedPlan:
         for k, v in micro.items():
             per_step[k] = per_step.get(k, 0.0) + c.accum * v
         peak += flight * sum(micro.values())
-        depth = getattr(c.cfg.model, "mtp_depth", 0) or 0
+        depth = c.spec.mtp_depth(c.cfg.model)
         for key, present in (("embedding", st.first), ("loss", st.last)):
             if key == "embedding" and present and depth:  # MTP: one embedding call on a fresh concatenation
                 ids = (1 + depth) * c.micro_tokens * INT64  # of the window's ids and the D shifted ids

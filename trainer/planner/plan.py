@@ -4,7 +4,7 @@ together and gives the verdict (fits? communication hidden?)."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from trainer.planner.cluster import GIB, ClusterConfig, pp_bubble
 from trainer.planner.comm import rank_collectives
@@ -12,6 +12,7 @@ from trainer.planner.context import Collective, Plan, PlanContext, build_context
 from trainer.planner.memory import ac_input_bytes, block_bytes_per_token, stage_memory_of
 
 if TYPE_CHECKING:
+    from parallelisms.parallel_dims import ParallelDims
     from trainer.config import TrainConfig
 
 
@@ -93,10 +94,18 @@ def _verdict(plan: Plan) -> dict[str, Any]:
     }
 
 
-def build_plan(cfg: TrainConfig, cluster: ClusterConfig, experiment: str = "") -> Plan:
+def build_plan(
+    cfg: TrainConfig, cluster: ClusterConfig, experiment: str = "", dims: Optional[ParallelDims] = None
+) -> Plan:
     """The plan of ``cfg`` (a validated ``TrainConfig``) on ``cluster``; builds the model only on the
-    meta device (shapes, no storage) to classify its parameters."""
-    c = build_context(cfg, cluster)
+    meta device (shapes, no storage) to classify its parameters. ``dims``: the layout, when the caller
+    has validated it already (``build_context``)."""
+    return plan_of(build_context(cfg, cluster, dims), experiment)
+
+
+def plan_of(c: PlanContext, experiment: str = "") -> Plan:
+    """The plan of a built context: memory per pp rank, compute, collectives, verdict."""
+    cfg, cluster = c.cfg, c.cluster
     stages = [stage_memory_of(c, r) for r in range(c.dims.pp)]
     comp = compute_seconds(c)
     by_rank = [rank_collectives(c, r, comp) for r in range(c.dims.pp)]
