@@ -612,24 +612,18 @@ def muon_param_groups(
             "eps": m.eps,
             "adjust_lr_fn": m.adjust_lr_fn,
         },
-        {
-            "params": [p for _, p in decay],
-            "names": [n for n, _ in decay],
-            "use_muon": False,
-            "lr": cfg.lr,
-            "betas": tuple(cfg.betas),
-            "eps": cfg.eps,
-            "weight_decay": cfg.weight_decay,
-        },
-        {
-            "params": [p for _, p in no_decay],
-            "names": [n for n, _ in no_decay],
-            "use_muon": False,
-            "lr": cfg.lr,
-            "betas": tuple(cfg.betas),
-            "eps": cfg.eps,
-            "weight_decay": 0.0,
-        },
+        *(
+            {
+                "params": [p for _, p in named],
+                "names": [n for n, _ in named],
+                "use_muon": False,
+                "lr": cfg.lr,
+                "betas": tuple(cfg.betas),
+                "eps": cfg.eps,
+                "weight_decay": weight_decay,
+            }
+            for named, weight_decay in ((decay, cfg.weight_decay), (no_decay, 0.0))
+        ),
     ]
     return [g for g in groups if g["params"]]
 
