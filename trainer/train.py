@@ -489,6 +489,7 @@ class Trainer:
         ``grad_norm``), or None if a hook discarded the step (fault tolerance: a group failed)."""
         s = StepState(step=self.state.step + 1, loader=self.train_loader, tokens_seen=self.state.tokens_seen)
         self.hooks.run("begin_step", s)
+        s.step, s.tokens_seen = self.state.step + 1, self.state.tokens_seen  # a heal may have moved them
         batch = self._next_batch(self.train_loader, training=True)
         # The loss is normalised by the GLOBAL number of target tokens, and the gradient
         # reducers (DDP, FSDP) average over dp ranks, so each rank scales by dp_cp: the
@@ -634,7 +635,7 @@ class Trainer:
                     s = self.train_step()
                 if s is None:  # fault tolerance: discarded, retried with the next quorum
                     continue
-                self.state.step = step
+                step = self.state.step = s.step  # the step taken (a fault-tolerance heal may have moved it)
                 self.state.tokens_seen += self.tokens_per_step if self.ft is None else self.ft.step_tokens
                 self.profiler.end(step)
                 if self._is_logged(step):
