@@ -33,9 +33,9 @@ class, so a new family plugs in without touching any strategy:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, cast
 
 import torch
 from torch import nn
@@ -61,6 +61,52 @@ class ParamCounts:
     total: int
     active: int
     embedding: int  # token-embedding parameters (a lookup, not a matmul)
+
+
+class DecoderArgs(Protocol):
+    """The shape fields every family's args have (every family's args class has them; a new one needs
+    them too): what ``parallelisms/`` and the trainer read of any family's args. A structural type
+    rather than fields of ``ModelArgs``: fields declared on the base would come first in every family's
+    dataclass, reordering its Hydra schema and its saved config.yaml."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def family(self) -> str: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def dim(self) -> int: ...
+    @property
+    def n_layers(self) -> int: ...
+    @property
+    def n_heads(self) -> int: ...
+    @property
+    def kv_heads(self) -> int: ...  # key/value heads (grouped-query attention; n_heads without)
+    @property
+    def max_seq_len(self) -> int: ...
+
+
+class MoELayer(Protocol):
+    """What expert parallelism and its load balancer (``parallelisms/expert_parallel.py``) use of a
+    family's routed mixture-of-experts module (``ModelSpec.moe_layers``)."""
+
+    # (rows sorted by expert, rows per expert, the stacked experts) -> rows; None: the local experts
+    dispatcher: Optional[Callable[[torch.Tensor, torch.Tensor, nn.Module], torch.Tensor]]
+    aux_grad_scale: Optional[float]  # weight of one forward's aux term per token (None: 1 per forward)
+    step_records: list[torch.Tensor]  # one (E + 2,) row per forward of the current step
+
+    def reset_stats(self) -> None: ...
+    def step_stats(self, skip: int = 0) -> torch.Tensor: ...
+    def update_bias(self, counts: torch.Tensor) -> None: ...
+
+
+class StackedExperts(nn.Module):
+    """Base class of a family's stacked routed experts (``ModelSpec.expert_modules``): every parameter
+    holds the E experts on dim 0, which expert parallelism shards; ``grad_scale`` multiplies the
+    weights' gradients (expert parallelism sets 1 / ep)."""
+
+    grad_scale: float
 
 
 class HFAdapter(Protocol):
@@ -157,8 +203,8 @@ class ModelSpec:
     blocks: str = "layers"
     first_modules: tuple[str, ...] = ("tok_embeddings",)
     last_modules: tuple[str, ...] = ("norm", "output")
-    moe_layers: Optional[Callable[[nn.Module], list[tuple[str, nn.Module]]]] = None
-    expert_modules: Optional[Callable[[nn.Module], list[nn.Module]]] = None
+    moe_layers: Optional[Callable[[nn.Module], Sequence[tuple[str, MoELayer]]]] = None
+    expert_modules: Optional[Callable[[nn.Module], Sequence[StackedExperts]]] = None
     ties_embeddings: Callable[[Any], bool] = _untied
     attention_mask: Callable[[Any], str] = _causal
     mtp_depth: Callable[[Any], int] = _no_mtp  # multi-token-prediction modules (0: none)
@@ -201,7 +247,7 @@ class ModelSpec:
         dropped and nested dataclass fields (``rope_scaling``) rebuilt from their dicts."""
         return _from_dict(self.args_cls, fields)
 
-    def module_names(self, args: Any) -> list[str]:
+    def module_names(self, args: DecoderArgs) -> list[str]:
         """Every top-level unit in forward order, e.g. ``tok_embeddings, layers.0, ..., norm, output``."""
         return [
             *self.first_modules,
@@ -221,3 +267,14 @@ def _from_dict(cls: type, values: dict[str, Any]) -> Any:
             value = _from_dict(type(default), value)
         kwargs[f.name] = value
     return cls(**kwargs)
+
+
+def decoder_args(args: ModelArgs) -> DecoderArgs:
+    """``args`` (a family's args class: e.g. a config's ``model``) with the shape fields every family has."""
+    return cast(DecoderArgs, args)
+
+
+def args_of(model: nn.Module) -> DecoderArgs:
+    """The args ``model`` (a whole model or a pipeline stage of it) was built from: every family's
+    model keeps them as ``model.args`` (``ModelSpec.build``)."""
+    return cast(DecoderArgs, model.args)

@@ -141,6 +141,8 @@ def apply_ep(model: nn.Module, spec: ModelSpec, dims: ParallelDims) -> nn.Module
     the all_to_all dispatcher in each MoE module (step 4 of ``parallelize``)."""
     ep_mesh = dims.get_mesh("ep")
     ep = ep_mesh.size()
+    # validate_ep lets ep > 1 through for mixture-of-experts families only
+    assert spec.expert_modules is not None and spec.moe_layers is not None
     for experts in spec.expert_modules(model):
         for name, param in list(experts.named_parameters(recurse=False)):
             if param.shape[0] % ep != 0:
@@ -188,6 +190,7 @@ class LoadBalancer:
         tokens_per_step: int,
         forwards_per_step: int,
     ) -> None:
+        assert spec.moe_layers is not None  # ``build`` makes a balancer for MoE families only
         self.layers = [(name, moe) for part in parts for name, moe in spec.moe_layers(part)]
         self.num_experts = args.num_experts
         self.n_layers = args.n_layers

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Optional
 
 from models.errors import ConfigError
-from models.spec import ModelSpec
+from models.spec import DecoderArgs, ModelSpec
 from parallelisms.config import ParallelismConfig
 
 __all__ = [
@@ -117,7 +117,9 @@ def stage_module_names(
     return names
 
 
-def stage_names(spec: ModelSpec, args: object, cfg: ParallelismConfig, num_stages: int) -> list[list[str]]:
+def stage_names(
+    spec: ModelSpec, args: DecoderArgs, cfg: ParallelismConfig, num_stages: int
+) -> list[list[str]]:
     """The configured split: ``pp_module_names`` if set (checked), else ``stage_module_names``."""
     if cfg.pp_module_names is None:
         return stage_module_names(spec, args.n_layers, num_stages, cfg.pp_layers_per_stage)

@@ -223,16 +223,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # ``state`` is the inner optimizer's dict: one source of truth, and it survives the inner
     # optimizer's load_state_dict replacing its dict. Optimizer.__init__ assigns an empty
     # defaultdict before the inner optimizer exists; that assignment is dropped.
-    @property  # type: ignore[override]
+    @property
     def state(self) -> Any:
-        if self.__dict__.get("_inner") is None:
+        inner: Optional[torch.optim.Optimizer] = self.__dict__.get("_inner")
+        if inner is None:
             return {}
-        return self._inner.state
+        return inner.state
 
     @state.setter
     def state(self, value: Any) -> None:
-        if self.__dict__.get("_inner") is not None:
-            self._inner.state = value
+        inner: Optional[torch.optim.Optimizer] = self.__dict__.get("_inner")
+        if inner is not None:
+            inner.state = value
 
     # ------------------------------------------------------------------ step
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from models.errors import ConfigError, check_choice
-from models.spec import ModelSpec
+from models.spec import DecoderArgs, ModelSpec
 from parallelisms.config import ParallelismConfig
 from parallelisms.parallel_dims import ParallelDims, cp_chunks, seq_len_divisor
 from parallelisms.pipeline_split import (
@@ -309,7 +309,7 @@ def validate_ep(spec: ModelSpec, args: Any, dims: ParallelDims, *, compile: bool
 
 def validate_pp(
     spec: ModelSpec,
-    args: object,
+    args: DecoderArgs,
     cfg: ParallelismConfig,
     *,
     pp: int,

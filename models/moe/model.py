@@ -69,7 +69,7 @@ from models.llama.model import (
     _positive_int,
     num_flops_per_token,
 )
-from models.spec import ParamCounts
+from models.spec import ParamCounts, StackedExperts
 
 __all__ = [
     "TP_PLAN",
@@ -241,7 +241,7 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-class GroupedExperts(nn.Module):
+class GroupedExperts(StackedExperts):
     """E SwiGLU experts stored stacked: ``w1/w3`` (E, F, H), ``w2`` (E, H, F) (each expert in
     ``nn.Linear`` layout), run on rows already grouped by expert.
 
