@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Optional, Protocol, Union, cast
 
 import torch
 import torch.nn.functional as F
@@ -304,6 +304,12 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))  # (B, S, H)
 
 
+class Block(Protocol):
+    """What ``Transformer`` calls on each of its blocks beyond ``forward`` (``build_block``'s modules)."""
+
+    def init_weights(self, init: ParamInit, prefix: str, init_std: float) -> None: ...
+
+
 class Transformer(nn.Module):
     """Llama decoder: embedding -> ``n_layers`` blocks -> RMSNorm -> vocabulary projection.
 
@@ -311,6 +317,8 @@ class Transformer(nn.Module):
     ``output`` may be set to None and entries of ``layers`` deleted (keys stay the global
     layer indices, e.g. ``{"2", "3"}``).
     """
+
+    rope_cache: Tensor  # a non-persistent buffer (registered in __init__)
 
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
@@ -408,7 +416,7 @@ class Transformer(nn.Module):
         args = self.args
         head_std = args.dim**-0.5
 
-        def embed_fill(name: str, param: nn.Parameter) -> None:
+        def embed_fill(name: str, param: Tensor) -> None:
             if args.tie_embeddings:
                 init.trunc_normal(name, param, head_std, 3.0)
             else:
@@ -417,7 +425,7 @@ class Transformer(nn.Module):
         if self.tok_embeddings is not None:
             embed_fill("tok_embeddings.weight", self.tok_embeddings.weight)
         for layer_id, block in self.layers.items():
-            block.init_weights(init, f"layers.{layer_id}", args.init_std)
+            cast(Block, block).init_weights(init, f"layers.{layer_id}", args.init_std)
         if self.norm is not None:
             self.norm.init_weights(init, "norm")
         if self.output is not None:
