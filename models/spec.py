@@ -101,6 +101,18 @@ class MoELayer(Protocol):
     def update_bias(self, counts: torch.Tensor) -> None: ...
 
 
+class MTPModel(Protocol):
+    """What the trainer's multi-token-prediction hook (``trainer/observe/mtp.py``) uses of a model (or a
+    pipeline stage of it) whose family has ``mtp_depth(args) > 0``: the forwards' recorded (D, 2) MTP
+    losses and the weight and loss function of the MTP term in backward."""
+
+    mtp_records: list[torch.Tensor]
+    mtp_grad_scale: Optional[float]  # per token of the step (None: the forward's own tokens)
+    mtp_loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labels) -> summed CE
+
+    def reset_mtp_stats(self) -> None: ...
+
+
 class StackedExperts(nn.Module):
     """Base class of a family's stacked routed experts (``ModelSpec.expert_modules``): every parameter
     holds the E experts on dim 0, which expert parallelism shards; ``grad_scale`` multiplies the

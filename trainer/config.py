@@ -22,7 +22,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from models import MODEL_SPECS, get_spec
 from models.errors import ConfigError, check_choice
-from models.spec import ModelArgs
+from models.spec import ModelArgs, decoder_args
 from parallelisms.config import DDPConfig, FSDPConfig, ParallelismConfig
 from parallelisms.utils import DTYPES
 from trainer.checkpoint.hf import parse_size
@@ -307,7 +307,7 @@ def validate(cfg: TrainConfig) -> None:
     """Cross-field checks that need neither the world size nor the mesh. Every parallelism
     option is checked by ``parallelisms.validate.validated_dims`` (one place, before any process group)."""
     validate_model(cfg.model)
-    _validate_training(cfg.training, cfg.model.max_seq_len)
+    _validate_training(cfg.training, decoder_args(cfg.model).max_seq_len)
     check_choice(cfg.metrics.memory_check, ("error", "warn", "off"), "metrics.memory_check")
     if cfg.metrics.memory_ledger and cfg.training.compile:
         raise ConfigError(
@@ -491,10 +491,11 @@ def to_train_config(dcfg: DictConfig | dict[str, Any]) -> TrainConfig:
     """Convert a composed Hydra config into typed dataclasses and validate it."""
     # A plain copy: Hydra's ``+key=value`` composes with struct mode off on that node, a flag the
     # merge below would inherit, letting an unknown key through; plain values merge strictly.
-    dcfg = OmegaConf.create(
+    plain = OmegaConf.create(
         OmegaConf.to_container(dcfg, resolve=False) if isinstance(dcfg, DictConfig) else dcfg
     )
-    merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), _with_typed_model(dcfg))
+    assert isinstance(plain, DictConfig)  # created from a mapping
+    merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), _with_typed_model(plain))
     missing = sorted(OmegaConf.missing_keys(merged))
     if missing:
         raise ConfigError(
@@ -526,7 +527,7 @@ def config_error(err: Exception) -> ConfigError:
     from hydra.errors import MissingConfigException, OverrideParseException
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-    if isinstance(err, MissingConfigException) and "/" in (err.missing_cfg_file or ""):
+    if isinstance(err, MissingConfigException) and err.missing_cfg_file and "/" in err.missing_cfg_file:
         group, name = err.missing_cfg_file.rsplit("/", 1)
         options = [o for o in err.options or [] if not o.startswith("base_")]  # not the schemas
         return ConfigError(
