@@ -87,6 +87,19 @@ class DecoderArgs(Protocol):
     def max_seq_len(self) -> int: ...
 
 
+class ExpertArgs(DecoderArgs, Protocol):
+    """The fields a mixture-of-experts family's args add (``ModelSpec.has_experts``), as expert
+    parallelism and its load balancer read them."""
+
+    @property
+    def num_experts(self) -> int: ...  # routed experts per MoE layer
+    @property
+    def aux_loss_coeff(self) -> float: ...  # auxiliary load-balancing loss weight (0: off)
+    @property
+    def grouped_mm(self) -> str: ...  # auto | on | off
+    def is_moe_layer(self, layer_id: int) -> bool: ...
+
+
 class MoELayer(Protocol):
     """What expert parallelism and its load balancer (``parallelisms/expert_parallel.py``) use of a
     family's routed mixture-of-experts module (``ModelSpec.moe_layers``)."""
@@ -121,6 +134,13 @@ class StackedExperts(nn.Module):
     grad_scale: float
 
 
+class HFTensorReader(Protocol):
+    """Reads slices of a Hugging Face folder's tensors (``trainer/checkpoint/hf.py``): what an
+    adapter's ``read_slice`` gets, so that each rank reads only its shard."""
+
+    def read(self, hf_name: str, index: tuple[slice, ...]) -> torch.Tensor: ...  # tensor[index]
+
+
 class HFAdapter(Protocol):
     """Conversion between a family's args / tensor names and a Hugging Face architecture. The config
     side is one table per HF format, read and written by ``models/hf_config.py``."""
@@ -150,7 +170,9 @@ class HFAdapter(Protocol):
 
     def full_shape(self, name: str, hf_shapes: list[list[int]], args: Any) -> list[int]: ...
 
-    def read_slice(self, name: str, index: tuple[slice, ...], reader: Any, args: Any) -> torch.Tensor: ...
+    def read_slice(
+        self, name: str, index: tuple[slice, ...], reader: HFTensorReader, args: Any
+    ) -> torch.Tensor: ...
 
 
 def _untied(_args: Any) -> bool:
@@ -205,8 +227,8 @@ class ModelSpec:
     """A model family, as the rest of the stack sees it (see the module docstring)."""
 
     family: str
-    args_cls: type
-    model_cls: type
+    args_cls: type[ModelArgs]
+    model_cls: type[nn.Module]
     param_counts: Callable[[Any], ParamCounts]
     flops_per_token: Callable[[Any, int], int]
     tp_plan: dict[str, str]
@@ -237,11 +259,11 @@ class ModelSpec:
         """Whether the family has mixture-of-experts layers (``moe_layers`` and ``expert_modules``)."""
         return self.moe_layers is not None
 
-    def num_experts(self, args: Any) -> int:
+    def num_experts(self, args: ModelArgs) -> int:
         """Routed experts per MoE layer; 0 for a dense family."""
-        return args.num_experts if self.has_experts else 0
+        return expert_args(args).num_experts if self.has_experts else 0
 
-    def build(self, args: Any) -> nn.Module:
+    def build(self, args: ModelArgs) -> nn.Module:
         """The model for ``args`` (call under ``torch.device("meta")`` to allocate nothing)."""
         return self.model_cls(args)
 
@@ -254,7 +276,7 @@ class ModelSpec:
         """Swap one block (e.g. for its checkpoint-wrapped or compiled version)."""
         getattr(model, self.blocks).register_module(key, module)
 
-    def make_args(self, fields: dict[str, Any]) -> Any:
+    def make_args(self, fields: dict[str, Any]) -> ModelArgs:
         """``args_cls`` from a plain dict (e.g. a checkpoint marker or ``asdict``); unknown keys are
         dropped and nested dataclass fields (``rope_scaling``) rebuilt from their dicts."""
         return _from_dict(self.args_cls, fields)
@@ -284,6 +306,11 @@ def _from_dict(cls: type, values: dict[str, Any]) -> Any:
 def decoder_args(args: ModelArgs) -> DecoderArgs:
     """``args`` (a family's args class: e.g. a config's ``model``) with the shape fields every family has."""
     return cast(DecoderArgs, args)
+
+
+def expert_args(args: ModelArgs) -> ExpertArgs:
+    """``args`` of a family with experts (``ModelSpec.has_experts``) with the fields those families add."""
+    return cast(ExpertArgs, args)
 
 
 def args_of(model: nn.Module) -> DecoderArgs:

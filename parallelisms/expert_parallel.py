@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
 from models.errors import ConfigError
-from models.spec import ModelSpec
+from models.spec import ExpertArgs, ModelArgs, ModelSpec, expert_args
 from parallelisms.parallel_dims import ParallelDims
 
 __all__ = ["AllToAllDispatcher", "LoadBalancer", "apply_ep"]
@@ -185,7 +185,7 @@ class LoadBalancer:
         parts: list[nn.Module],
         spec: ModelSpec,
         dims: ParallelDims,
-        args: Any,
+        args: ExpertArgs,
         *,
         tokens_per_step: int,
         forwards_per_step: int,
@@ -212,7 +212,7 @@ class LoadBalancer:
         parts: list[nn.Module],
         spec: ModelSpec,
         dims: ParallelDims,
-        args: Any,
+        args: ModelArgs,
         *,
         tokens_per_step: int,
         forwards_per_step: int,
@@ -221,7 +221,12 @@ class LoadBalancer:
         if not spec.has_experts:
             return None
         return cls(
-            parts, spec, dims, args, tokens_per_step=tokens_per_step, forwards_per_step=forwards_per_step
+            parts,
+            spec,
+            dims,
+            expert_args(args),
+            tokens_per_step=tokens_per_step,
+            forwards_per_step=forwards_per_step,
         )
 
     def begin_step(self, _state: object) -> None:

@@ -162,7 +162,7 @@ class LlamaArgs(ModelArgs):
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
 
-def _positive_int(value: Any, key: str, alternative: str = "") -> None:
+def _positive_int(value: object, key: str, alternative: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(
             f"{key}={value!r} must be a positive integer{' ' + alternative if alternative else ''}."
@@ -468,7 +468,7 @@ def param_counts(args: LlamaArgs) -> ParamCounts:
     return ParamCounts(total=total, active=total, embedding=embedding)
 
 
-def num_flops_per_token(args: Any, seq_len: int, counts: Optional[ParamCounts] = None) -> int:
+def num_flops_per_token(args: LlamaArgs, seq_len: int, counts: Optional[ParamCounts] = None) -> int:
     """Training FLOPs (forward + backward) per token, torchtitan / PaLM convention.
 
     ``6 * N + 12 * n_layers * n_heads * head_dim * seq_len`` where ``N`` is every *active*
