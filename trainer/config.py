@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Literal, Optional, get_args
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -48,6 +48,7 @@ __all__ = [
     "ProfilingConfig",
     "TrainConfig",
     "TrainingConfig",
+    "WandbMode",
     "compose_config",
     "register_configs",
     "to_train_config",
@@ -104,6 +105,10 @@ class CheckpointConfig:
     last_save_in_hf: bool = False  # also write the final weights as a HF folder <folder>/step-N-hf
     hf_dtype: str = "float32"  # dtype of the weights last_save_in_hf writes: float32 | bfloat16 | float16
     hf_max_shard_size: str = "5GB"  # largest safetensors file last_save_in_hf writes (5GB, 500MB, bytes)
+
+
+# metrics.wandb_mode's values (a plain str in the schema: OmegaConf has no Literal fields)
+WandbMode = Literal["online", "offline", "disabled"]
 
 
 @dataclass
@@ -351,7 +356,7 @@ def validate(cfg: TrainConfig) -> None:
 def _validate_operations(cfg: TrainConfig) -> None:
     """Trackers, collective timeouts and profiling."""
     if cfg.metrics.wandb_mode is not None:
-        check_choice(cfg.metrics.wandb_mode, ("online", "offline", "disabled"), "metrics.wandb_mode")
+        check_choice(cfg.metrics.wandb_mode, get_args(WandbMode), "metrics.wandb_mode")
     _positive(cfg.comm.init_timeout_s, "comm.init_timeout_s")
     _positive(cfg.comm.train_timeout_s, "comm.train_timeout_s")
     if cfg.comm.trace_buffer_size < 0:
