@@ -248,6 +248,7 @@ class LatentAllGatherAttention(AllGatherAttention):
         super().__init__(cp_mesh, load_balance=load_balance, attention_mask=attention_mask)
         self._attend_latent = torch.compiler.disable(self._attend_latent_eager)
 
+    # the latent core's call (``models.attention.LatentAttentionCore``), not the K/V core's it extends
     def forward(  # type: ignore[override]
         self,
         q: Tensor,

@@ -112,7 +112,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def __init__(
         self,
         params: Iterable[Any],
-        optimizer_class: type[torch.optim.Optimizer],
+        optimizer_class: Callable[..., torch.optim.Optimizer],  # a class, or a partial of one
         process_group: dist.ProcessGroup,
         *,
         assignment: str = "balanced",
@@ -238,6 +238,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ step
 
+    # torch's Optimizer.step is overloaded on the closure; one signature here
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]
         """(Optionally average gradients,) update owned parameters, then re-replicate all of them."""

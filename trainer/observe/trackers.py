@@ -163,6 +163,6 @@ def _read_config(path: str) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
     try:
-        return OmegaConf.to_container(OmegaConf.load(path), resolve=True)  # type: ignore[return-value]
+        return cast("dict[str, Any]", OmegaConf.to_container(OmegaConf.load(path), resolve=True))  # a mapping
     except (OSError, ValueError):
         return {}

@@ -196,6 +196,8 @@ class _Plan:
         self.rank = dist.get_rank(group) if group is not None else 0
         self.world = dist.get_world_size(group) if group is not None else 1
         self.local: list[_LocalParam] = []
+        # owner side, after the first step: (unit key, signature) -> where that piece sits in its unit
+        self.positions: Optional[dict[tuple[tuple[str, int], str], Positions]] = None
         mine: _Layout = []
         for name, p in named:
             shape = tuple(p.shape)
@@ -403,6 +405,7 @@ class Muon(torch.optim.Optimizer):
 
     # -- step -----------------------------------------------------------------------------------
 
+    # torch's Optimizer.step is overloaded on the closure; one signature here
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]
         loss = None
@@ -510,7 +513,7 @@ class Muon(torch.optim.Optimizer):
         """Owner side: where each piece sits in its unit. Contiguous pieces are known from their
         counts' order only when the piece is a range, so the positions travel once, at the first
         step, with the same exchange as the updates (int64)."""
-        if not hasattr(plan, "positions"):
+        if plan.positions is None:
             outgoing: list[list[Tensor]] = [[] for _ in range(plan.world)]
             for i, lp, _, up in plan.pieces:
                 if lp.primary:
@@ -530,8 +533,8 @@ class Muon(torch.optim.Optimizer):
                         received[offsets[primary] : offsets[primary] + n]
                     )
                     offsets[primary] += n
-            plan.positions = positions  # type: ignore[attr-defined]
-        return plan.positions  # type: ignore[attr-defined]
+            plan.positions = positions
+        return plan.positions
 
     def _apply(self, back: Tensor, plan: _Plan, groups: dict[int, dict[str, Any]]) -> None:
         offsets = [0] * plan.world
@@ -661,7 +664,7 @@ def build_muon(
     if shard_mesh is not None:
         # ns_dtype / adamw_kwargs configure the inner optimizer, they are no group hyperparameters
         inner = functools.partial(Muon, **kwargs)
-        return ShardedOptimizer(groups, inner, shard_mesh.get_group(), cost=muon_cost)  # type: ignore[arg-type]
+        return ShardedOptimizer(groups, inner, shard_mesh.get_group(), cost=muon_cost)
     group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
     return Muon(groups, group, **kwargs)
 
