@@ -64,10 +64,10 @@ class ParamCounts:
 
 
 class DecoderArgs(Protocol):
-    """The shape fields every family's args have (every family's args class has them; a new one needs
-    them too): what ``parallelisms/`` and the trainer read of any family's args. A structural type
-    rather than fields of ``ModelArgs``: fields declared on the base would come first in every family's
-    dataclass, reordering its Hydra schema and its saved config.yaml."""
+    """The shape fields every family's args have (a new family's too): what ``parallelisms/`` and the
+    trainer read of any family's args. A structural type rather than fields of ``ModelArgs``: fields
+    declared on the base would come first in every family's dataclass, reordering its Hydra schema and
+    its saved config.yaml."""
 
     @property
     def name(self) -> str: ...
