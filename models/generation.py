@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from models.attention import KVCacheCore, LatentAttentionCore, LatentKVCacheCore
-from models.spec import args_of
+from models.spec import args_of, decoder_args
 
 __all__ = ["generate", "kv_cache", "sample_next"]
 
@@ -76,7 +76,7 @@ def generate(
     so greedy decoding gives the same tokens either way.
     """
     device = next(model.parameters()).device
-    window = args_of(model).max_seq_len
+    window = decoder_args(args_of(model)).max_seq_len
     out = list(ids)
     if not use_cache:
         for _ in range(max_new_tokens):

@@ -281,11 +281,11 @@ class ModelSpec:
         dropped and nested dataclass fields (``rope_scaling``) rebuilt from their dicts."""
         return _from_dict(self.args_cls, fields)
 
-    def module_names(self, args: DecoderArgs) -> list[str]:
+    def module_names(self, args: ModelArgs) -> list[str]:
         """Every top-level unit in forward order, e.g. ``tok_embeddings, layers.0, ..., norm, output``."""
         return [
             *self.first_modules,
-            *(f"{self.blocks}.{i}" for i in range(args.n_layers)),
+            *(f"{self.blocks}.{i}" for i in range(decoder_args(args).n_layers)),
             *self.last_modules,
         ]
 
@@ -313,7 +313,7 @@ def expert_args(args: ModelArgs) -> ExpertArgs:
     return cast(ExpertArgs, args)
 
 
-def args_of(model: nn.Module) -> DecoderArgs:
+def args_of(model: nn.Module) -> ModelArgs:
     """The args ``model`` (a whole model or a pipeline stage of it) was built from: every family's
     model keeps them as ``model.args`` (``ModelSpec.build``)."""
-    return cast(DecoderArgs, model.args)
+    return cast(ModelArgs, model.args)

@@ -14,7 +14,7 @@ import math
 import torch
 
 from models.errors import ConfigError, check_choice
-from models.spec import DecoderArgs, ModelArgs, ModelSpec, decoder_args, expert_args
+from models.spec import ModelArgs, ModelSpec, decoder_args, expert_args
 from parallelisms.config import ParallelismConfig
 from parallelisms.parallel_dims import ParallelDims, cp_chunks, seq_len_divisor
 from parallelisms.pipeline_split import (
@@ -86,7 +86,7 @@ def validated_dims(
     if dims.pp > 1:
         validate_pp(
             spec,
-            decoder_args(model_args),
+            model_args,
             cfg,
             pp=dims.pp,
             local_batch_size=global_batch_size // dims.dp,
@@ -311,7 +311,7 @@ def validate_ep(
 
 def validate_pp(
     spec: ModelSpec,
-    args: DecoderArgs,
+    args: ModelArgs,
     cfg: ParallelismConfig,
     *,
     pp: int,
