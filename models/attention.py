@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional, Union, cast
 
 import torch
 import torch.nn.functional as F
@@ -39,12 +39,16 @@ from torch import Tensor, nn
 from models.common import repeat_kv
 from models.errors import ConfigError
 
+if TYPE_CHECKING:  # imported where used: CPU-only runs never load FlexAttention
+    from torch.nn.attention.flex_attention import BlockMask
+
 __all__ = [
     "ATTENTION_MASKS",
     "AttentionCore",
     "KVCacheCore",
     "LatentAttentionCore",
     "LatentKVCacheCore",
+    "Mask",
     "MaskCache",
     "MaskSpec",
     "attend",
@@ -54,9 +58,11 @@ __all__ = [
 ]
 
 ATTENTION_MASKS = ("causal", "block_causal")
+# A built mask: an additive float tensor (B|1, 1, Sq, Sk) for SDPA, or FlexAttention's BlockMask (CUDA)
+Mask = Union[Tensor, "BlockMask"]
 
 
-def validate_attention_mask(value: Any) -> None:
+def validate_attention_mask(value: object) -> None:
     """``model.attention_mask`` must be one of ``ATTENTION_MASKS``."""
     if value not in ATTENTION_MASKS:
         raise ConfigError(
@@ -94,7 +100,7 @@ class MaskSpec:
         mask.masked_fill_(~allowed, float("-inf"))
         return mask[:, None]  # (B|1, 1, Sq, Sk)
 
-    def block_mask(self, batch: int, heads: Optional[int] = None) -> Any:
+    def block_mask(self, batch: int, heads: Optional[int] = None) -> BlockMask:
         """A FlexAttention ``BlockMask`` evaluating the same rule block by block (CUDA)."""
         from torch.nn.attention.flex_attention import create_block_mask
 
@@ -128,7 +134,7 @@ def compiled_flex_attention() -> Callable[..., Tensor]:
 
 
 def attend(
-    q: Tensor, k: Tensor, v: Tensor, mask: Any, *, flex: Optional[Callable[..., Tensor]] = None
+    q: Tensor, k: Tensor, v: Tensor, mask: Optional[Mask], *, flex: Optional[Callable[..., Tensor]] = None
 ) -> Tensor:
     """Attention of q (B, Sq, nh, D) over k/v (B, Sk, nkv, D) -> (B, Sq, nh, D).
 
@@ -147,7 +153,8 @@ def attend(
     if mask is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, Sq, D)
     else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, nh, Sq, D)
+        dense = cast(Tensor, mask)  # a BlockMask comes with ``flex`` (above)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=dense)  # (B, nh, Sq, D)
     return out.transpose(1, 2)  # (B, Sq, nh, D)
 
 
@@ -162,9 +169,9 @@ class MaskCache:
     def __init__(self) -> None:
         self._key: Optional[tuple] = None
         self._positions: Optional[Tensor] = None
-        self._value: Any = None
+        self._value: Optional[Mask] = None
 
-    def get(self, positions: Optional[Tensor], key: tuple, build: Callable[[], Any]) -> Any:
+    def get(self, positions: Optional[Tensor], key: tuple, build: Callable[[], Mask]) -> Mask:
         full_key = (key, None if positions is None else positions._version)
         if self._value is not None and self._positions is positions and self._key == full_key:
             return self._value
@@ -192,7 +199,7 @@ class AttentionCore(nn.Module):
         B, S = q.shape[:2]
         use_flex = q.is_cuda
 
-        def build() -> Any:
+        def build() -> Mask:
             index = torch.arange(S, device=q.device)
             doc = document_ids(index, positions.to(q.device)).expand(B, S)
             spec = MaskSpec(index, index, doc, doc)
@@ -232,7 +239,13 @@ class KVCacheCore(nn.Module):
         B, Sn = k.shape[:2]
         if self.length + Sn > self.max_len:
             raise ValueError(f"KV cache of {self.max_len} positions is full; reset it and prefill again")
-        if self.k is None or self.k.shape[0] != B or self.k.dtype != k.dtype or self.k.device != k.device:
+        if (
+            self.k is None
+            or self.v is None  # set with k
+            or self.k.shape[0] != B
+            or self.k.dtype != k.dtype
+            or self.k.device != k.device
+        ):
             self.k = k.new_empty(B, self.max_len, *k.shape[2:])  # (B, L, nkv, D)
             self.v = v.new_empty(B, self.max_len, *v.shape[2:])
         self.k[:, self.length : self.length + Sn] = k

@@ -49,7 +49,7 @@ __all__ = [
 # Label value the loss skips (padding, document ends without a successor). The one definition.
 IGNORE_INDEX = -100
 
-CopyFn = Callable[[nn.Parameter, Tensor], None]
+CopyFn = Callable[[Tensor, Tensor], None]
 
 # The name components that wrapping a block adds to its parameters' names: torch.compile's
 # ``OptimizedModule`` (``_orig_mod``) and activation checkpointing's ``CheckpointWrapper``
@@ -173,7 +173,7 @@ def _yarn_inv_freq(inv_freq: Tensor, head_dim: int, theta: float, scaling: RopeS
         )
 
     low = max(math.floor(correction_dim(scaling.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(scaling.beta_slow)), head_dim - 1)
+    high: float = min(math.ceil(correction_dim(scaling.beta_slow)), head_dim - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp
     ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)  # (D/2,)
@@ -303,18 +303,18 @@ class ParamInit:
         self.seed = seed
         self.copy_fn = copy_fn if copy_fn is not None else _default_copy
 
-    def fill(self, name: str, param: nn.Parameter, fill: Callable[[Tensor, torch.Generator], None]) -> None:
+    def fill(self, name: str, param: Tensor, fill: Callable[[Tensor, torch.Generator], object]) -> None:
         """Draw ``param``'s full value with ``fill(tensor, generator)`` and write it."""
         gen = torch.Generator(device="cpu").manual_seed(param_seed(self.seed, name))
         full = torch.empty(param.shape, dtype=torch.float32, device="cpu")
         fill(full, gen)
         self.copy_fn(param, full)
 
-    def normal(self, name: str, param: nn.Parameter, std: float) -> None:
+    def normal(self, name: str, param: Tensor, std: float) -> None:
         """N(0, std^2)."""
         self.fill(name, param, lambda t, g: nn.init.normal_(t, mean=0.0, std=std, generator=g))
 
-    def trunc_normal(self, name: str, param: nn.Parameter, std: float, cutoff: float) -> None:
+    def trunc_normal(self, name: str, param: Tensor, std: float, cutoff: float) -> None:
         """N(0, std^2) truncated at ``cutoff`` standard deviations."""
         self.fill(
             name,
@@ -324,11 +324,11 @@ class ParamInit:
             ),
         )
 
-    def ones(self, name: str, param: nn.Parameter) -> None:
+    def ones(self, name: str, param: Tensor) -> None:
         """All ones (norm gains)."""
         self.fill(name, param, lambda t, g: t.fill_(1.0))
 
-    def zeros(self, name: str, param: nn.Parameter) -> None:
+    def zeros(self, name: str, param: Tensor) -> None:
         """All zeros (biases, e.g. MoE expert bias)."""
         self.fill(name, param, lambda t, g: t.zero_())
 
@@ -343,7 +343,7 @@ def param_seed(seed: int, name: str) -> int:
     return (zlib.crc32(name.encode("utf-8")) ^ (seed * 0x9E3779B1)) & 0xFFFFFFFF
 
 
-def _default_copy(param: nn.Parameter, full: Tensor) -> None:
+def _default_copy(param: Tensor, full: Tensor) -> None:
     param.copy_(full.to(param.device, param.dtype))
 
 

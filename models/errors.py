@@ -7,7 +7,6 @@ all raise it without breaking the dependency direction (models <- parallelisms <
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import Any
 
 __all__ = ["ConfigError", "check_choice"]
 
@@ -16,7 +15,7 @@ class ConfigError(ValueError):
     """Bad user input. The message names the offending value and how to fix it."""
 
 
-def check_choice(value: Any, allowed: Collection[Any], key: str) -> None:
+def check_choice(value: object, allowed: Collection[object], key: str) -> None:
     """Raise ``ConfigError`` unless ``value`` is one of ``allowed``; the one copy of the choice check."""
     if value not in allowed:
         raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}; set {key} to one of them.")

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import nn
 
 from models.attention import KVCacheCore, LatentAttentionCore, LatentKVCacheCore
+from models.spec import args_of, decoder_args
 
 __all__ = ["generate", "kv_cache", "sample_next"]
 
@@ -37,12 +38,12 @@ def sample_next(
 
 
 @contextlib.contextmanager
-def kv_cache(model: nn.Module, max_len: int) -> Iterator[list[nn.Module]]:
+def kv_cache(model: nn.Module, max_len: int) -> Iterator[list[Union[KVCacheCore, LatentKVCacheCore]]]:
     """Swap every attention core of ``model`` for a per-layer ``KVCacheCore`` (``LatentKVCacheCore``
     for multi-head latent attention: it caches the latents, not the expanded K/V); restore on exit."""
     attentions = [m for m in model.modules() if isinstance(getattr(m, "core", None), nn.Module)]
     saved = [m.core for m in attentions]
-    caches = [
+    caches: list[Union[KVCacheCore, LatentKVCacheCore]] = [
         LatentKVCacheCore(max_len) if isinstance(m.core, LatentAttentionCore) else KVCacheCore(max_len)
         for m in attentions
     ]
@@ -75,7 +76,7 @@ def generate(
     so greedy decoding gives the same tokens either way.
     """
     device = next(model.parameters()).device
-    window = model.args.max_seq_len
+    window = decoder_args(args_of(model)).max_seq_len
     out = list(ids)
     if not use_cache:
         for _ in range(max_new_tokens):

@@ -36,9 +36,9 @@ class, so a new family plugs in without touching any strategy:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, cast
 
 import torch
 from torch import nn
@@ -75,6 +75,84 @@ class ParamCounts:
     embedding: int  # token-embedding parameters (a lookup, not a matmul)
 
 
+class DecoderArgs(Protocol):
+    """The shape fields every family's args have (a new family's too): what ``parallelisms/`` and the
+    trainer read of any family's args. A structural type rather than fields of ``ModelArgs``: fields
+    declared on the base would come first in every family's dataclass, reordering its Hydra schema and
+    its saved config.yaml."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def family(self) -> str: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def dim(self) -> int: ...
+    @property
+    def n_layers(self) -> int: ...
+    @property
+    def n_heads(self) -> int: ...
+    @property
+    def kv_heads(self) -> int: ...  # key/value heads (grouped-query attention; n_heads without)
+    @property
+    def max_seq_len(self) -> int: ...
+
+
+class ExpertArgs(DecoderArgs, Protocol):
+    """The fields a mixture-of-experts family's args add (``ModelSpec.has_experts``), as expert
+    parallelism and its load balancer read them."""
+
+    @property
+    def num_experts(self) -> int: ...  # routed experts per MoE layer
+    @property
+    def aux_loss_coeff(self) -> float: ...  # auxiliary load-balancing loss weight (0: off)
+    @property
+    def grouped_mm(self) -> str: ...  # auto | on | off
+    def is_moe_layer(self, layer_id: int) -> bool: ...
+
+
+class MoELayer(Protocol):
+    """What expert parallelism and its load balancer (``parallelisms/expert_parallel.py``) use of a
+    family's routed mixture-of-experts module (``ModelSpec.moe_layers``)."""
+
+    # (rows sorted by expert, rows per expert, the stacked experts) -> rows; None: the local experts
+    dispatcher: Optional[Callable[[torch.Tensor, torch.Tensor, nn.Module], torch.Tensor]]
+    aux_grad_scale: Optional[float]  # weight of one forward's aux term per token (None: 1 per forward)
+    step_records: list[torch.Tensor]  # one (E + 2,) row per forward of the current step
+
+    def reset_stats(self) -> None: ...
+    def step_stats(self, skip: int = 0) -> torch.Tensor: ...
+    def update_bias(self, counts: torch.Tensor) -> None: ...
+
+
+class MTPModel(Protocol):
+    """What the trainer's multi-token-prediction hook (``trainer/observe/mtp.py``) uses of a model (or a
+    pipeline stage of it) whose family has ``mtp_depth(args) > 0``: the forwards' recorded (D, 2) MTP
+    losses and the weight and loss function of the MTP term in backward."""
+
+    mtp_records: list[torch.Tensor]
+    mtp_grad_scale: Optional[float]  # per token of the step (None: the forward's own tokens)
+    mtp_loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labels) -> summed CE
+
+    def reset_mtp_stats(self) -> None: ...
+
+
+class StackedExperts(nn.Module):
+    """Base class of a family's stacked routed experts (``ModelSpec.expert_modules``): every parameter
+    holds the E experts on dim 0, which expert parallelism shards; ``grad_scale`` multiplies the
+    weights' gradients (expert parallelism sets 1 / ep)."""
+
+    grad_scale: float
+
+
+class HFTensorReader(Protocol):
+    """Reads slices of a Hugging Face folder's tensors (``trainer/checkpoint/hf.py``): what an
+    adapter's ``read_slice`` gets, so that each rank reads only its shard."""
+
+    def read(self, hf_name: str, index: tuple[slice, ...]) -> torch.Tensor: ...  # tensor[index]
+
+
 class HFAdapter(Protocol):
     """Conversion between a family's args / tensor names and a Hugging Face architecture. The config
     side is one table per HF format, read and written by ``models/hf_config.py``."""
@@ -104,7 +182,9 @@ class HFAdapter(Protocol):
 
     def full_shape(self, name: str, hf_shapes: list[list[int]], args: Any) -> list[int]: ...
 
-    def read_slice(self, name: str, index: tuple[slice, ...], reader: Any, args: Any) -> torch.Tensor: ...
+    def read_slice(
+        self, name: str, index: tuple[slice, ...], reader: HFTensorReader, args: Any
+    ) -> torch.Tensor: ...
 
 
 def _untied(_args: Any) -> bool:
@@ -204,8 +284,8 @@ class ModelSpec:
     """A model family, as the rest of the stack sees it (see the module docstring)."""
 
     family: str
-    args_cls: type
-    model_cls: type
+    args_cls: type[ModelArgs]
+    model_cls: type[nn.Module]
     param_counts: Callable[[Any], ParamCounts]
     flops_per_token: Callable[[Any, int], int]
     tp_plan: dict[str, str]
@@ -214,8 +294,8 @@ class ModelSpec:
     blocks: str = "layers"
     first_modules: tuple[str, ...] = ("tok_embeddings",)
     last_modules: tuple[str, ...] = ("norm", "output")
-    moe_layers: Optional[Callable[[nn.Module], list[tuple[str, nn.Module]]]] = None
-    expert_modules: Optional[Callable[[nn.Module], list[nn.Module]]] = None
+    moe_layers: Optional[Callable[[nn.Module], Sequence[tuple[str, MoELayer]]]] = None
+    expert_modules: Optional[Callable[[nn.Module], Sequence[StackedExperts]]] = None
     ties_embeddings: Callable[[Any], bool] = _untied
     attention_mask: Callable[[Any], str] = _causal
     mtp_depth: Callable[[Any], int] = _no_mtp  # multi-token-prediction modules (0: none)
@@ -237,11 +317,11 @@ class ModelSpec:
         """Whether the family has mixture-of-experts layers (``moe_layers`` and ``expert_modules``)."""
         return self.moe_layers is not None
 
-    def num_experts(self, args: Any) -> int:
+    def num_experts(self, args: ModelArgs) -> int:
         """Routed experts per MoE layer; 0 for a dense family."""
-        return args.num_experts if self.has_experts else 0
+        return expert_args(args).num_experts if self.has_experts else 0
 
-    def build(self, args: Any) -> nn.Module:
+    def build(self, args: ModelArgs) -> nn.Module:
         """The model for ``args`` (call under ``torch.device("meta")`` to allocate nothing)."""
         return self.model_cls(args)
 
@@ -254,16 +334,16 @@ class ModelSpec:
         """Swap one block (e.g. for its checkpoint-wrapped or compiled version)."""
         getattr(model, self.blocks).register_module(key, module)
 
-    def make_args(self, fields: dict[str, Any]) -> Any:
+    def make_args(self, fields: dict[str, Any]) -> ModelArgs:
         """``args_cls`` from a plain dict (e.g. a checkpoint marker or ``asdict``); unknown keys are
         dropped and nested dataclass fields (``rope_scaling``) rebuilt from their dicts."""
         return _from_dict(self.args_cls, fields)
 
-    def module_names(self, args: Any) -> list[str]:
+    def module_names(self, args: ModelArgs) -> list[str]:
         """Every top-level unit in forward order, e.g. ``tok_embeddings, layers.0, ..., norm, output``."""
         return [
             *self.first_modules,
-            *(f"{self.blocks}.{i}" for i in range(args.n_layers)),
+            *(f"{self.blocks}.{i}" for i in range(decoder_args(args).n_layers)),
             *self.last_modules,
         ]
 
@@ -279,3 +359,19 @@ def _from_dict(cls: type, values: dict[str, Any]) -> Any:
             value = _from_dict(type(default), value)
         kwargs[f.name] = value
     return cls(**kwargs)
+
+
+def decoder_args(args: ModelArgs) -> DecoderArgs:
+    """``args`` (a family's args class: e.g. a config's ``model``) with the shape fields every family has."""
+    return cast(DecoderArgs, args)
+
+
+def expert_args(args: ModelArgs) -> ExpertArgs:
+    """``args`` of a family with experts (``ModelSpec.has_experts``) with the fields those families add."""
+    return cast(ExpertArgs, args)
+
+
+def args_of(model: nn.Module) -> ModelArgs:
+    """The args ``model`` (a whole model or a pipeline stage of it) was built from: every family's
+    model keeps them as ``model.args`` (``ModelSpec.build``)."""
+    return cast(ModelArgs, model.args)

@@ -43,6 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from models.attention import (
     AttentionCore,
     LatentAttentionCore,
+    Mask,
     MaskCache,
     MaskSpec,
     attend,
@@ -66,7 +67,9 @@ __all__ = [
 # --------------------------------------------------------------------------------------------
 
 
-def shard_indices(seq_len: int, cp: int, rank: int, load_balance: str, device: Any = None) -> Tensor:
+def shard_indices(
+    seq_len: int, cp: int, rank: int, load_balance: str, device: Optional[torch.device] = None
+) -> Tensor:
     """True token indices (S / cp,) that cp rank ``rank`` holds, in its local order.
 
     ``headtail``: chunks ``rank`` and ``2cp-1-rank`` of 2cp equal chunks; ``none``: chunk ``rank``
@@ -129,7 +132,7 @@ class _GatherSequence(torch.autograd.Function):
     """All-gather along a new leading rank dim; backward reduce-scatters (sums) the gradient."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup) -> Tensor:
         ctx.group = group
         world = dist.get_world_size(group)
         out = x.new_empty((world * x.shape[0], *x.shape[1:]))  # (cp * B, ...): rank-major blocks
@@ -137,7 +140,7 @@ class _GatherSequence(torch.autograd.Function):
         return out.view(world, *x.shape)  # (cp, B, ...)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
         # Every rank's queries contributed to every owner's keys: sum the partial dK / dV and
         # give each owner its own slice.
         out = grad.new_empty(grad.shape[1:])
@@ -197,13 +200,15 @@ class AllGatherAttention(nn.Module):
         block = self.attention_mask == "block_causal" and positions is not None
         key = (B, S_local, q.dtype, q.device, use_flex, block)
         mask = self.cache.get(
-            positions if block else None, key, lambda: self._build_mask(q, positions, block)
+            positions if block else None, key, lambda: self._build_mask(q, positions if block else None)
         )
         if use_flex and self.flex is None:
             self.flex = compiled_flex_attention()
         return attend(q, k_all, v_all, mask, flex=self.flex if use_flex else None)
 
-    def _build_mask(self, q: Tensor, positions: Optional[Tensor], block: bool) -> Any:
+    def _build_mask(self, q: Tensor, block_positions: Optional[Tensor]) -> Mask:
+        """The mask of the local queries over the gathered keys: causal, and within each packed document
+        when ``block_positions`` (the token positions of a block-causal mask) are given."""
         B, S_local = q.shape[:2]
         S = S_local * self.cp
         device = q.device
@@ -212,8 +217,8 @@ class AllGatherAttention(nn.Module):
             [shard_indices(S, self.cp, r, self.load_balance, device) for r in range(self.cp)]
         )  # (S,) keys in gathered (rank) order
         spec = MaskSpec(q_index, k_index)
-        if block:
-            pos = positions.to(device)
+        if block_positions is not None:
+            pos = block_positions.to(device)
             pos = (pos[None] if pos.dim() == 1 else pos).expand(B, S_local).contiguous()
             with torch.no_grad():
                 all_pos = gather_sequence(pos, self.group)  # (B, S)
@@ -243,6 +248,7 @@ class LatentAllGatherAttention(AllGatherAttention):
         super().__init__(cp_mesh, load_balance=load_balance, attention_mask=attention_mask)
         self._attend_latent = torch.compiler.disable(self._attend_latent_eager)
 
+    # the latent core's call (``models.attention.LatentAttentionCore``), not the K/V core's it extends
     def forward(  # type: ignore[override]
         self,
         q: Tensor,

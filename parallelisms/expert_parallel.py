@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
 from models.errors import ConfigError
-from models.spec import ModelSpec
+from models.spec import ExpertArgs, ModelArgs, ModelSpec, expert_args
 from parallelisms.parallel_dims import ParallelDims
 
 __all__ = ["AllToAllDispatcher", "LoadBalancer", "apply_ep"]
@@ -141,6 +141,8 @@ def apply_ep(model: nn.Module, spec: ModelSpec, dims: ParallelDims) -> nn.Module
     the all_to_all dispatcher in each MoE module (step 4 of ``parallelize``)."""
     ep_mesh = dims.get_mesh("ep")
     ep = ep_mesh.size()
+    # validate_ep lets ep > 1 through for mixture-of-experts families only
+    assert spec.expert_modules is not None and spec.moe_layers is not None
     for experts in spec.expert_modules(model):
         for name, param in list(experts.named_parameters(recurse=False)):
             if param.shape[0] % ep != 0:
@@ -183,11 +185,12 @@ class LoadBalancer:
         parts: list[nn.Module],
         spec: ModelSpec,
         dims: ParallelDims,
-        args: Any,
+        args: ExpertArgs,
         *,
         tokens_per_step: int,
         forwards_per_step: int,
     ) -> None:
+        assert spec.moe_layers is not None  # ``build`` makes a balancer for MoE families only
         self.layers = [(name, moe) for part in parts for name, moe in spec.moe_layers(part)]
         self.num_experts = args.num_experts
         self.n_layers = args.n_layers
@@ -209,7 +212,7 @@ class LoadBalancer:
         parts: list[nn.Module],
         spec: ModelSpec,
         dims: ParallelDims,
-        args: Any,
+        args: ModelArgs,
         *,
         tokens_per_step: int,
         forwards_per_step: int,
@@ -218,7 +221,12 @@ class LoadBalancer:
         if not spec.has_experts:
             return None
         return cls(
-            parts, spec, dims, args, tokens_per_step=tokens_per_step, forwards_per_step=forwards_per_step
+            parts,
+            spec,
+            dims,
+            expert_args(args),
+            tokens_per_step=tokens_per_step,
+            forwards_per_step=forwards_per_step,
         )
 
     def begin_step(self, _state: object) -> None:

@@ -51,6 +51,7 @@ def apply_fsdp(
     for i, block in enumerate(blocks):
         reshard = reshard_after_forward and i < len(blocks) - 1
         if expert_mesh is not None:
+            assert spec.expert_modules is not None  # an expert mesh exists only for an MoE family
             for experts in spec.expert_modules(block):
                 fully_shard(
                     experts,

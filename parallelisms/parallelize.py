@@ -27,6 +27,7 @@ each of them). Every strategy takes the model's ``ModelSpec``, never a concrete 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -185,7 +186,7 @@ def parallelize_pipeline(
     micro_batch_size: int,
     local_batch_size: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    step_context: Callable[[], object],
+    step_context: Callable[[], AbstractContextManager[object]],
 ) -> Pipeline:
     """Step 1 (pp > 1): split ``model`` (on meta) into this rank's stages, ``parallelize_part``
     each (without DDP wrappers), and build the schedule. ``local_batch_size`` = global batch /
@@ -216,12 +217,8 @@ def model_parts(model: nn.Module | Pipeline) -> list[nn.Module]:
     ``DistributedDataParallel``) stripped. The one place that knows the wrappers: the trainer and
     the checkpointer work on these parts (FSDP / TP / compile / checkpoint-wrapped blocks stay
     inside them; ``get_model_state_dict`` names them without those prefixes)."""
-    import sys
-
     from parallelisms.ddp import BucketedDDP
 
-    pipelining = sys.modules.get("parallelisms.pipeline_parallel")  # loaded whenever a Pipeline exists
-    is_pipeline = pipelining is not None and isinstance(model, pipelining.Pipeline)
-    parts = list(model.model_parts) if is_pipeline else [model]
+    parts = [model] if isinstance(model, nn.Module) else list(model.model_parts)  # a Pipeline is no Module
     ddp_types = (BucketedDDP, torch.nn.parallel.DistributedDataParallel)
     return [part.module if isinstance(part, ddp_types) else part for part in parts]

@@ -33,7 +33,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as _schedules
 
 from models.errors import ConfigError
-from models.spec import ModelSpec
+from models.spec import ModelSpec, args_of
 from parallelisms.config import ParallelismConfig
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.pipeline_split import (
@@ -285,10 +285,11 @@ def _all_reduce_mean_grads(part: nn.Module, group: dist.ProcessGroup) -> None:
     params = [p for p in part.parameters() if p.requires_grad]
     if world == 1 or not params:
         return
+    grads: list[Tensor] = []
     for p in params:  # every rank must send the same layout
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in params]
+        grads.append(p.grad)
     flat = _flatten_dense_tensors(grads)
     dist.all_reduce(flat, group=group)
     flat.div_(world)
@@ -320,7 +321,7 @@ def apply_pp(
     schedule = _canonical_schedule(cfg.pp_schedule)
     v = stages_per_rank(cfg)
     num_stages = dims.pp * v
-    names = stage_names(spec, model.args, cfg, num_stages)
+    names = stage_names(spec, args_of(model), cfg, num_stages)
     style = "v" if schedule_kind(schedule) == "v" else "loop"
     stage_ids = stage_ids_of_rank(pp_mesh.get_local_rank(), dims.pp, v, style)
     parts = [parallelize_part(_build_part(model, spec, names[s])) for s in stage_ids]

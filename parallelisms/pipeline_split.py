@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Optional
 
 from models.errors import ConfigError
-from models.spec import ModelSpec
+from models.spec import ModelArgs, ModelSpec, decoder_args
 from parallelisms.config import ParallelismConfig
 
 __all__ = [
@@ -117,10 +117,11 @@ def stage_module_names(
     return names
 
 
-def stage_names(spec: ModelSpec, args: object, cfg: ParallelismConfig, num_stages: int) -> list[list[str]]:
+def stage_names(spec: ModelSpec, args: ModelArgs, cfg: ParallelismConfig, num_stages: int) -> list[list[str]]:
     """The configured split: ``pp_module_names`` if set (checked), else ``stage_module_names``."""
+    n_layers = decoder_args(args).n_layers
     if cfg.pp_module_names is None:
-        return stage_module_names(spec, args.n_layers, num_stages, cfg.pp_layers_per_stage)
+        return stage_module_names(spec, n_layers, num_stages, cfg.pp_layers_per_stage)
     names = [list(stage) for stage in cfg.pp_module_names]
     canonical = spec.module_names(args)
     flat = [n for stage in names for n in stage]
@@ -128,7 +129,7 @@ def stage_names(spec: ModelSpec, args: object, cfg: ParallelismConfig, num_stage
         raise ConfigError(
             f"parallelism.pp_module_names must be {num_stages} non-empty lists (pp x pp_stages_per_rank) "
             f"that together list, in order, {canonical[0]!r}, '{spec.blocks}.0' ... "
-            f"'{spec.blocks}.{args.n_layers - 1}', {', '.join(repr(m) for m in spec.last_modules)} exactly "
+            f"'{spec.blocks}.{n_layers - 1}', {', '.join(repr(m) for m in spec.last_modules)} exactly "
             f"once; got {names}. Set it to null for the balanced default."
         )
     return names

@@ -112,7 +112,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def __init__(
         self,
         params: Iterable[Any],
-        optimizer_class: type[torch.optim.Optimizer],
+        optimizer_class: Callable[..., torch.optim.Optimizer],  # a class, or a partial of one
         process_group: dist.ProcessGroup,
         *,
         assignment: str = "balanced",
@@ -223,19 +223,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # ``state`` is the inner optimizer's dict: one source of truth, and it survives the inner
     # optimizer's load_state_dict replacing its dict. Optimizer.__init__ assigns an empty
     # defaultdict before the inner optimizer exists; that assignment is dropped.
-    @property  # type: ignore[override]
+    @property
     def state(self) -> Any:
-        if self.__dict__.get("_inner") is None:
+        inner: Optional[torch.optim.Optimizer] = self.__dict__.get("_inner")
+        if inner is None:
             return {}
-        return self._inner.state
+        return inner.state
 
     @state.setter
     def state(self, value: Any) -> None:
-        if self.__dict__.get("_inner") is not None:
-            self._inner.state = value
+        inner: Optional[torch.optim.Optimizer] = self.__dict__.get("_inner")
+        if inner is not None:
+            inner.state = value
 
     # ------------------------------------------------------------------ step
 
+    # torch's Optimizer.step is overloaded on the closure; one signature here
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]
         """(Optionally average gradients,) update owned parameters, then re-replicate all of them."""

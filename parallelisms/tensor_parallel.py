@@ -99,7 +99,13 @@ class ReplicateParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return distribute_module(
-            module, device_mesh, self._replicate_params, self._prepare_input, self._prepare_output
+            module,
+            device_mesh,
+            self._replicate_params,
+            # torch annotates input_fn as returning None, yet installs it as a forward pre-hook and
+            # uses the inputs it returns (as its own parallel styles do)
+            self._prepare_input,  # type: ignore[arg-type]
+            self._prepare_output,
         )
 
 
@@ -107,12 +113,12 @@ class _AllReduceGrad(torch.autograd.Function):
     """Identity forward; backward all-reduces the gradient over the tp group (Megatron's f)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
         ctx.group = group
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
@@ -276,7 +282,8 @@ def keep_gradients_sharded(model: nn.Module) -> None:
 def _reshard_replicated_grad(param: torch.Tensor) -> None:
     grad = param.grad
     if (
-        isinstance(grad, DTensor)
+        isinstance(param, DTensor)  # true: the hook is registered on DTensor parameters only
+        and isinstance(grad, DTensor)
         and grad.placements != param.placements
         and all(isinstance(pl, Replicate) for pl in grad.placements)
     ):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Union
+from typing import Union, cast
 
 import torch
 import torch.distributed as dist
@@ -73,7 +73,9 @@ def clip_grad_norm_(
         groups.setdefault(key, []).append(p)
     norms = []
     for key in sorted(groups, key=str):
-        norm = torch.nn.utils.get_total_norm([p.grad for p in groups[key]], 2.0, False, foreach)
+        norm = torch.nn.utils.get_total_norm(
+            [p.grad for p in groups[key] if p.grad is not None], 2.0, False, foreach
+        )
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if not norms:
         total_norm = torch.zeros(())
@@ -104,10 +106,11 @@ def local_positions(p: torch.Tensor) -> Positions:
     the strided shards of FSDP over TP). Muon finds its pieces with it, QK-clip its q/k rows."""
     if not hasattr(p, "placements"):
         return slice(0, p.numel())
-    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
-    full = torch.arange(math.prod(p.shape), dtype=torch.int64, device=p.to_local().device).view(p.shape)
-    idx = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local().reshape(-1)
+    dp = cast(DTensor, p)  # only a DTensor has placements
+    full = torch.arange(math.prod(dp.shape), dtype=torch.int64, device=dp.to_local().device).view(dp.shape)
+    idx = distribute_tensor(full, dp.device_mesh, dp.placements, src_data_rank=None).to_local().reshape(-1)
     return compress_positions(idx.cpu())
 
 

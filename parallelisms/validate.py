@@ -10,12 +10,11 @@ the value and the fix. The strategy files apply a layout; they do not check it.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
 from models.errors import ConfigError, check_choice
-from models.spec import ModelSpec
+from models.spec import ModelArgs, ModelSpec, decoder_args, expert_args
 from parallelisms.config import ParallelismConfig
 from parallelisms.parallel_dims import ParallelDims, cp_chunks, seq_len_divisor
 from parallelisms.pipeline_split import (
@@ -51,7 +50,7 @@ def validated_dims(
     world_size: int,
     *,
     spec: ModelSpec,
-    model_args: Any,
+    model_args: ModelArgs,
     seq_len: int,
     global_batch_size: int,
     micro_batch_size: int,
@@ -141,7 +140,7 @@ def validate_options(dims: ParallelDims, cfg: ParallelismConfig, *, compile: boo
 
 
 def validate_model(
-    dims: ParallelDims, spec: ModelSpec, args: Any, *, seq_len: int, sequence_parallel: bool
+    dims: ParallelDims, spec: ModelSpec, args: ModelArgs, *, seq_len: int, sequence_parallel: bool
 ) -> None:
     """Model- and sequence-dependent checks (head counts, layers, sequence length, experts)."""
     if dims.tp > 1:
@@ -156,10 +155,11 @@ def validate_model(
                 f"training.seq_len={seq_len} is not divisible by parallelism.tp={dims.tp}, which "
                 f"sequence parallelism needs; change seq_len or set parallelism.sequence_parallel=false."
             )
-    if dims.pp > args.n_layers:
+    n_layers = decoder_args(args).n_layers
+    if dims.pp > n_layers:
         raise ConfigError(
-            f"parallelism.pp={dims.pp} exceeds model.n_layers={args.n_layers}: every pipeline stage needs "
-            f"at least one block; use pp <= {args.n_layers}."
+            f"parallelism.pp={dims.pp} exceeds model.n_layers={n_layers}: every pipeline stage needs "
+            f"at least one block; use pp <= {n_layers}."
         )
     if dims.ep > 1 and spec.num_experts(args) < 1:
         raise ConfigError(
@@ -266,7 +266,9 @@ def validate_cp(
             )
 
 
-def validate_ep(spec: ModelSpec, args: Any, dims: ParallelDims, *, compile: bool, device_type: str) -> None:
+def validate_ep(
+    spec: ModelSpec, args: ModelArgs, dims: ParallelDims, *, compile: bool, device_type: str
+) -> None:
     """Expert counts and grouped-mm override against the layout and device (``ConfigError``)."""
     num_experts = spec.num_experts(args)
     if dims.ep > 1:
@@ -290,7 +292,7 @@ def validate_ep(spec: ModelSpec, args: Any, dims: ParallelDims, *, compile: bool
                 f"training.compile=true with parallelism.ep={dims.ep} is not supported yet (the all_to_all "
                 f"splits are synchronised to the host inside each block); set training.compile=false."
             )
-    mode = args.grouped_mm if spec.has_experts else "auto"
+    mode = expert_args(args).grouped_mm if spec.has_experts else "auto"
     if mode == "on":
         if not hasattr(torch, "_grouped_mm"):
             raise ConfigError(
@@ -309,7 +311,7 @@ def validate_ep(spec: ModelSpec, args: Any, dims: ParallelDims, *, compile: bool
 
 def validate_pp(
     spec: ModelSpec,
-    args: object,
+    args: ModelArgs,
     cfg: ParallelismConfig,
     *,
     pp: int,

@@ -15,14 +15,14 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Literal, Optional, get_args
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from models import MODEL_SPECS, get_spec
 from models.errors import ConfigError, check_choice
-from models.spec import ModelArgs
+from models.spec import ModelArgs, decoder_args
 from parallelisms.config import DDPConfig, FSDPConfig, ParallelismConfig
 from parallelisms.utils import DTYPES
 from trainer.checkpoint.hf import parse_size
@@ -48,6 +48,7 @@ __all__ = [
     "ProfilingConfig",
     "TrainConfig",
     "TrainingConfig",
+    "WandbMode",
     "compose_config",
     "register_configs",
     "to_train_config",
@@ -104,6 +105,10 @@ class CheckpointConfig:
     last_save_in_hf: bool = False  # also write the final weights as a HF folder <folder>/step-N-hf
     hf_dtype: str = "float32"  # dtype of the weights last_save_in_hf writes: float32 | bfloat16 | float16
     hf_max_shard_size: str = "5GB"  # largest safetensors file last_save_in_hf writes (5GB, 500MB, bytes)
+
+
+# metrics.wandb_mode's values (a plain str in the schema: OmegaConf has no Literal fields)
+WandbMode = Literal["online", "offline", "disabled"]
 
 
 @dataclass
@@ -307,7 +312,7 @@ def validate(cfg: TrainConfig) -> None:
     """Cross-field checks that need neither the world size nor the mesh. Every parallelism
     option is checked by ``parallelisms.validate.validated_dims`` (one place, before any process group)."""
     validate_model(cfg.model)
-    _validate_training(cfg.training, cfg.model.max_seq_len)
+    _validate_training(cfg.training, decoder_args(cfg.model).max_seq_len)
     check_choice(cfg.metrics.memory_check, ("error", "warn", "off"), "metrics.memory_check")
     if cfg.metrics.memory_ledger and cfg.training.compile:
         raise ConfigError(
@@ -351,7 +356,7 @@ def validate(cfg: TrainConfig) -> None:
 def _validate_operations(cfg: TrainConfig) -> None:
     """Trackers, collective timeouts and profiling."""
     if cfg.metrics.wandb_mode is not None:
-        check_choice(cfg.metrics.wandb_mode, ("online", "offline", "disabled"), "metrics.wandb_mode")
+        check_choice(cfg.metrics.wandb_mode, get_args(WandbMode), "metrics.wandb_mode")
     _positive(cfg.comm.init_timeout_s, "comm.init_timeout_s")
     _positive(cfg.comm.train_timeout_s, "comm.train_timeout_s")
     if cfg.comm.trace_buffer_size < 0:
@@ -491,10 +496,11 @@ def to_train_config(dcfg: DictConfig | dict[str, Any]) -> TrainConfig:
     """Convert a composed Hydra config into typed dataclasses and validate it."""
     # A plain copy: Hydra's ``+key=value`` composes with struct mode off on that node, a flag the
     # merge below would inherit, letting an unknown key through; plain values merge strictly.
-    dcfg = OmegaConf.create(
+    plain = OmegaConf.create(
         OmegaConf.to_container(dcfg, resolve=False) if isinstance(dcfg, DictConfig) else dcfg
     )
-    merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), _with_typed_model(dcfg))
+    assert isinstance(plain, DictConfig)  # created from a mapping
+    merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), _with_typed_model(plain))
     missing = sorted(OmegaConf.missing_keys(merged))
     if missing:
         raise ConfigError(
@@ -526,7 +532,7 @@ def config_error(err: Exception) -> ConfigError:
     from hydra.errors import MissingConfigException, OverrideParseException
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-    if isinstance(err, MissingConfigException) and "/" in (err.missing_cfg_file or ""):
+    if isinstance(err, MissingConfigException) and err.missing_cfg_file and "/" in err.missing_cfg_file:
         group, name = err.missing_cfg_file.rsplit("/", 1)
         options = [o for o in err.options or [] if not o.startswith("base_")]  # not the schemas
         return ConfigError(

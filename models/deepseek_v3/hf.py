@@ -43,6 +43,7 @@ from models.hf_config import (
 )
 from models.hf_tensors import LLAMA_HF_TOP_NAMES, finish_state_from_hf
 from models.moe.hf import routing_rows
+from models.spec import HFTensorReader
 
 __all__ = ["DEEPSEEK_V3_HF_FORMAT", "DeepSeekV3HF"]
 
@@ -188,7 +189,9 @@ class DeepSeekV3HF:
             return [len(hf_shapes), *hf_shapes[0]]
         return hf_shapes[0]
 
-    def read_slice(self, name: str, index: tuple[slice, ...], reader: Any, args: DeepSeekV3Args) -> Tensor:
+    def read_slice(
+        self, name: str, index: tuple[slice, ...], reader: HFTensorReader, args: DeepSeekV3Args
+    ) -> Tensor:
         hf_names = self.hf_names_of(name, args)
         if ".moe.experts." in name:
             experts = range(args.num_experts)[index[0]]

@@ -58,14 +58,14 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.attention import LatentAttentionCore
-from models.common import IGNORE_INDEX, ParamInit, RMSNorm, apply_rotary_emb, yarn_softmax_scale
+from models.common import IGNORE_INDEX, CopyFn, ParamInit, RMSNorm, apply_rotary_emb, yarn_softmax_scale
 from models.errors import ConfigError
 from models.llama.model import _positive_int, rope_rows
 from models.moe.model import TP_PLAN as MOE_TP_PLAN
@@ -245,7 +245,7 @@ class MLAttention(nn.Module):
 class DeepSeekV3Block(MoEBlock):
     """The MoE family's block with multi-head latent attention."""
 
-    def build_attention(self, args: Any) -> nn.Module:
+    def build_attention(self, args: Any) -> MLAttention:
         return MLAttention(args)
 
 
@@ -366,6 +366,8 @@ class DeepSeekV3Transformer(MoETransformer):
     """The MoE decoder with MLA blocks and optional MTP modules (pipeline-stage friendly: the MTP
     modules need the embedding, the final norm and the head, so they run only where all are present)."""
 
+    args: DeepSeekV3Args
+
     def __init__(self, args: DeepSeekV3Args) -> None:
         super().__init__(args)
         self.mtp: Optional[MTPModules] = (
@@ -390,12 +392,14 @@ class DeepSeekV3Transformer(MoETransformer):
             attention.core = cores[0].core
 
     @torch.no_grad()
-    def init_weights(self, seed: int = 0, copy_fn: Any = None, *, init: Optional[ParamInit] = None) -> None:
+    def init_weights(
+        self, seed: int = 0, copy_fn: Optional[CopyFn] = None, *, init: Optional[ParamInit] = None
+    ) -> None:
         init = init if init is not None else ParamInit(seed, copy_fn)
         super().init_weights(init=init)
         if self.mtp is not None:
             for k, module in self.mtp.items():
-                module.init_weights(init, f"mtp.{k}", self.args.init_std)
+                cast(MTPModule, module).init_weights(init, f"mtp.{k}", self.args.init_std)
         self.mtp_records = []
 
     def forward(
@@ -410,7 +414,8 @@ class DeepSeekV3Transformer(MoETransformer):
         ``mtp_inputs`` / ``mtp_labels`` (B, S, D): per depth k, the id of token i+k and the target
         (token i+k+1 or ``IGNORE_INDEX``) of position i; built by the caller on the whole sequence
         (before any split along it, with document boundaries applied), from ``tokens`` when None."""
-        if self.mtp is None or self.tok_embeddings is None or self.output is None:
+        norm, output = self.norm, self.output
+        if self.mtp is None or self.tok_embeddings is None or norm is None or output is None:
             return super().forward(tokens, positions)
         B, S = tokens.shape
         if S > self.args.max_seq_len:
@@ -419,9 +424,9 @@ class DeepSeekV3Transformer(MoETransformer):
                 "raise model.max_seq_len or lower training.seq_len."
             )
         train_mtp = torch.is_grad_enabled()
-        if train_mtp and mtp_inputs is None:
-            mtp_inputs, mtp_labels = shifted_tokens(tokens, self.args.mtp_depth)
         if train_mtp:  # one embedding call for the window and the D shifted windows (B, S, D) -> (D*B, S)
+            if mtp_inputs is None:
+                mtp_inputs, mtp_labels = shifted_tokens(tokens, self.args.mtp_depth)
             ids = torch.cat([tokens, mtp_inputs.movedim(-1, 0).flatten(0, 1)])
             h, *embs = self.tok_embeddings(ids).split(B)  # (B, S, H) each (S / tp under sequence parallel)
         else:
@@ -435,7 +440,7 @@ class DeepSeekV3Transformer(MoETransformer):
                 mtp_labels,
                 rope_cache=self.rope_cache,
                 positions=positions,
-                head=lambda x: self.output(self.norm(x)),
+                head=lambda x: output(norm(x)),
                 loss_fn=self.mtp_loss_fn,
             )  # (D, 2)
             if not _recomputing():
@@ -445,7 +450,7 @@ class DeepSeekV3Transformer(MoETransformer):
             scale = self.mtp_grad_scale if self.mtp_grad_scale is not None else 1.0 / tokens.numel()
             weight = self.args.mtp_loss_weight / self.args.mtp_depth * scale
             h = AddAuxGrad.apply(h, stats[:, 0].sum() * weight)  # h unchanged; backward adds d(MTP loss)
-        return self.output(self.norm(h))  # (B, S, V)
+        return output(norm(h))  # (B, S, V)
 
     def reset_mtp_stats(self) -> None:
         """Forget the recorded MTP losses (start of an optimizer step)."""

@@ -20,6 +20,7 @@ from models.hf_config import (
 )
 from models.hf_tensors import LLAMA_HF_LAYER_NAMES, LLAMA_HF_TOP_NAMES
 from models.llama.model import LlamaArgs
+from models.spec import HFTensorReader
 
 __all__ = ["LLAMA_HF_FORMAT", "LlamaHF"]
 
@@ -102,7 +103,9 @@ class LlamaHF:
         """Our full shape of ``name`` given the shapes of its HF tensors (one, unchanged)."""
         return hf_shapes[0]
 
-    def read_slice(self, name: str, index: tuple[slice, ...], reader: Any, args: Any = None) -> Tensor:
+    def read_slice(
+        self, name: str, index: tuple[slice, ...], reader: HFTensorReader, args: Any = None
+    ) -> Tensor:
         """The ``index`` slice of our ``name``, read from the HF files through ``reader.read``."""
         return reader.read(self.hf_names_of(name)[0], index)
 

@@ -38,7 +38,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Optional, Protocol, Union, cast
 
 import torch
 import torch.nn.functional as F
@@ -164,7 +164,7 @@ class LlamaArgs(ModelArgs):
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
 
-def _positive_int(value: Any, key: str, alternative: str = "") -> None:
+def _positive_int(value: object, key: str, alternative: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(
             f"{key}={value!r} must be a positive integer{' ' + alternative if alternative else ''}."
@@ -306,6 +306,12 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))  # (B, S, H)
 
 
+class Block(Protocol):
+    """What ``Transformer`` calls on each of its blocks beyond ``forward`` (``build_block``'s modules)."""
+
+    def init_weights(self, init: ParamInit, prefix: str, init_std: float) -> None: ...
+
+
 class Transformer(nn.Module):
     """Llama decoder: embedding -> ``n_layers`` blocks -> RMSNorm -> vocabulary projection.
 
@@ -313,6 +319,8 @@ class Transformer(nn.Module):
     ``output`` may be set to None and entries of ``layers`` deleted (keys stay the global
     layer indices, e.g. ``{"2", "3"}``).
     """
+
+    rope_cache: Tensor  # a non-persistent buffer (registered in __init__)
 
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
@@ -410,7 +418,7 @@ class Transformer(nn.Module):
         args = self.args
         head_std = args.dim**-0.5
 
-        def embed_fill(name: str, param: nn.Parameter) -> None:
+        def embed_fill(name: str, param: Tensor) -> None:
             if args.tie_embeddings:
                 init.trunc_normal(name, param, head_std, 3.0)
             else:
@@ -419,7 +427,7 @@ class Transformer(nn.Module):
         if self.tok_embeddings is not None:
             embed_fill("tok_embeddings.weight", self.tok_embeddings.weight)
         for layer_id, block in self.layers.items():
-            block.init_weights(init, f"layers.{layer_id}", args.init_std)
+            cast(Block, block).init_weights(init, f"layers.{layer_id}", args.init_std)
         if self.norm is not None:
             self.norm.init_weights(init, "norm")
         if self.output is not None:
@@ -462,7 +470,7 @@ def param_counts(args: LlamaArgs) -> ParamCounts:
     return ParamCounts(total=total, active=total, embedding=embedding)
 
 
-def num_flops_per_token(args: Any, seq_len: int, counts: Optional[ParamCounts] = None) -> int:
+def num_flops_per_token(args: LlamaArgs, seq_len: int, counts: Optional[ParamCounts] = None) -> int:
     """Training FLOPs (forward + backward) per token, torchtitan / PaLM convention.
 
     ``6 * N + 12 * n_layers * n_heads * head_dim * seq_len`` where ``N`` is every *active*

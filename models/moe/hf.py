@@ -27,6 +27,7 @@ from models.hf_config import (
 )
 from models.hf_tensors import LLAMA_HF_LAYER_NAMES, LLAMA_HF_TOP_NAMES, finish_state_from_hf
 from models.moe.model import MoEArgs, MoETransformer
+from models.spec import HFTensorReader
 
 __all__ = ["MIXTRAL_HF_FORMAT", "QWEN3_MOE_HF_FORMAT", "MoEHF", "routing_rows"]
 
@@ -227,7 +228,7 @@ class MoEHF:
             return [len(hf_shapes), *hf_shapes[0]]
         return hf_shapes[0]
 
-    def read_slice(self, name: str, index: tuple[slice, ...], reader: Any, args: Any) -> Tensor:
+    def read_slice(self, name: str, index: tuple[slice, ...], reader: HFTensorReader, args: Any) -> Tensor:
         hf_names = self.hf_names_of(name, args)
         if len(hf_names) == 1 and ".moe.experts." not in name:
             return reader.read(hf_names[0], index)

@@ -51,7 +51,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -73,7 +73,7 @@ from models.llama.model import (
 )
 from models.llama.model import ffn_saved as llama_ffn_saved
 from models.llama.model import planner_terms as llama_planner_terms
-from models.spec import BlockLayout, ParamCounts, PlannerTerms
+from models.spec import BlockLayout, ParamCounts, PlannerTerms, StackedExperts
 
 __all__ = [
     "TP_PLAN",
@@ -247,7 +247,7 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-class GroupedExperts(nn.Module):
+class GroupedExperts(StackedExperts):
     """E SwiGLU experts stored stacked: ``w1/w3`` (E, F, H), ``w2`` (E, H, F) (each expert in
     ``nn.Linear`` layout), run on rows already grouped by expert.
 
@@ -346,6 +346,8 @@ def _recomputing() -> bool:
 
 class MoE(nn.Module):
     """Router + stacked routed experts (+ shared experts), with load-balancing statistics."""
+
+    expert_bias: Tensor  # a persistent buffer (registered in __init__)
 
     def __init__(self, args: MoEArgs) -> None:
         super().__init__()
@@ -468,6 +470,13 @@ class MoE(nn.Module):
         self.step_records.append(torch.cat([counts, aux_sum.view(1), counts.new_full((1,), num_tokens)]))
 
 
+class BlockAttention(Protocol):
+    """What ``MoEBlock`` calls on its attention (``build_attention``: Llama's, DeepSeek-V3's MLA)."""
+
+    def init_weights(self, init: ParamInit, prefix: str, std: float, out_std: float) -> None: ...
+    def __call__(self, x: Tensor, *, rope_cache: Tensor, positions: Optional[Tensor] = None) -> Tensor: ...
+
+
 class MoEBlock(nn.Module):
     """Pre-norm decoder block whose feed-forward is an ``MoE`` (MoE layers) or Llama's SwiGLU."""
 
@@ -482,7 +491,7 @@ class MoEBlock(nn.Module):
             None if self.moe is not None else FeedForward(args.dim, args.hidden_dim)
         )
 
-    def build_attention(self, args: MoEArgs) -> nn.Module:
+    def build_attention(self, args: MoEArgs) -> BlockAttention:
         """The block's attention; families with another attention (MLA) override this."""
         return Attention(args)  # with q/k head norms when args.qk_norm (Qwen3-MoE)
 
@@ -492,7 +501,7 @@ class MoEBlock(nn.Module):
         self.attention.init_weights(init, f"{prefix}.attention", init_std, out_std)
         if self.moe is not None:
             self.moe.init_weights(init, f"{prefix}.moe", init_std, out_std)
-        else:
+        elif self.feed_forward is not None:  # always: a block has one of the two
             self.feed_forward.init_weights(init, f"{prefix}.feed_forward", init_std, out_std)
         self.attention_norm.init_weights(init, f"{prefix}.attention_norm")
         self.ffn_norm.init_weights(init, f"{prefix}.ffn_norm")
@@ -502,6 +511,7 @@ class MoEBlock(nn.Module):
             self.attention_norm(x), rope_cache=rope_cache, positions=positions
         )  # (B, S, H)
         ffn = self.moe if self.moe is not None else self.feed_forward
+        assert ffn is not None  # a block has one of the two
         return h + ffn(self.ffn_norm(h))  # (B, S, H)
 
 

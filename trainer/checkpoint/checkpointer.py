@@ -41,7 +41,7 @@ import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -93,7 +93,9 @@ from trainer.checkpoint.storage import (
 )
 
 if TYPE_CHECKING:
-    from models.spec import ModelArgs
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    from models.spec import ModelArgs, ModelSpec
     from parallelisms.config import ParallelismConfig
     from parallelisms.parallel_dims import ParallelDims
     from trainer.config import CheckpointConfig
@@ -140,8 +142,9 @@ def one_module(parts: list[nn.Module]) -> nn.Module:
             if isinstance(child, nn.ModuleDict):  # e.g. ``layers``: merge the stages' blocks
                 if name not in view._modules:
                     view.add_module(name, nn.ModuleDict())
+                merged = view.get_submodule(name)
                 for key, block in child.items():
-                    view._modules[name].add_module(key, block)
+                    merged.add_module(key, block)
             elif child is not None:
                 view.add_module(name, child)
     return view
@@ -206,10 +209,17 @@ class OptimizerState:
         set_optimizer_state_dict(self.module, self.optimizer, state_dict, options=_OPTIM_OPTIONS)
 
 
+class Progress(Protocol):
+    """The counters of the run a checkpoint keeps (the trainer's ``TrainState``)."""
+
+    step: int
+    tokens_seen: int
+
+
 class TrainProgress:
     """DCP Stateful over the trainer's ``TrainState`` (step and tokens seen; not the log history)."""
 
-    def __init__(self, train_state: Any) -> None:
+    def __init__(self, train_state: Progress) -> None:
         self.train_state = train_state
 
     def state_dict(self) -> dict[str, Any]:
@@ -243,14 +253,14 @@ class Checkpointer:
         dump_folder: str,
         model_parts: list[nn.Module],
         optimizer: torch.optim.Optimizer,
-        lr_scheduler: Any,
-        dataloader: Any,
-        train_state: Any,
+        lr_scheduler: Stateful,
+        dataloader: Stateful,
+        train_state: Progress,
         seed: int,
         device: torch.device,
         info: dict[str, Any],
         full_shapes: Optional[dict[str, torch.Size]] = None,
-        hf_target: Optional[tuple[Any, Any]] = None,
+        hf_target: Optional[tuple[ModelSpec, ModelArgs]] = None,
         shared_folder: bool = False,
     ) -> None:
         self.cfg = cfg
@@ -289,9 +299,9 @@ class Checkpointer:
                 for name in remove_leftovers(self.folder):
                     logger.warning(f"removed {name} from {self.folder}: an interrupted save or purge")
             # Rank 0's view of the disk travels with the token, so every rank takes the same verdict.
-            shared = [uuid.uuid4().hex[:12], *self._room()] if self.rank == 0 else [None, None, None]
+            shared: list[object] = [uuid.uuid4().hex[:12], *self._room()] if self.rank == 0 else [None] * 3
             dist.broadcast_object_list(shared, src=0, group=self._pg)  # also orders the cleanup first
-            self._token, needed, free = shared
+            self._token, needed, free = cast("tuple[str, int, int]", tuple(shared))
             if (cfg.enable or cfg.create_seed) and free < needed:
                 raise ConfigError(
                     f"{self.folder} has {human_bytes(free)} free but one checkpoint of this run needs about "
@@ -341,7 +351,7 @@ class Checkpointer:
             if self.cfg.initial_load_hf:
                 from trainer.checkpoint.hf import load_hf_into
 
-                spec, args = self.hf_target
+                spec, args = self._hf_target()
                 start = time.perf_counter()
                 names = self.full_shapes.keys() if self.full_shapes is not None else None
                 nbytes = load_hf_into(self.module, self.cfg.initial_load_hf, spec, args, names)
@@ -531,7 +541,7 @@ class Checkpointer:
         if last and self.cfg.last_save_in_hf:  # the weights as a HF folder too (export.py)
             save_hf_step(
                 self.module,
-                self.hf_target,
+                self._hf_target(),
                 self.cfg,
                 self.info,
                 step,
@@ -539,6 +549,13 @@ class Checkpointer:
                 token=self._token,
                 group=self._pg,
             )
+
+    def _hf_target(self) -> tuple[ModelSpec, ModelArgs]:
+        if self.hf_target is None:
+            raise ValueError(
+                "checkpoint.initial_load_hf and last_save_in_hf need the Checkpointer's hf_target"
+            )
+        return self.hf_target
 
     def save(self, step: int, *, final: bool = False) -> None:
         """Checkpoint ``step`` (async unless ``final``); a second save first waits for the first."""
@@ -555,6 +572,7 @@ class Checkpointer:
         if self.async_mode and not final:
             # Returns once the state is copied (staged) to host memory; the write runs in a thread.
             fut = dcp.async_save(state, storage_writer=CheckpointWriter(tmp, step), process_group=self._pg)
+            assert isinstance(fut, Future)  # without an async stager: the write's future
             self._pending = (step, tmp, marker, fut)
             logger.info(
                 f"checkpoint step {step}: staged in {time.perf_counter() - start:.2f}s, writing async"

@@ -17,6 +17,7 @@ from torch import nn
 
 from models import get_spec
 from models.errors import ConfigError
+from models.spec import ModelArgs, decoder_args
 from parallelisms.utils import DTYPES
 from trainer.checkpoint.hf import parse_size, save_hf, save_hf_distributed
 from trainer.checkpoint.hf_tokenizer import write_tokenizer_files
@@ -67,7 +68,7 @@ def export(
         bos_id=bos,
         eos_id=eos,
     )
-    return files + write_tokenizer_files(out_dir, tokenizer, max_len=args.max_seq_len)
+    return files + write_tokenizer_files(out_dir, tokenizer, max_len=decoder_args(args).max_seq_len)
 
 
 def hf_sidecar(
@@ -90,7 +91,7 @@ def hf_sidecar(
 
 def save_hf_step(
     module: nn.Module,
-    target: tuple[ModelSpec, Any],  # (spec, the family's args: ModelArgs names no max_seq_len)
+    target: tuple[ModelSpec, ModelArgs],  # (spec, the family's args)
     cfg: CheckpointConfig,
     info: dict[str, Any],
     step: int,
@@ -131,7 +132,7 @@ def save_hf_step(
         eos_id=eos,
     )
     if rank == 0:
-        files += write_tokenizer_files(tmp, tokenizer, max_len=args.max_seq_len)
+        files += write_tokenizer_files(tmp, tokenizer, max_len=decoder_args(args).max_seq_len)
         _commit_folder(tmp, final, f"{final}.trash-{token}")
     dist.barrier(group=group)  # the folder is complete once save_hf_step() returns anywhere
     logger.info(

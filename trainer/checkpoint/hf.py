@@ -25,7 +25,7 @@ import math
 import os
 import re
 from collections.abc import Iterable, Iterator
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from torch import nn
@@ -33,7 +33,7 @@ from torch import nn
 from models import MODEL_SPECS
 from models.common import unwrapped_name
 from models.errors import ConfigError
-from models.spec import ModelSpec
+from models.spec import HFAdapter, ModelArgs, ModelSpec
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
@@ -92,7 +92,7 @@ def _write_sidecars(
     weight_map: dict[str, str],
     total_bytes: int,
     spec: ModelSpec,
-    args: Any,
+    args: ModelArgs,
     dtype: torch.dtype,
     extra: Optional[dict[str, Any]],
     bos_id: Optional[int],
@@ -107,7 +107,7 @@ def _write_sidecars(
     dtype_name = str(dtype).removeprefix("torch.")
     _write_json(
         os.path.join(out_dir, CONFIG_FILE),
-        spec.hf.to_hf_config(args, bos_id=bos_id, eos_id=eos_id, dtype=dtype_name),
+        _hf_adapter(spec).to_hf_config(args, bos_id=bos_id, eos_id=eos_id, dtype=dtype_name),
     )
     files.append(CONFIG_FILE)
     if extra is not None:
@@ -116,15 +116,16 @@ def _write_sidecars(
     return files
 
 
-def _check_hf(spec: ModelSpec) -> None:
+def _hf_adapter(spec: ModelSpec) -> HFAdapter:
     if spec.hf is None:
         raise ConfigError(f"model family {spec.family!r} has no Hugging Face format.")
+    return spec.hf
 
 
 def save_hf(
     state: dict[str, torch.Tensor],
     spec: ModelSpec,
-    args: Any,
+    args: ModelArgs,
     out_dir: str,
     *,
     max_shard_bytes: int = 5 * 2**30,
@@ -140,8 +141,8 @@ def save_hf(
     """
     from safetensors.torch import save_file
 
-    _check_hf(spec)
-    hf = {name: t.detach().to("cpu", dtype).contiguous() for name, t in spec.hf.to_hf_state(state, args)}
+    adapter = _hf_adapter(spec)
+    hf = {name: t.detach().to("cpu", dtype).contiguous() for name, t in adapter.to_hf_state(state, args)}
     os.makedirs(out_dir, mode=0o750, exist_ok=True)
     sizes = [(name, hf[name].numel() * hf[name].element_size()) for name in sorted(hf)]
     shards = _shard_plan(sizes, max_shard_bytes)
@@ -158,7 +159,7 @@ def save_hf(
 def save_hf_distributed(
     module: nn.Module,
     spec: ModelSpec,
-    args: Any,
+    args: ModelArgs,
     out_dir: str,
     *,
     is_writer: bool,
@@ -181,19 +182,20 @@ def save_hf_distributed(
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from torch.distributed.tensor import DTensor
 
-    _check_hf(spec)
-    state = get_model_state_dict(module)  # canonical names; DTensors stay sharded
+    adapter = _hf_adapter(spec)
+    # canonical names; DTensors stay sharded (a module's state holds tensors only)
+    state = cast("dict[str, torch.Tensor]", get_model_state_dict(module))
     # Names and sizes of every HF tensor, from a dry run on meta tensors (no data moves).
     pieces: dict[str, int] = {}
     for name in sorted(state):
         meta = torch.empty(state[name].shape, dtype=dtype, device="meta")
-        hf = list(spec.hf.to_hf_state({name: meta}, args))
+        hf = list(adapter.to_hf_state({name: meta}, args))
         if hf:
             pieces[name] = sum(t.numel() * t.element_size() for _, t in hf)
         elif not isinstance(state[name], DTensor):
             # No HF tensor (a tied head, the MoE routing bias): the adapter sees the value, on every
             # rank alike (no collective), and refuses one HF cannot represent before a file is written.
-            list(spec.hf.to_hf_state({name: state[name]}, args))
+            list(adapter.to_hf_state({name: state[name]}, args))
     shards = _shard_plan(list(pieces.items()), max_shard_bytes)
     names = _file_names(len(shards))
     weight_map: dict[str, str] = {}
@@ -203,7 +205,7 @@ def save_hf_distributed(
             value = state[name]
             full = value.full_tensor() if isinstance(value, DTensor) else value  # collective
             if is_writer:
-                for hf_name, t in spec.hf.to_hf_state({name: full}, args):
+                for hf_name, t in adapter.to_hf_state({name: full}, args):
                     tensors[hf_name] = t.detach().to("cpu", dtype).contiguous()
             del full
         if is_writer:
@@ -221,7 +223,7 @@ def _write_json(path: str, value: Any) -> None:
         json.dump(value, f, indent=2)
 
 
-def read_hf_config(hf_dir: str) -> tuple[ModelSpec, Any]:
+def read_hf_config(hf_dir: str) -> tuple[ModelSpec, ModelArgs]:
     """(spec, args) of a HF folder's ``config.json``; ``ConfigError`` when unusable."""
     cfg_path = os.path.join(hf_dir, CONFIG_FILE)
     if not os.path.isfile(cfg_path):
@@ -229,7 +231,7 @@ def read_hf_config(hf_dir: str) -> tuple[ModelSpec, Any]:
     with open(cfg_path, encoding="utf-8") as f:
         cfg = json.load(f)
     spec = spec_for_hf_config(cfg)
-    return spec, spec.make_args(spec.hf.args_from_hf_config(cfg))
+    return spec, spec.make_args(_hf_adapter(spec).args_from_hf_config(cfg))
 
 
 def _weight_files(hf_dir: str) -> dict[str, str]:
@@ -261,7 +263,7 @@ def read_hf(hf_dir: str) -> tuple[ModelSpec, Any, dict[str, torch.Tensor]]:
             hf_state.update(load_file(path))
         except Exception as e:
             raise ConfigError(f"{path} cannot be read ({e}).") from e
-    return spec, args, spec.hf.from_hf_state(hf_state, args)
+    return spec, args, _hf_adapter(spec).from_hf_state(hf_state, args)
 
 
 # safetensors dtype names -> torch dtypes (the ones a model checkpoint holds).
@@ -347,7 +349,8 @@ class _SliceReader:
         # Slices in dims >= 2: read the rows, then cut (transient: one tensor's rows).
         start = entry["start"] + bounds[0].start * row_numel * dtype.itemsize
         block = self._pread(fd, start, rows * row_numel, dtype).reshape(rows, *shape[1:])
-        return block[(slice(None), *bounds[1:])].clone()
+        rest = (slice(None), *bounds[1:])
+        return block[rest].clone()
 
     def _pread(self, fd: int, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         out = torch.empty(numel, dtype=dtype)
@@ -355,7 +358,7 @@ class _SliceReader:
         return out
 
     def _pread_into(self, fd: int, offset: int, out: torch.Tensor) -> None:
-        view = memoryview(out.view(torch.uint8).numpy()).cast("B")
+        view = out.view(torch.uint8).numpy().data.cast("B")  # the tensor's bytes, written in place
         done = 0
         while done < len(view):
             n = os.preadv(fd, [view[done:]], offset + done)
@@ -414,7 +417,7 @@ _SAME_SHAPE_SETTINGS = (
 )
 
 
-def _check_folder(hf_dir: str, spec: ModelSpec, args: Any, full_names: Iterable[str]) -> dict[str, str]:
+def _check_folder(hf_dir: str, spec: ModelSpec, args: ModelArgs, full_names: Iterable[str]) -> dict[str, str]:
     """The folder's weight files (``_weight_files``) once it holds this model: same family, no
     tensor the model lacks. Warns when the folder's RoPE, norm or (MoE) routing settings differ from
     the run's (same shapes, different function)."""
@@ -424,8 +427,9 @@ def _check_folder(hf_dir: str, spec: ModelSpec, args: Any, full_names: Iterable[
         raise ConfigError(
             f"{hf_dir} holds a {folder_spec.family!r} model but this run's model.family is {spec.family!r}."
         )
-    ours = {hf_name for name in full_names for hf_name in spec.hf.hf_names_of(name, args)}
-    extra = sorted(k for k in files if k not in ours and not k.endswith("rotary_emb.inv_freq"))
+    adapter = _hf_adapter(spec)
+    expected = {hf_name for name in full_names for hf_name in adapter.hf_names_of(name, args)}
+    extra = sorted(k for k in files if k not in expected and not k.endswith("rotary_emb.inv_freq"))
     if extra:
         raise ConfigError(
             f"{hf_dir} has tensor {extra[0]!r} that this model lacks ({len(extra)} in all); set the model "
@@ -445,7 +449,11 @@ def _check_folder(hf_dir: str, spec: ModelSpec, args: Any, full_names: Iterable[
 
 @torch.no_grad()
 def load_hf_into(
-    module: nn.Module, hf_dir: str, spec: ModelSpec, args: Any, full_names: Optional[Iterable[str]] = None
+    module: nn.Module,
+    hf_dir: str,
+    spec: ModelSpec,
+    args: ModelArgs,
+    full_names: Optional[Iterable[str]] = None,
 ) -> int:
     """Copy a HF folder's weights into ``module`` (plain, FSDP, TP or a pipeline stage); return
     the number of bytes this rank read.
@@ -462,7 +470,7 @@ def load_hf_into(
     reader = _SliceReader(files)
     try:
         for name, param in _named_tensors(module):
-            hf_names = spec.hf.hf_names_of(name, args)
+            hf_names = _hf_adapter(spec).hf_names_of(name, args)
             index, local = _local_index(param)
             if not hf_names:  # state HF does not store (the MoE routing bias): a fresh model's zero
                 local.zero_()
@@ -475,13 +483,13 @@ def load_hf_into(
                         f"the exported one."
                     )
                 pieces.append((hf_name, reader.shape(hf_name)))
-            full_shape = spec.hf.full_shape(name, [s for _, s in pieces], args)
+            full_shape = _hf_adapter(spec).full_shape(name, [s for _, s in pieces], args)
             if list(full_shape) != list(param.shape):
                 raise ConfigError(
                     f"{hf_dir}: {hf_names[0]} ({name!r}) has shape {list(full_shape)} but this model's is "
                     f"{list(param.shape)}; set the model config to match config.json."
                 )
-            value = spec.hf.read_slice(name, index, reader, args)
+            value = _hf_adapter(spec).read_slice(name, index, reader, args)
             local.copy_(value.to(local.device, local.dtype))
         return reader.bytes_read
     finally:

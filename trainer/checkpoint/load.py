@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Optional
+from typing import Optional, Protocol, cast
 
 import torch
 from torch import nn
 
 from models import get_spec
 from models.errors import ConfigError
-from models.spec import ModelSpec
+from models.spec import ModelArgs, ModelSpec
 from trainer.checkpoint.checkpointer import MARKER, load_full_state, read_marker, verify_files
 from trainer.checkpoint.hf import CONFIG_FILE, MESHWRIGHT_FILE, read_hf
 from trainer.data.tokenizer import Tokenizer, build_tokenizer
@@ -24,11 +24,19 @@ from trainer.data.tokenizer import Tokenizer, build_tokenizer
 __all__ = ["load_model"]
 
 
-def _build(spec: ModelSpec, args: Any, state: dict[str, torch.Tensor], device: torch.device) -> nn.Module:
+class _RopeModel(Protocol):
+    """Every family's model: its rotary cache, computed again after ``to_empty``."""
+
+    def reset_rope_cache(self, device: Optional[torch.device] = None) -> None: ...
+
+
+def _build(
+    spec: ModelSpec, args: ModelArgs, state: dict[str, torch.Tensor], device: torch.device
+) -> nn.Module:
     with torch.device("meta"):
         model = spec.build(args)
     model.to_empty(device=device)
-    model.reset_rope_cache(device)
+    cast(_RopeModel, model).reset_rope_cache(device)
     missing = sorted(set(model.state_dict()) - set(state))
     if missing:
         raise ConfigError(f"the weights lack {missing[0]!r} ({len(missing)} tensors missing).")

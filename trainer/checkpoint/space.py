@@ -110,7 +110,7 @@ def checkpoint_bytes(
 def _exceptions(exc: BaseException) -> Iterable[BaseException]:
     """``exc``, its causes and contexts, and the per-rank failures of a DCP CheckpointException."""
     seen: set[int] = set()
-    todo = [exc]
+    todo: list[Optional[BaseException]] = [exc]
     while todo:
         e = todo.pop()
         if e is None or id(e) in seen:

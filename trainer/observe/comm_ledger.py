@@ -24,13 +24,17 @@ the per-step counts of every rank are gathered to rank 0 at each logged step (on
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
+
+if TYPE_CHECKING:
+    from torch._ops import OpOverload
+    from torch.distributed.distributed_c10d import GroupName
 
 __all__ = ["CommLedger", "axis_names_of_groups", "ledger_totals", "storage_bytes"]
 
@@ -162,7 +166,9 @@ class CommLedger(TorchDispatchMode):
         # not compile while a Python dispatch mode is active; the config rejects the combination).
         return False
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(
+        self, func: OpOverload, types: Sequence[type], args: tuple = (), kwargs: Optional[dict] = None
+    ) -> object:
         if types and any(issubclass(t, self._dtensor) for t in types):
             return NotImplemented  # let DTensor lower the op; its collectives come back here
         out = func(*args, **(kwargs or {}))
@@ -183,7 +189,7 @@ class CommLedger(TorchDispatchMode):
         if label is None:
             from torch.distributed.distributed_c10d import _resolve_process_group
 
-            pg = _resolve_process_group(name)
+            pg = _resolve_process_group(cast("GroupName", name))  # torch's NewType of the name
             default = dist.group.WORLD
             axis = self.axes.get(name) or (
                 "world" if default is not None and name == default.group_name else f"group{pg.size()}"

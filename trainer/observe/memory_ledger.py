@@ -39,7 +39,7 @@ the step) and written to ``metrics.jsonl`` and the trackers under ``memory``.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,10 @@ from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from trainer.observe.comm_ledger import _optimizer_tensors, storage_bytes
+
+if TYPE_CHECKING:
+    from models.spec import ModelSpec
+    from parallelisms.pipeline_parallel import Pipeline
 
 __all__ = ["MemoryLedger"]
 
@@ -134,13 +138,19 @@ class _ObservedCache(dict):
 class MemoryLedger:
     """Measures the memory of the steps it is entered around (``with ledger: trainer.train_step()``)."""
 
+    # the running counters (``_reset``)
+    _live_bytes: int
+    _peak: int
+    _fsdp_peak: int
+    _fwd_cache_peak: int
+
     def __init__(
         self,
         model_parts: list[nn.Module],
-        spec: Any,
+        spec: ModelSpec,
         *,
-        model: Any = None,
-        optimizer: Any = None,
+        model: Union[nn.Module, Pipeline, None] = None,
+        optimizer: Optional[torch.optim.Optimizer] = None,
         device: Optional[torch.device] = None,
     ) -> None:
         self.parts, self.spec, self.model, self.optimizer = model_parts, spec, model, optimizer
@@ -150,7 +160,7 @@ class MemoryLedger:
         self._in_mtp = False  # inside the MTP modules (their head calls keep the "mtp" scope)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._live: dict[tuple[int, int], list[int]] = {}  # storage -> [references, bytes]
-        self._ac_held: dict[int, list[_Saved]] = {}
+        self._ac_held: dict[int, list[list[_Saved]]] = {}  # per checkpointed block: a stack of forwards
         self._fsdp = self._fsdp_params()
         for stage in getattr(model, "stages", None) or []:  # pipeline: see each stage output it keeps
             stage.fwd_cache = _ObservedCache(stage.fwd_cache, self)
@@ -351,7 +361,9 @@ class MemoryLedger:
     def __enter__(self) -> MemoryLedger:
         self.steps += 1
         self.active = True
-        self._buffer_ptrs = {b.untyped_storage().data_ptr() for part in self.parts for b in part.buffers()}
+        self._buffer_ptrs: set[int] = {
+            b.untyped_storage().data_ptr() for part in self.parts for b in part.buffers()
+        }
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self._hooks.__enter__()

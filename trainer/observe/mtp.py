@@ -12,13 +12,14 @@ MTP cross-entropy per target, over microbatches and data/context-parallel ranks.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from collections.abc import Sequence
+from typing import Any, Optional, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from models.spec import ModelSpec
+from models.spec import ModelArgs, ModelSpec, MTPModel
 from parallelisms.parallel_dims import ParallelDims
 from trainer.step import StepState, token_loss_sum
 
@@ -29,7 +30,7 @@ class MTPStats:
     """A step hook (``trainer/hooks.py``): ``begin_step`` before the first forward of a step; ``metrics``
     on logging steps (collective over dp x cp)."""
 
-    def __init__(self, parts: list[nn.Module], dims: ParallelDims, *, tokens_per_step: int) -> None:
+    def __init__(self, parts: Sequence[MTPModel], dims: ParallelDims, *, tokens_per_step: int) -> None:
         self.parts = parts
         self.grad_scale = dims.dp_cp / tokens_per_step
         self.group = dims.loss_mesh.get_group() if dims.dp_cp > 1 else None
@@ -37,12 +38,19 @@ class MTPStats:
 
     @classmethod
     def build(
-        cls, parts: list[nn.Module], spec: ModelSpec, args: Any, dims: ParallelDims, *, tokens_per_step: int
+        cls,
+        parts: list[nn.Module],
+        spec: ModelSpec,
+        args: ModelArgs,
+        dims: ParallelDims,
+        *,
+        tokens_per_step: int,
     ) -> Optional[MTPStats]:
         """A hook for models with MTP modules, None otherwise."""
         if spec.mtp_depth(args) < 1:
             return None
-        return cls(parts, dims, tokens_per_step=tokens_per_step)
+        # every part (a stage too, with or without the MTP modules) is the family's MTP model class
+        return cls([cast(MTPModel, part) for part in parts], dims, tokens_per_step=tokens_per_step)
 
     def begin_step(self, _state: StepState) -> None:
         for part in self.parts:

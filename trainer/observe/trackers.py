@@ -17,10 +17,10 @@ import json
 import logging
 import os
 import uuid
-from typing import TYPE_CHECKING, Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol, cast
 
 if TYPE_CHECKING:
-    from trainer.config import MetricsConfig
+    from trainer.config import MetricsConfig, WandbMode
 
 logger = logging.getLogger("meshwright")
 
@@ -85,7 +85,7 @@ class WandbTracker:
         self._run = wandb.init(
             project=cfg.wandb_project,
             entity=cfg.wandb_entity,
-            mode=cfg.wandb_mode,
+            mode=cast("Optional[WandbMode]", cfg.wandb_mode),  # one of them: trainer.config.validate
             dir=dump_folder,
             id=state["run_id"],
             name=run_name,
@@ -163,6 +163,6 @@ def _read_config(path: str) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
     try:
-        return OmegaConf.to_container(OmegaConf.load(path), resolve=True)  # type: ignore[return-value]
+        return cast("dict[str, Any]", OmegaConf.to_container(OmegaConf.load(path), resolve=True))  # a mapping
     except (OSError, ValueError):
         return {}

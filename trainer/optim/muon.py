@@ -48,7 +48,7 @@ import hashlib
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -63,6 +63,7 @@ from trainer.optim.config import DEFAULT_NS_COEFFICIENTS
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
 
     from trainer.optim.config import MuonConfig, OptimizerConfig
 
@@ -128,7 +129,7 @@ def _signature(pos: Positions) -> str:
 
 def _split_by_unit(pos: Positions, unit_size: int, num_units: int) -> list[tuple[int, Positions, Positions]]:
     """(unit, local positions, positions within the unit) of each unit the piece touches."""
-    out = []
+    out: list[tuple[int, Positions, Positions]] = []
     if isinstance(pos, slice):
         for u in range(pos.start // unit_size, -(-pos.stop // unit_size) if pos.stop else 0):
             lo, hi = max(pos.start, u * unit_size), min(pos.stop, (u + 1) * unit_size)
@@ -183,6 +184,10 @@ class _LocalParam:
     primary: bool = False  # keeps the momentum and sends the update pieces
 
 
+# One rank's Muon parameters: (name, shape, signature of its local positions, [(unit, count)])
+_Layout = list[tuple[str, tuple[int, ...], str, list[tuple[int, int]]]]
+
+
 class _Plan:
     """Units, owners, primaries and the exchange layout of every Muon parameter, for all ranks."""
 
@@ -191,7 +196,9 @@ class _Plan:
         self.rank = dist.get_rank(group) if group is not None else 0
         self.world = dist.get_world_size(group) if group is not None else 1
         self.local: list[_LocalParam] = []
-        mine = []  # (name, shape, signature, [(unit, count)])
+        # owner side, after the first step: (unit key, signature) -> where that piece sits in its unit
+        self.positions: Optional[dict[tuple[tuple[str, int], str], Positions]] = None
+        mine: _Layout = []
         for name, p in named:
             shape = tuple(p.shape)
             if len(shape) not in (2, 3):
@@ -204,16 +211,17 @@ class _Plan:
             mine.append((name, shape, sig, [(u, _count(up)) for u, _, up in units]))
         everyone = [mine]
         if self.world > 1:
-            everyone = [None] * self.world
-            dist.all_gather_object(everyone, mine, group=group)
+            gathered: list[object] = [None] * self.world
+            dist.all_gather_object(gathered, mine, group=group)
+            everyone = cast("list[_Layout]", gathered)  # every rank's ``mine``
         self._build_units(everyone)
 
-    def _build_units(self, everyone: list[list]) -> None:
+    def _build_units(self, everyone: list[_Layout]) -> None:
         units: dict[tuple[str, int], _Unit] = {}
         for rank, entries in enumerate(everyone):
             for name, shape, sig, unit_counts in entries:
-                for u, count in unit_counts:
-                    unit = units.setdefault((name, u), _Unit((name, u), shape[-2], shape[-1]))
+                for unit_id, count in unit_counts:
+                    unit = units.setdefault((name, unit_id), _Unit((name, unit_id), shape[-2], shape[-1]))
                     unit.holders[rank] = sig
                     unit.counts[sig] = count
         self.units = [units[k] for k in sorted(units)]  # the canonical order, the same on every rank
@@ -397,6 +405,7 @@ class Muon(torch.optim.Optimizer):
 
     # -- step -----------------------------------------------------------------------------------
 
+    # torch's Optimizer.step is overloaded on the closure; one signature here
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]
         loss = None
@@ -452,8 +461,10 @@ class Muon(torch.optim.Optimizer):
         grad = p.grad
         if grad is None:
             grad = torch.zeros_like(p)
-        elif hasattr(grad, "placements") and grad.placements != p.placements:
-            grad = grad.redistribute(p.device_mesh, p.placements)
+        elif hasattr(grad, "placements"):  # a DTensor gradient, of a DTensor parameter
+            dgrad, dparam = cast("DTensor", grad), cast("DTensor", p)
+            if dgrad.placements != dparam.placements:
+                grad = dgrad.redistribute(dparam.device_mesh, dparam.placements)
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p)
@@ -502,7 +513,7 @@ class Muon(torch.optim.Optimizer):
         """Owner side: where each piece sits in its unit. Contiguous pieces are known from their
         counts' order only when the piece is a range, so the positions travel once, at the first
         step, with the same exchange as the updates (int64)."""
-        if not hasattr(plan, "positions"):
+        if plan.positions is None:
             outgoing: list[list[Tensor]] = [[] for _ in range(plan.world)]
             for i, lp, _, up in plan.pieces:
                 if lp.primary:
@@ -522,8 +533,8 @@ class Muon(torch.optim.Optimizer):
                         received[offsets[primary] : offsets[primary] + n]
                     )
                     offsets[primary] += n
-            plan.positions = positions  # type: ignore[attr-defined]
-        return plan.positions  # type: ignore[attr-defined]
+            plan.positions = positions
+        return plan.positions
 
     def _apply(self, back: Tensor, plan: _Plan, groups: dict[int, dict[str, Any]]) -> None:
         offsets = [0] * plan.world
@@ -586,9 +597,9 @@ def muon_param_groups(
     parts = model if isinstance(model, list) else [model]
     named: dict[torch.Tensor, str] = {}
     for part in parts:
-        for name, p in part.named_parameters():
-            if p.requires_grad:
-                named.setdefault(p, unwrapped_name(name))
+        for name, param in part.named_parameters():
+            if param.requires_grad:
+                named.setdefault(param, unwrapped_name(name))
     muon, decay, no_decay = [], [], []
     for p, name in named.items():
         if p.ndim < 2:
@@ -647,7 +658,7 @@ def build_muon(
     if shard_mesh is not None:
         # ns_dtype / adamw_kwargs configure the inner optimizer, they are no group hyperparameters
         inner = functools.partial(Muon, **kwargs)
-        return ShardedOptimizer(groups, inner, shard_mesh.get_group(), cost=muon_cost)  # type: ignore[arg-type]
+        return ShardedOptimizer(groups, inner, shard_mesh.get_group(), cost=muon_cost)
     group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
     return Muon(groups, group, **kwargs)
 

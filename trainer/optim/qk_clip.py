@@ -23,13 +23,15 @@ its own ``scale_heads``: the seam is :meth:`QKClip.scale_heads`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Optional, Protocol, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from models.common import unwrapped_name
+from models.spec import decoder_args
 from parallelisms.utils import local_positions
 
 if TYPE_CHECKING:
@@ -39,6 +41,16 @@ if TYPE_CHECKING:
     from trainer.step import StepState
 
 
+class ClippedAttention(Protocol):
+    """What QK-clip uses of an attention module (see the module docstring)."""
+
+    record_max_logit: bool  # when set, the forward keeps the running max logit of each local head
+    max_logit: Optional[Tensor]  # (local heads,) fp32
+    head_dim: int
+    wq: nn.Linear
+    wk: nn.Linear
+
+
 class QKClip:
     """Args: ``attentions``: (global layer index, attention module) of this rank; ``num_layers``,
     ``n_heads``, ``n_kv_heads``: of the whole model; ``tau``: the logit cap; ``tp_rank`` /
@@ -46,7 +58,7 @@ class QKClip:
 
     def __init__(
         self,
-        attentions: list[tuple[int, nn.Module]],
+        attentions: Sequence[tuple[int, ClippedAttention]],
         *,
         num_layers: int,
         n_heads: int,
@@ -102,7 +114,7 @@ class QKClip:
                 self.scale_heads(attn, gamma[layer])
         return {"qk_max_logit": float(table.max()), "qk_clipped_heads": int((gamma < 1).sum())}
 
-    def scale_heads(self, attn: nn.Module, gamma: Tensor) -> None:
+    def scale_heads(self, attn: ClippedAttention, gamma: Tensor) -> None:
         """Scale ``attn``'s q and k rows so query head h's logits scale by ``gamma[h]`` (heads,)."""
         n_rep = self.n_heads // self.n_kv_heads
         kv_gamma = gamma.view(self.n_kv_heads, n_rep).amin(dim=1)  # (n_kv,)
@@ -139,18 +151,20 @@ def build_qk_clip(
     if tau <= 0:
         return None
     prefix = f"{spec.blocks}."
-    attentions = []
+    attentions: list[tuple[int, ClippedAttention]] = []
     for part in parts:
         for name, module in part.named_modules():
             name = unwrapped_name(name)
             if hasattr(module, "record_max_logit") and name.startswith(prefix):
-                attentions.append((int(name[len(prefix) :].split(".", 1)[0]), module))
+                layer = int(name[len(prefix) :].split(".", 1)[0])
+                attentions.append((layer, cast(ClippedAttention, module)))  # a Llama-style attention
     tp_rank = dims.get_mesh("tp").get_local_rank() if dims.tp > 1 else 0
+    args = decoder_args(cfg.model)
     return QKClip(
         attentions,
-        num_layers=cfg.model.n_layers,
-        n_heads=cfg.model.n_heads,
-        n_kv_heads=cfg.model.kv_heads,
+        num_layers=args.n_layers,
+        n_heads=args.n_heads,
+        n_kv_heads=args.kv_heads,
         tau=tau,
         tp_rank=tp_rank,
         tp_size=dims.tp,

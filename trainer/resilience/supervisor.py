@@ -34,7 +34,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import IO, Optional
 
 from trainer.resilience.fault_tolerance import HEARTBEAT_DIR, group_folder
 
@@ -51,7 +51,7 @@ class Group:
     restarts: int = 0
     done: bool = False
     failed: bool = False
-    log: Optional[object] = None
+    log: Optional[IO[bytes]] = None  # the group's log file, open while it runs
     history: list[str] = field(default_factory=list)
 
 
@@ -107,6 +107,7 @@ class Supervisor:
 
         self.gpus = torch.cuda.device_count() if cfg.training.device != "cpu" else 0
         self._stopping = False
+        self._signal: Optional[int] = None  # a signal to forward, set by the handler (``run``)
 
     def _ft_overrides(self, group_id: int) -> list[str]:
         return [
@@ -234,7 +235,8 @@ class Supervisor:
             self.kill(group, f"hang watchdog: {hang[0]}", stack_of=hang[1])
             rc = 0 if hang[2] == "done" else group.proc.returncode  # stuck in teardown: it did finish
         self.reap(group)
-        group.log.close()
+        if group.log is not None:  # opened with the process
+            group.log.close()
         group.history.append(str(rc))
         if rc == 0:
             group.done = True
@@ -271,17 +273,17 @@ class Supervisor:
         group writes checkpoints, and exits 75), wait up to --stop-grace-s, then kill what is left."""
         name = signal.Signals(signum).name
         self.log(f"got {name}: forwarding it to every group")
-        running = [g for g in self.groups if g.proc is not None and g.proc.poll() is None]
-        for group in running:
+        running = [(g, g.proc) for g in self.groups if g.proc is not None and g.proc.poll() is None]
+        for _, proc in running:
             try:
-                os.kill(group.proc.pid, signum)  # torchrun forwards it to its workers
+                os.kill(proc.pid, signum)  # torchrun forwards it to its workers
             except ProcessLookupError:
                 pass
         deadline = time.time() + self.args.stop_grace_s
         codes = []
-        for group in running:
+        for group, proc in running:
             try:
-                codes.append(group.proc.wait(timeout=max(deadline - time.time(), 0.1)))
+                codes.append(proc.wait(timeout=max(deadline - time.time(), 0.1)))
             except subprocess.TimeoutExpired:
                 self.kill(group, f"still running {self.args.stop_grace_s:g}s after {name}")
                 codes.append(1)
@@ -290,7 +292,7 @@ class Supervisor:
 
     def run(self) -> int:
         self._code = 0
-        self._signal: Optional[int] = None
+        self._signal = None
         if self.args.start_lighthouse:
             self.start_lighthouse()
         for sig in (signal.SIGTERM, signal.SIGUSR1):

@@ -150,7 +150,8 @@ def last_collective() -> Optional[dict[str, Any]]:
 
 def _fr_entries() -> list[dict[str, Any]]:
     try:
-        raw = torch._C._distributed_c10d._dump_fr_trace_json(includeCollectives=True)
+        # a private torch API, absent from torch's type stubs
+        raw = torch._C._distributed_c10d._dump_fr_trace_json(includeCollectives=True)  # type: ignore[attr-defined]
         return list(json.loads(raw).get("entries", []))
     except Exception:  # recorder off or unavailable
         return []
