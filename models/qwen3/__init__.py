@@ -7,34 +7,14 @@ norms and an explicit head size switched on); ``hf.py`` the Hugging Face adapter
 
 from __future__ import annotations
 
-from models.llama.model import (
-    TP_PLAN,
-    Transformer,
-    attention_mask,
-    num_flops_per_token,
-    param_counts,
-    planner_terms,
-    qk_norm,
-    ties_embeddings,
-    tp_divisible,
-)
+import dataclasses
+
+from models.llama import LLAMA_SPEC
 from models.qwen3.hf import Qwen3HF
 from models.qwen3.model import Qwen3Args
 from models.spec import ModelSpec
 
 __all__ = ["QWEN3_SPEC", "Qwen3Args", "Qwen3HF"]
 
-QWEN3_SPEC = ModelSpec(
-    family="qwen3",
-    args_cls=Qwen3Args,
-    model_cls=Transformer,
-    param_counts=param_counts,
-    flops_per_token=num_flops_per_token,
-    tp_plan=TP_PLAN,
-    tp_divisible=tp_divisible,
-    hf=Qwen3HF(),
-    ties_embeddings=ties_embeddings,
-    attention_mask=attention_mask,
-    qk_norm=qk_norm,
-    planner_terms=planner_terms,
-)
+# Llama's spec (modules, counts, TP plan, planner terms) with Qwen3's args and HF adapter.
+QWEN3_SPEC: ModelSpec = dataclasses.replace(LLAMA_SPEC, family="qwen3", args_cls=Qwen3Args, hf=Qwen3HF())
