@@ -35,6 +35,12 @@ TINY = (
     "optimizer.lr=3e-3",
 )
 
+# The parity runs (tests/parity.py) take 4 optimizer steps of the tiny run, not TINY's 8: the 2 warmup
+# steps and 2 of the decay, AdamW's moments in use from step 2 on, every step clipped (pre-clip norms
+# > 1); each step's loss and grad norm and the final weights are compared, so a reduction or sharding
+# error shows at step 1 already. Half the steps of the multi-rank runs that make those tests' time.
+PARITY_STEPS = "training.steps=4"
+
 # Clipping off. With it on, every step of the tiny run is clipped (pre-clip norms 1.0-2.7),
 # so a gradient scale error never reaches the update; without it, the unclipped path runs.
 # (AdamW is itself nearly scale-invariant: the pre-clip grad norm is what exposes a scale

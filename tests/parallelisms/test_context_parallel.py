@@ -20,7 +20,7 @@ from models.attention import AttentionCore, MaskSpec, document_ids
 from models.errors import ConfigError
 from parallelisms.context_parallel import shard_indices
 from parallelisms.validate import validate_cp, validated_dims
-from tests.configs import tiny_config
+from tests.configs import PARITY_STEPS, tiny_config
 from tests.dist import run_distributed
 from trainer.config import TrainConfig
 from trainer.step import StepBatch, document_positions
@@ -314,20 +314,21 @@ def test_allgather_attention_equals_full_attention() -> None:
 # Through the Trainer: parity with one process, exact resume, resharding (fp32, CPU, gloo)
 # --------------------------------------------------------------------------------------------
 #
-# One spawn per world size runs every case of that size one after another (spawning dominates
-# the cost on a small machine); the single-process references run in the test process itself.
+# Every run takes 4 optimizer steps (PARITY_STEPS). One spawn per world size runs every case of that
+# size one after another (spawning dominates the cost on a small machine); the single-process
+# references run in the test process itself.
 
 RTOL = 1e-5
 CP2 = "parallelism.cp=2"
 BLOCK = "model.attention_mask=block_causal"
 NOCLIP = "training.grad_clip=0"
 DETERMINISTIC = "training.deterministic=true"
-CKPT = ("checkpoint.enable=true", "checkpoint.interval=4", DETERMINISTIC)
+CKPT = ("checkpoint.enable=true", "checkpoint.interval=2", DETERMINISTIC)
 DOCS = "DOCS"  # placeholder: a corpus of short documents (the built-in one's files are far longer
 # than the tiny 32-token windows, which would then never cross a document boundary)
 REFERENCES = {"causal": list(CKPT), "block_causal": [DOCS, BLOCK], "causal_docs": [DOCS], "noclip": [NOCLIP]}
 PARITY = {  # name -> (world size, reference, overrides)
-    "cp2": (2, "causal", [CP2]),
+    "cp2": (2, "causal", [CP2, *CKPT]),  # also the uninterrupted run of the resume and reshard tests
     "cp2_block_causal": (2, "block_causal", [CP2, DOCS, BLOCK]),
     "cp2_none_noclip": (2, "noclip", [CP2, "parallelism.cp_load_balance=none", NOCLIP]),
     "cp2_ac_full": (2, "causal", [CP2, "training.activation_checkpoint=full"]),  # recompute re-gathers K/V
@@ -387,7 +388,7 @@ def _write_docs(tmp: str) -> str:
 def _config(folder: str, *overrides: str) -> TrainConfig:
     docs = os.path.join(os.path.dirname(folder), "docs.jsonl")
     data = ("data=jsonl", f"data.path={docs}", "data.max_documents=null")
-    return tiny_config(folder, *(x for o in overrides for x in (data if o == DOCS else (o,))))
+    return tiny_config(folder, PARITY_STEPS, *(x for o in overrides for x in (data if o == DOCS else (o,))))
 
 
 def _run(cfg: TrainConfig, until: int | None = None) -> tuple[dict, int]:
@@ -407,14 +408,13 @@ def _world_configs(tmp: str, world_size: int) -> dict[str, TrainConfig]:
         name: _config(os.path.join(tmp, name), *ov) for name, (w, _, ov) in PARITY.items() if w == world_size
     }
     if world_size == 2:
-        cfgs["straight"] = _config(os.path.join(tmp, "straight"), CP2, *CKPT)
         cfgs["resumed"] = _config(os.path.join(tmp, "resumed"), CP2, *CKPT)
         for name, source, ov in (
-            ("cp2_to_fsdp2", os.path.join(tmp, "straight"), ["parallelism.dp_shard=2"]),
+            ("cp2_to_fsdp2", os.path.join(tmp, "cp2"), ["parallelism.dp_shard=2"]),
             ("single_to_cp2", os.path.join(tmp, "ref_causal"), [CP2]),
         ):
             load = [
-                f"checkpoint.initial_load_path={source}/checkpoints/step-4",
+                f"checkpoint.initial_load_path={source}/checkpoints/step-2",
                 "checkpoint.initial_load_model_only=false",
             ]
             cfgs[name] = _config(os.path.join(tmp, name), *ov, *load)
@@ -424,15 +424,14 @@ def _world_configs(tmp: str, world_size: int) -> dict[str, TrainConfig]:
 def _world_worker(rank: int, world_size: int, cfgs: dict[str, TrainConfig]) -> dict:
     out = {name: _run(cfgs[name])[0] for name, (w, _, _) in PARITY.items() if w == world_size}
     if world_size == 2:
-        # Exact resume under CP x 2: 8 steps straight vs 4 steps, stop, resume for 4 more.
-        straight = _run(cfgs["straight"])[0]
-        first = _run(cfgs["resumed"], until=4)[0]
+        # Exact resume under CP x 2: 4 steps straight (the cp2 case) vs 2 steps, stop, resume for 2 more.
+        first = _run(cfgs["resumed"], until=2)[0]
         second, resumed_at = _run(cfgs["resumed"])
-        out["resume"] = {"straight": straight, "first": first, "second": second, "resumed_at": resumed_at}
-        # Resharding: the CP x 2 step-4 checkpoint continues as FSDP x 2, and the single-process
-        # reference's step-4 checkpoint continues as CP x 2 (full state: model, optimizer, data).
+        out["resume"] = {"straight": out["cp2"], "first": first, "second": second, "resumed_at": resumed_at}
+        # Resharding: the CP x 2 step-2 checkpoint continues as FSDP x 2, and the single-process
+        # reference's step-2 checkpoint continues as CP x 2 (full state: model, optimizer, data).
         for name in ("cp2_to_fsdp2", "single_to_cp2"):
-            out[name] = _run(cfgs[name], until=5)[0]
+            out[name] = _run(cfgs[name], until=3)[0]
     return out
 
 
@@ -470,7 +469,7 @@ def test_block_causal_reference_differs_from_causal(cp_runs: dict) -> None:
     # Same data, same first-step weights: the document mask changes what the model sees.
     assert _max_rel(refs["block_causal"]["losses"], refs["causal_docs"]["losses"]) > 1e-3
     for ref in refs.values():
-        assert len(ref["losses"]) == 8 and ref["losses"][-1] < ref["losses"][0]
+        assert len(ref["losses"]) == 4 and ref["losses"][-1] < ref["losses"][0]
 
 
 @pytest.mark.slow
@@ -479,10 +478,10 @@ def test_cp_layout_matches_single_process(name: str, cp_runs: dict) -> None:
     world, ref_name, _ = PARITY[name]
     per_rank = [r[name] for r in cp_runs["runs"][world]]
     got, ref = per_rank[0], cp_runs["refs"][ref_name]
-    assert got["steps"] == ref["steps"] == list(range(1, 9))
+    assert got["steps"] == ref["steps"] == list(range(1, 5))
     rel_loss, rel_norm = _max_rel(got["losses"], ref["losses"]), _max_rel(got["norms"], ref["norms"])
     print(
-        f"{name}: max relative difference vs 1 process over 8 steps: loss {rel_loss:.2e}, "
+        f"{name}: max relative difference vs 1 process over 4 steps: loss {rel_loss:.2e}, "
         f"grad norm {rel_norm:.2e}"
     )
     assert rel_loss < RTOL and rel_norm < RTOL, (name, got, ref)
@@ -493,8 +492,8 @@ def test_cp_layout_matches_single_process(name: str, cp_runs: dict) -> None:
 @pytest.mark.slow
 def test_exact_resume_under_cp(cp_runs: dict) -> None:
     r = cp_runs["runs"][2][0]["resume"]
-    assert r["resumed_at"] == 4
-    assert r["first"]["steps"] == [1, 2, 3, 4] and r["second"]["steps"] == [5, 6, 7, 8]
+    assert r["resumed_at"] == 2
+    assert r["first"]["steps"] == [1, 2] and r["second"]["steps"] == [3, 4]
     # Bitwise: the resumed run continues with exactly the uninterrupted run's losses and norms.
     assert r["first"]["losses"] + r["second"]["losses"] == r["straight"]["losses"]
     assert r["first"]["norms"] + r["second"]["norms"] == r["straight"]["norms"]
@@ -505,7 +504,7 @@ def test_exact_resume_under_cp(cp_runs: dict) -> None:
 def test_reshard_to_and_from_cp(name: str, source: str, cp_runs: dict) -> None:
     got = cp_runs["runs"][2][0][name]
     want = cp_runs["runs"][2][0]["resume"]["straight"] if source == "straight" else cp_runs["refs"]["causal"]
-    assert got["steps"] == [5]
-    rel = abs(got["losses"][0] - want["losses"][4]) / want["losses"][4]
-    print(f"{name}: step-5 loss after loading the step-4 checkpoint: relative difference {rel:.2e}")
+    assert got["steps"] == [3]
+    rel = abs(got["losses"][0] - want["losses"][2]) / want["losses"][2]
+    print(f"{name}: step-3 loss after loading the step-2 checkpoint: relative difference {rel:.2e}")
     assert rel < RTOL

@@ -1,6 +1,6 @@
 """Every data-parallel layout trains the same model as one process (fp32, CPU, gloo).
 
-Each layout runs the real Trainer for 8 optimizer steps on the same global batches; its
+Each layout runs the real Trainer for 4 optimizer steps (``PARITY_STEPS``) on the same global batches; its
 per-step losses and pre-clip gradient norms must match the single-process run's to relative
 1e-5 and its final parameters to 1e-5 absolute (``tests/parity.py``). The arithmetic order
 of gradient reductions legitimately differs (all-reduce / reduce-scatter sum in another
@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.configs import NO_CLIP, tiny_config
+from tests.configs import NO_CLIP, PARITY_STEPS, tiny_config
 from tests.parity import (
     Case,
     GroupedRuns,
@@ -106,8 +106,8 @@ PROBES = {  # name -> (overrides, setup)
 # lr 1e-3: at the tiny run's 3e-3 this tied model spikes at step 6 (grad norm 14 vs ~2), where Adam
 # amplifies reduction-order differences (step 1: ~1e-6 in the grad norm, as for Llama) to 2e-5 in
 # single weights; at 1e-3 the run is smooth and every layout stays well inside the tolerances.
-# 4 steps (not 8) keep the added test time small; every step's loss and grad norm is compared.
-QWEN3 = ["model=qwen3_debug", "model.attn_head_dim=32", "optimizer.lr=1e-3", "training.steps=4"]
+# 4 steps, as every parity case here (PARITY_STEPS); every step's loss and grad norm is compared.
+QWEN3 = ["model=qwen3_debug", "model.attn_head_dim=32", "optimizer.lr=1e-3", PARITY_STEPS]
 QWEN3_UNTIED = [*QWEN3, "model.tie_embeddings=false"]
 QWEN3_REFERENCES = {
     "qwen3_ref": QWEN3,
@@ -196,9 +196,12 @@ def _write_qwen3_hf(folder: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> GroupedRuns:
     tmp = tmp_path_factory.mktemp("parity")
-    cases = {name: Case(world, tiny_config(str(tmp / name), *ov)) for name, (world, ov) in LAYOUTS.items()}
+    cases = {
+        name: Case(world, tiny_config(str(tmp / name), PARITY_STEPS, *ov))
+        for name, (world, ov) in LAYOUTS.items()
+    }
     for name, (ov, setup) in PROBES.items():
-        cases[name] = Case(2, tiny_config(str(tmp / name), *ov), setup=setup)
+        cases[name] = Case(2, tiny_config(str(tmp / name), PARITY_STEPS, *ov), setup=setup)
     for name, ov in QWEN3_REFERENCES.items():
         cases[name] = Case(1, tiny_config(str(tmp / name), *ov))
     for name, (world, _, ov) in QWEN3_LAYOUTS.items():

@@ -3,9 +3,10 @@
 The harness below mirrors the Trainer's step exactly (global-token loss normalisation scaled
 by dp_cp, AdamW + warmup schedule, global grad-norm clipping, the dp-sharded loader), once
 without PP (the single-process reference) and once with ``parallelize_pipeline`` and
-``Pipeline.step``. Per-step losses, pre-clip grad norms and eval losses (``forward_loss_sum``,
-mid-run and at the end) must match the reference to relative 1e-5 (``tests/parity.py``), and a
-DCP checkpoint of the stages must load into one plain model with the reference's weights.
+``Pipeline.step``, for 4 optimizer steps (``PARITY_STEPS``). Per-step losses, pre-clip grad norms
+and eval losses (``forward_loss_sum``, mid-run and at the end) must match the reference to
+relative 1e-5 (``tests/parity.py``), and a DCP checkpoint of the stages must load into one plain
+model with the reference's weights.
 Cases named ``*_noclip`` run with clipping off against the unclipped reference.
 Measured (printed with ``-s``): losses bitwise equal for pure PP (the pipeline microbatches
 are the reference's accumulation microbatches) and <= 1.4e-7 with TP / DDP; grad norms
@@ -31,13 +32,14 @@ from parallelisms.pipeline_parallel import SCHEDULES, _build_part, stage_ids_of_
 from parallelisms.pipeline_parallel import stage_module_names as _stage_module_names
 from parallelisms.validate import validate_pp as _validate_pp
 from parallelisms.validate import validated_dims
-from tests.configs import NO_CLIP, tiny_config
+from tests.configs import NO_CLIP, PARITY_STEPS, tiny_config
 from tests.dist import run_distributed
 from tests.parity import PARAM_ATOL, assert_parity, history_from
 from trainer.config import TrainConfig
 
 EVAL_BATCH = 4  # validation sequences per eval batch over all dp ranks (same for every layout)
 EVAL_BATCHES = 2
+EVAL_EVERY = 2  # evaluations after steps 2 and 4: mid-run too (the training after it must be unaffected)
 
 
 def stage_module_names(n_layers: int, num_stages: int, layers_per_stage: int | None) -> list[list[str]]:
@@ -54,8 +56,8 @@ def validate_pp(args: LlamaArgs, cfg: ParallelismConfig, **kw: object) -> None:
 
 
 def _train(cfg: TrainConfig, world_size: int, name: str) -> dict:
-    """8 optimizer steps the way the Trainer takes them; returns per-step losses, grad norms
-    and the eval losses after steps 4 and 8 (identical on every rank)."""
+    """The optimizer steps the way the Trainer takes them; returns per-step losses, grad norms
+    and the eval losses after every ``EVAL_EVERY`` steps (identical on every rank)."""
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch import nn
@@ -187,7 +189,7 @@ def _train(cfg: TrainConfig, world_size: int, name: str) -> dict:
         dist.all_reduce(loss_sum, group=dp_cp_group)
         losses.append((loss_sum / num_tokens).item())
         norms.append(norm.item())
-        if step % 4 == 0:  # mid-run too: training after an evaluation must be unaffected by it
+        if step % EVAL_EVERY == 0:  # mid-run too: training after an evaluation must be unaffected by it
             evals.append(evaluate())
     # A DCP checkpoint of the parts under their own (global) names: layout independent.
     import torch.distributed.checkpoint as dcp
@@ -215,7 +217,7 @@ def _run_cases(rank: int, world_size: int, cases: dict[str, TrainConfig]) -> dic
 
 
 def _cfg(tmp: str, *overrides: str) -> TrainConfig:
-    return tiny_config(tmp, "parallelism.dp_shard=1", *overrides)
+    return tiny_config(tmp, PARITY_STEPS, "parallelism.dp_shard=1", *overrides)
 
 
 # 2 ranks, pp=2: every schedule the installed torch has (4 blocks; interleaved ones get 4
@@ -265,7 +267,7 @@ def reference(tmp_path_factory) -> dict[str, dict]:
     tmp = str(tmp_path_factory.mktemp("ref"))
     (result,) = run_distributed(_run_cases, 1, {"clip": _cfg(tmp), "noclip": _cfg(tmp, NO_CLIP)})
     for ref in result.values():
-        assert len(ref["losses"]) == 8 and ref["losses"][-1] < ref["losses"][0]
+        assert len(ref["losses"]) == 4 and len(ref["evals"]) == 2 and ref["losses"][-1] < ref["losses"][0]
     return result
 
 
@@ -289,7 +291,7 @@ def schedule_results(tmp_path_factory) -> dict[str, list[dict]]:
 
 
 def _evals(result: dict) -> list[dict]:
-    return [{"step": 4 * (i + 1), "loss": e} for i, e in enumerate(result["evals"])]
+    return [{"step": EVAL_EVERY * (i + 1), "loss": e} for i, e in enumerate(result["evals"])]
 
 
 def _check(name: str, results: list[dict], reference: dict) -> None:

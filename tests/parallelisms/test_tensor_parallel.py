@@ -4,8 +4,8 @@
   expected shard, local head counts are n_heads / tp and n_kv_heads / tp, the residual stream
   is sequence-sharded under SP, logits are a vocab-sharded DTensor under loss parallel, and
   the sharded forward, loss and gradients equal the single-process ones.
-* Parity: the real Trainer runs 8 optimizer steps per layout (fp32, CPU, gloo); its per-step
-  losses and pre-clip gradient norms must match the single-process run's at relative 1e-5
+* Parity: the real Trainer runs 4 optimizer steps per layout (``PARITY_STEPS``; fp32, CPU, gloo);
+  its per-step losses and pre-clip gradient norms must match the single-process run's at relative 1e-5
   and its final weights at 1e-5 absolute (``tests/parity.py``; measured: losses <= ~1e-7,
   grad norms <= ~2e-6, as TP and FSDP sum partial products and per-shard norms in another
   order than one process). Cases marked ``_noclip`` run with clipping off.
@@ -34,7 +34,7 @@ from parallelisms.parallel_dims import ParallelDims
 from parallelisms.tensor_parallel import ReplicateParallel, apply_tp, check_tp_fits_node
 from parallelisms.tensor_parallel import tp_plan as _tp_plan
 from parallelisms.validate import validate_model, validated_dims
-from tests.configs import NO_CLIP, tiny_config
+from tests.configs import NO_CLIP, PARITY_STEPS, tiny_config
 from tests.dist import run_distributed
 from tests.parity import Case, GroupedRuns, assert_parallel_run
 
@@ -267,7 +267,9 @@ LAYOUTS = {  # name -> (world, overrides); "_noclip" cases compare with the uncl
 def runs(tmp_path_factory: pytest.TempPathFactory) -> GroupedRuns:
     """Every layout of one world size in one spawned group (see tests/parity.py)."""
     tmp = tmp_path_factory.mktemp("tp")
-    return GroupedRuns({n: Case(w, tiny_config(str(tmp / n), *ov)) for n, (w, ov) in LAYOUTS.items()})
+    return GroupedRuns(
+        {n: Case(w, tiny_config(str(tmp / n), PARITY_STEPS, *ov)) for n, (w, ov) in LAYOUTS.items()}
+    )
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """Fault-tolerant data parallelism on torchft, launched as a user does: ``FT_GROUPS=2 NPROC=1 ./launch.sh``
 (a lighthouse and two replica groups, each its own torchrun, under trainer/resilience/supervisor.py).
 
-* no faults: losses, gradient norms and final weights equal plain DDP x2 (``./launch.sh`` with
+* no faults: losses, gradient norms and final weights equal plain DDP x2 (the same config with
   ``parallelism.dp_replicate=2``) on the same batches within 1e-6, and both groups hold bitwise
   equal weights and optimizer state at every step;
 * failures in one job: a group SIGKILLed inside a step (the survivor, inside the gradient
@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 
 import pytest
 
-from tests.configs import REPO, TINY
-from tests.ft_harness import FT_FAST, FTJob, clean_env, stalls
+from tests.configs import TINY, tiny_config
+from tests.ft_harness import FT_FAST, FTJob, stalls
 from trainer.checkpoint.checkpointer import complete_steps, read_marker
 from trainer.config import ConfigError, compose_config
 from trainer.resilience.fault_tolerance import KILL_ENV, check_environment
@@ -56,25 +55,26 @@ def test_config_errors() -> None:
     assert "TORCHFT_LIGHTHOUSE" in str(err.value) and f"{FT}.lighthouse" in str(err.value)
 
 
-RUN = (*TINY, "training.steps=8", "checkpoint.enable=true", "checkpoint.interval=100", *FT_FAST)
+OWN = ("training.steps=8", "checkpoint.enable=true", "checkpoint.interval=100", *FT_FAST)
+RUN = (*TINY, *OWN)
 
 
 @pytest.mark.slow
 def test_two_groups_match_ddp(tmp_path) -> None:
-    """No faults: two replica groups of one rank train exactly what plain DDP x2 trains."""
+    """No faults: two replica groups of one rank train exactly what plain DDP x2 trains (the
+    reference: the same config with parallelism.dp_replicate=2 on 2 ranks of the test harness, while
+    the FT job runs; the same Trainer as under ./launch.sh, without its 3 interpreters)."""
+    from tests.parity import Case, gather_cases
     from trainer.checkpoint.load import load_model
 
     job = FTJob(str(tmp_path / "ft"), (*RUN, f"{FT}.min_replicas=2"))
     ref_dump = str(tmp_path / "ddp")
-    ref = subprocess.run(
-        ["./launch.sh", *RUN, "parallelism.dp_replicate=2", f"job.dump_folder={ref_dump}"],
-        cwd=REPO,
-        env=clean_env(NPROC="2"),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert ref.returncode == 0, ref.stdout[-3000:]
+    try:
+        ddp = tiny_config(ref_dump, *OWN, "parallelism.dp_replicate=2")
+        gather_cases({"ddp": Case(2, ddp, params=False)}, world=2)
+    except BaseException:
+        job.stop()
+        raise
     try:
         assert job.wait(timeout=600) == 0, job.log()
     finally:
