@@ -300,6 +300,18 @@ def _comm_rows(plan: Plan, pp_rank: int, counts: dict[str, Any]) -> list[dict[st
     return rows
 
 
+def _forget_meshes() -> None:
+    """Clear DTensor's sharding-propagation caches: their entries hold the meshes (and through them
+    the destroyed process groups) of the rank rehearsed before; an equal mesh of the next rank would
+    otherwise be answered with the old one's groups."""
+    from torch.distributed.tensor._redistribute import _gen_transform_infos, clear_redistribute_planner_cache
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()  # the Python and the C++ fast path's
+    clear_redistribute_planner_cache()
+    _gen_transform_infos.cache_clear()
+
+
 def rehearse_rank(cfg: TrainConfig, world_size: int, rank: int, steps: int, plan: Plan) -> RankReport:
     """Rehearse ``steps`` training steps of ``cfg`` as ``rank`` of ``world_size`` under the fake
     process group, and set every term next to ``plan``'s for the same rank."""
@@ -319,6 +331,7 @@ def rehearse_rank(cfg: TrainConfig, world_size: int, rank: int, steps: int, plan
         rows = _memory_rows(plan, pp_rank, peak, probe, trainer) + _comm_rows(plan, pp_rank, counts)
     finally:
         dist.destroy_process_group()
+        _forget_meshes()
         for k, v in saved_env.items():
             if v is None:
                 os.environ.pop(k, None)
