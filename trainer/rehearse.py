@@ -84,9 +84,7 @@ def intended_world_size(experiment: str) -> int:
     with open(path, encoding="utf-8") as f:
         match = re.search(r"intended world size:\s*(\d+)", f.read())
     if match is None:
-        raise ConfigError(
-            f"{path} states no '# intended world size: N'; add the comment or pass --world=N."
-        )
+        raise ConfigError(f"{path} states no '# intended world size: N'; add the comment or pass --world=N.")
     return int(match.group(1))
 
 
@@ -252,20 +250,42 @@ def _run_steps(trainer: RehearsalTrainer, steps: int) -> tuple[dict[str, float],
     ledger = CommLedger(
         axis_names_of_groups(dims.mesh, (*dims.mesh_dim_names, *dims.flat_views, DP_REPLICATE_CP))
     )
-    tracker = MemTracker()
+    tracker = _mem_tracker(MemTracker)
     tracker.track_external(*trainer.model_parts, trainer.optimizer)
     with trainer.fake, tracker:
         for _ in range(steps):
-            tracker.reset_mod_stats()
             with ledger:
                 trainer.train_step()
                 trainer.state.step += 1
     peak = tracker.get_tracker_snapshot("peak")
-    by_category = {str(getattr(k, "value", k)): float(v) for k, v in next(iter(peak.values())).items()} if peak else {}
+    by_category = (
+        {str(getattr(k, "value", k)): float(v) for k, v in next(iter(peak.values())).items()} if peak else {}
+    )
     return by_category, ledger.pop(), probe
 
 
-def _memory_rows(plan: Plan, pp_rank: int, peak: dict[str, float], probe: _StateProbe, trainer: Trainer) -> list[dict[str, Any]]:
+def _mem_tracker(base: type) -> Any:
+    """torch's ``MemTracker`` that accepts the model being called again within a step (gradient
+    accumulation; it refuses a second top-level forward): the per-module statistics, which the
+    rehearsal does not read, restart; the device-wide snapshots and the peak are kept."""
+
+    class AccumulatingMemTracker(base):  # type: ignore[misc,valid-type]
+        def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+            tracker = self._mod_tracker
+            if (
+                module in self.memory_tracking
+                and not tracker.is_bw
+                and set(tracker.parents) <= {"Global"} | {tracker.get_known_fqn(module)}
+            ):
+                self.reset_mod_stats()
+            super()._pre_fw_hook(module, inputs)
+
+    return AccumulatingMemTracker()
+
+
+def _memory_rows(
+    plan: Plan, pp_rank: int, peak: dict[str, float], probe: _StateProbe, trainer: Trainer
+) -> list[dict[str, Any]]:
     stage = plan.stages[pp_rank]
     params = _local_bytes(trainer.parameters)
     return [
@@ -372,7 +392,9 @@ def _parse(argv: list[str]) -> _Args:
             try:
                 args.ranks = [int(r) for r in a.split("=", 1)[1].split(",")]
             except ValueError:
-                raise ConfigError(f"{a!r}: --ranks takes comma-separated rank numbers, e.g. --ranks=0,31.") from None
+                raise ConfigError(
+                    f"{a!r}: --ranks takes comma-separated rank numbers, e.g. --ranks=0,31."
+                ) from None
         elif a.startswith("--steps="):
             args.steps = _int_option(a)
         elif a.startswith("--world="):
@@ -405,7 +427,9 @@ def _plan_inputs(args: _Args) -> tuple[TrainConfig, int, list[int], str]:
     ranks = args.ranks if args.ranks is not None else sorted({0, world - 1})
     bad = [r for r in ranks if not 0 <= r < world]
     if bad:
-        raise ConfigError(f"--ranks: rank {bad[0]} is outside the world of {world} ranks; use 0..{world - 1}.")
+        raise ConfigError(
+            f"--ranks: rank {bad[0]} is outside the world of {world} ranks; use 0..{world - 1}."
+        )
     return cfg, world, ranks, experiment
 
 
@@ -415,7 +439,8 @@ def render_report(reports: list[RankReport], experiment: str, tolerance: float =
     for rep in reports:
         lines.append(
             f"rehearsal: {experiment or '(overrides)'} rank {rep.rank} of {rep.world_size}, "
-            f"{rep.steps} step(s) in {rep.wall_s:.1f} s (ratio = rehearsed / planned; * = checked, +-{tolerance:.0%})"
+            f"{rep.steps} step(s) in {rep.wall_s:.1f} s "
+            f"(ratio = rehearsed / planned; * = checked, +-{tolerance:.0%})"
         )
         lines.append(f"  {'kind':<7} {'what':<40} {'planned':>16} {'rehearsed':>16} {'ratio':>8}")
         for r in rep.rows:
@@ -454,8 +479,21 @@ def main(argv: Optional[list[str]] = None) -> int:
         where = f" (rehearsing rank {rank})" if rank is not None else ""
         print(f"config error{where}: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # the run's own code failed at this rank: name it, not DTensor's traceback
+        first = (str(e).splitlines() or [""])[0]
+        print(
+            f"rehearsal failed at rank {rank}: {type(e).__name__}: {first}; the real run fails there too "
+            f"(rerun with --ranks={rank} under python -X dev for the traceback).",
+            file=sys.stderr,
+        )
+        return 1
     if args.as_json:
-        print(json.dumps({"experiment": experiment, "ranks": [asdict(r) for r in reports], "replaced": REPLACED}, indent=1))
+        print(
+            json.dumps(
+                {"experiment": experiment, "ranks": [asdict(r) for r in reports], "replaced": REPLACED},
+                indent=1,
+            )
+        )
     else:
         print(render_report(reports, experiment))
     failed = [(rep.rank, r["what"], r["ratio"]) for rep in reports for r in rep.failures()]
