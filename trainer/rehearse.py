@@ -27,9 +27,9 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional, TypedDict, Union
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,7 @@ from trainer.train import Trainer
 
 if TYPE_CHECKING:
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
 
     from trainer.config import TrainConfig
     from trainer.planner.context import Plan
@@ -147,7 +148,9 @@ class RehearsalTrainer(Trainer):
         original = nn.Module.to_empty
         fake = self.fake
 
-        def to_empty(module: nn.Module, *, device: Any, recurse: bool = True) -> nn.Module:
+        def to_empty(
+            module: nn.Module, *, device: Union[str, torch.device], recurse: bool = True
+        ) -> nn.Module:
             with fake:
                 return original(module, device=device, recurse=recurse)
 
@@ -178,6 +181,17 @@ class RehearsalTrainer(Trainer):
 # -- one rank ---------------------------------------------------------------------------------------
 
 
+class Row(TypedDict):
+    """One term of a rank's report; ``checked`` terms fail the rehearsal outside ``1 +- TOLERANCE``."""
+
+    kind: str  # memory | comm
+    what: str
+    planned: float
+    rehearsed: float
+    ratio: float  # rehearsed / planned
+    checked: bool
+
+
 @dataclass
 class RankReport:
     """One rehearsed rank next to its plan: ``rows`` of (kind, what, planned, rehearsed, ratio)."""
@@ -186,14 +200,14 @@ class RankReport:
     world_size: int
     steps: int
     wall_s: float
-    rows: list[dict[str, Any]] = field(default_factory=list)
+    rows: list[Row] = field(default_factory=list)
 
-    def failures(self, tolerance: float = TOLERANCE) -> list[dict[str, Any]]:
+    def failures(self, tolerance: float = TOLERANCE) -> list[Row]:
         """The checked rows whose ratio leaves ``1 +- tolerance``."""
         return [r for r in self.rows if r["checked"] and not abs(r["ratio"] - 1) <= tolerance]
 
 
-def _local_bytes(tensors: Any) -> float:
+def _local_bytes(tensors: Iterable[Optional[torch.Tensor]]) -> float:
     """Bytes of the distinct tensors (a DTensor counts its local shard; tied weights count once)."""
     from torch.distributed.tensor import DTensor
 
@@ -223,19 +237,14 @@ class _StateProbe:
         self.optimizer = _local_bytes(v for s in opt for v in s.values() if isinstance(v, torch.Tensor))
 
 
-def _row(kind: str, what: str, planned: float, rehearsed: float, checked: bool = True) -> dict[str, Any]:
+def _row(kind: str, what: str, planned: float, rehearsed: float, checked: bool = True) -> Row:
     ratio = rehearsed / planned if planned else (1.0 if not rehearsed else math.inf)
-    return {
-        "kind": kind,
-        "what": what,
-        "planned": planned,
-        "rehearsed": rehearsed,
-        "ratio": ratio,
-        "checked": checked,
-    }
+    return Row(kind=kind, what=what, planned=planned, rehearsed=rehearsed, ratio=ratio, checked=checked)
 
 
-def _run_steps(trainer: RehearsalTrainer, steps: int) -> tuple[dict[str, float], dict[str, Any], _StateProbe]:
+def _run_steps(
+    trainer: RehearsalTrainer, steps: int
+) -> tuple[dict[str, float], dict[str, object], _StateProbe]:
     """``steps`` real training steps under MemTracker and the CommLedger: (memory at the peak by
     category, the ledger's collectives per step, the model-state probe)."""
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -264,13 +273,13 @@ def _run_steps(trainer: RehearsalTrainer, steps: int) -> tuple[dict[str, float],
     return by_category, ledger.pop(), probe
 
 
-def _mem_tracker(base: type) -> Any:
+def _mem_tracker(base: type[MemTracker]) -> MemTracker:
     """torch's ``MemTracker`` that accepts the model being called again within a step (gradient
     accumulation; it refuses a second top-level forward): the per-module statistics, which the
     rehearsal does not read, restart; the device-wide snapshots and the peak are kept."""
 
     class AccumulatingMemTracker(base):  # type: ignore[misc,valid-type]
-        def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+        def _pre_fw_hook(self, module: nn.Module, inputs: tuple[object, ...]) -> None:
             tracker = self._mod_tracker
             if (
                 module in self.memory_tracking
@@ -285,7 +294,7 @@ def _mem_tracker(base: type) -> Any:
 
 def _memory_rows(
     plan: Plan, pp_rank: int, peak: dict[str, float], probe: _StateProbe, trainer: Trainer
-) -> list[dict[str, Any]]:
+) -> list[Row]:
     stage = plan.stages[pp_rank]
     params = _local_bytes(trainer.parameters)
     return [
@@ -297,7 +306,7 @@ def _memory_rows(
     ]
 
 
-def _comm_rows(plan: Plan, pp_rank: int, counts: dict[str, Any]) -> list[dict[str, Any]]:
+def _comm_rows(plan: Plan, pp_rank: int, counts: dict[str, object]) -> list[Row]:
     """Per (collective, mesh axis): bytes and calls per step, planned vs rehearsed. Scalars (token
     counts, the grad norm's partial sums) are not planned: rows under 1 MB a step are shown unchecked."""
     planned: dict[tuple[str, str], list[float]] = {}
@@ -307,7 +316,7 @@ def _comm_rows(plan: Plan, pp_rank: int, counts: dict[str, Any]) -> list[dict[st
         slot[1] += x.calls
     measured: dict[tuple[str, str], list[float]] = {}
     for op, axes in counts.items():
-        if op == "total_bytes":
+        if not isinstance(axes, dict):  # total_bytes
             continue
         for axis, v in axes.items():
             measured[(op, axis)] = [v["bytes"], v["calls"]]
