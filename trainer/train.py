@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from models import get_spec
 from models.errors import ConfigError
@@ -147,6 +148,12 @@ class Trainer:
         self.grad_accum_steps = self.dims.grad_accum_steps(self.batch_size, t.micro_batch_size)
         if not cfg.checkpoint.create_seed:  # metrics.memory_check: will this layout fit on this host?
             self._check_memory()
+        self._load_data()
+
+    def _load_data(self) -> None:
+        """The tokenizer and the loaders: training, validation, named validation sets and tasks
+        (a rehearsal, ``trainer/rehearse.py``, replaces them with synthetic batches of the same shapes)."""
+        cfg, t = self.cfg, self.cfg.training
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
         check_vocab_size(self.tokenizer, cfg.model.vocab_size)
         dp_rank = self.dims.dp_rank_of(self.rank)  # the mesh confirms it once built
@@ -272,7 +279,7 @@ class Trainer:
         full_shapes = {k: v.shape for k, v in model.state_dict().items()}  # before any wrapper renames
         options = PartOptions(
             device=self.device,
-            init_weights=lambda m: m.init_weights(seed=t.seed, copy_fn=copy_full_into),
+            init_weights=self._init_weights,
             activation_checkpoint=t.activation_checkpoint,
             ac_selective=t.ac_selective,
             ac_layer_interval=t.ac_layer_interval,
@@ -320,6 +327,10 @@ class Trainer:
         # Every parameter of this rank's parts, each once: what the optimizer, clipping and the ledger see.
         self.parameters = list(dict.fromkeys(p for part in self.model_parts for p in part.parameters()))
         return full_shapes
+
+    def _init_weights(self, model: nn.Module) -> None:
+        """The deterministic initialisation of a materialised part (the same weights under any layout)."""
+        model.init_weights(seed=self.cfg.training.seed, copy_fn=copy_full_into)
 
     def _build_optimizer(self) -> None:
         p = self.parallelism
@@ -375,8 +386,12 @@ class Trainer:
             resume_step=self.state.step,
             run_name=cfg.job.name,
         )
-        # The per-step extras (MoE load balancing, QK-clip, MTP statistics, the ledgers, fault
-        # tolerance), run from one ordered list at the step's hook points (trainer/hooks.py).
+        self._build_hooks()
+
+    def _build_hooks(self) -> None:
+        """The per-step extras (MoE load balancing, QK-clip, MTP statistics, the ledgers, fault
+        tolerance), run from one ordered list at the step's hook points (trainer/hooks.py)."""
+        cfg, t = self.cfg, self.cfg.training
         self.hooks = build_step_hooks(
             HookContext(
                 cfg=cfg,
@@ -505,16 +520,21 @@ class Trainer:
         if s.discard:
             self.optimizer.zero_grad(set_to_none=True)
             return None
-        # Every rank sees the same global grad norm, so all stop together, before the step.
-        message = non_finite_message(s.grad_norm, s.loss_sum, s.step)  # names the rank(s)
-        if message is not None:
-            raise TrainingError(message)
+        self._check_finite(s)
         self.hooks.run("before_optimizer_step", s)
         self.optimizer.step()
         self.hooks.run("after_optimizer_step", s)
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return s
+
+    def _check_finite(self, s: StepState) -> None:
+        """Every rank sees the same global grad norm, so all stop together, before the optimizer step
+        (one host sync; a rehearsal, whose tensors have no values, answers it without one)."""
+        assert s.grad_norm is not None and s.loss_sum is not None
+        message = non_finite_message(s.grad_norm, s.loss_sum, s.step)  # names the rank(s)
+        if message is not None:
+            raise TrainingError(message)
 
     @torch.no_grad()
     def evaluate(self, loader: Optional[DataLoader] = None, steps: Optional[int] = None) -> tuple[float, int]:

@@ -1,0 +1,520 @@
+"""Rehearse a run at its real size on one CPU, and check it against the planner.
+
+``python -m trainer.rehearse +experiment=NAME [key=value ...] [--ranks=R,...] [--steps=N] [--json]
+[--report-only]``
+
+It runs the real code, not a model of it: the config is composed and validated as training does
+(``trainer/config.py``); the mesh is built at the preset's intended world size (the experiment YAML's
+``# intended world size: N`` comment) under torch's fake process group (backend ``"fake"``, any
+world size, no data moved) as each rehearsed rank in turn; the ``Trainer`` builds the model on meta
+through the family's spec and applies the real ``parallelize`` outside ``FakeTensorMode``, then
+materialises it and runs N real ``Trainer.train_step`` calls inside ``FakeTensorMode`` (shapes and
+dtypes, no storage) with synthetic batches of the real shapes. torch's ``MemTracker`` measures the
+memory (peak and categories) and our ``CommLedger`` (``trainer/observe/comm_ledger.py``) counts every
+collective by mesh axis. Each term is set next to ``trainer.plan``'s for the same rank; the command
+exits 1 when one differs by more than 5% (unless ``--report-only``), 2 on a bad argument.
+
+What the rehearsal replaces or does not trace (``REPLACED``) is printed with every report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import math
+import os
+import re
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Optional, TypedDict, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from models.errors import ConfigError
+from trainer.config import CONFIG_DIR
+from trainer.step import StepState
+from trainer.train import Trainer
+
+if TYPE_CHECKING:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from trainer.config import TrainConfig
+    from trainer.planner.context import Plan
+
+__all__ = ["REPLACED", "TOLERANCE", "RankReport", "intended_world_size", "main", "rehearse_rank"]
+
+TOLERANCE = 0.05  # a term whose rehearsed / planned ratio leaves [0.95, 1.05] fails the rehearsal
+
+# Overrides every rehearsal adds: trace eager on the CPU; the planner's launch check is what we compare
+# against, not a gate; no ledger hooks of the run's own (the rehearsal installs its ledger).
+REHEARSAL_OVERRIDES = (
+    "training.device=cpu",
+    "training.compile=false",
+    "metrics.memory_check=off",
+    "metrics.comm_ledger=false",
+    "metrics.memory_ledger=false",
+)
+
+# What the rehearsal replaces, or does not trace (shown in every report).
+REPLACED = (
+    "data: synthetic token ids of the real (local batch, seq_len) shapes replace the loader and tokenizer",
+    "weights: the deterministic init_weights is skipped (fake tensors have no values)",
+    "guards: the non-finite check (a host sync) is answered 'finite'",
+    "checkpoint: not built, no save traced (DCP's planner is not run yet)",
+    "operations: preemption agreement, comm watchdog, profiler, metrics logger not built",
+    "compile: training.compile=false (eager); CUDA-only branches (compile, async TP, CUDA streams, "
+    "NCCL reduce ops) are not traced; the CPU attention core stands for the GPU's",
+    "evaluation: validation and tasks are not rehearsed",
+    "pipeline and expert parallelism: not rehearsed yet (refused with exit 2)",
+)
+
+_OPTIONS = ("--ranks=", "--steps=", "--json", "--report-only", "--world=")
+
+
+def intended_world_size(experiment: str) -> int:
+    """The world size an experiment preset is written for: its ``# intended world size: N`` comment."""
+    path = os.path.join(CONFIG_DIR, "experiment", f"{experiment}.yaml")
+    if not os.path.isfile(path):
+        raise ConfigError(f"+experiment={experiment!r}: no preset {path}; pick one of configs/experiment/.")
+    with open(path, encoding="utf-8") as f:
+        match = re.search(r"intended world size:\s*(\d+)", f.read())
+    if match is None:
+        raise ConfigError(f"{path} states no '# intended world size: N'; add the comment or pass --world=N.")
+    return int(match.group(1))
+
+
+# -- the rehearsed trainer --------------------------------------------------------------------------
+
+
+class _SyntheticBatch:
+    """What ``DataLoader.next_batch`` returns: ``inputs`` and ``labels`` (B, S) of token ids."""
+
+    def __init__(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
+        self.inputs, self.labels = inputs, labels
+
+
+class SyntheticLoader:
+    """The training loader's place in a rehearsal: token ids of the real shapes (fake tensors)."""
+
+    def __init__(self, batch: int, seq_len: int, vocab_size: int) -> None:
+        self.batch, self.seq_len, self.vocab_size = batch, seq_len, vocab_size
+
+    def next_batch(self) -> _SyntheticBatch:
+        tokens = torch.randint(0, self.vocab_size, (self.batch, self.seq_len + 1))
+        return _SyntheticBatch(tokens[:, :-1], tokens[:, 1:])
+
+    def pop_metrics(self) -> dict[str, float]:
+        return {}
+
+
+class RehearsalTrainer(Trainer):
+    """The real ``Trainer`` with the points that need values or real I/O answered (``REPLACED``): the
+    model, optimizer and hooks are built inside ``fake`` (FakeTensorMode), the mesh and the
+    ``parallelize`` steps before materialisation outside it (they read mesh coordinates)."""
+
+    def __init__(self, cfg: TrainConfig, fake: FakeTensorMode) -> None:
+        self.fake = fake
+        super().__init__(cfg)
+
+    def _load_data(self) -> None:
+        self.tokenizer = None  # type: ignore[assignment]  # synthetic ids need none
+        t = self.cfg.training
+        self.train_loader = SyntheticLoader(self.local_batch_size, t.seq_len, self.cfg.model.vocab_size)  # type: ignore[assignment]
+        self.val_loader, self.named_val_loaders, self.task_evaluator = None, {}, None
+
+    def _build_operations(self) -> None:
+        pass  # the preemption agreement builds a gloo group: no peers exist under the fake group
+
+    def _write_run_folder(self) -> None:
+        self.log_folder = self.cfg.job.dump_folder  # nothing is written
+
+    def _init_weights(self, model: nn.Module) -> None:
+        pass  # fake tensors have no values to initialise
+
+    def _build_model(self) -> dict[str, torch.Size]:
+        with self._fake_materialisation():
+            return super()._build_model()
+
+    @contextlib.contextmanager
+    def _fake_materialisation(self) -> Iterator[None]:
+        """``to_empty`` (the materialisation in ``parallelize``) inside ``fake``; TP, AC and FSDP before
+        it stay outside, where DTensor can compute shard offsets from the mesh coordinates."""
+        original = nn.Module.to_empty
+        fake = self.fake
+
+        def to_empty(
+            module: nn.Module, *, device: Union[str, torch.device], recurse: bool = True
+        ) -> nn.Module:
+            with fake:
+                return original(module, device=device, recurse=recurse)
+
+        nn.Module.to_empty = to_empty  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            nn.Module.to_empty = original  # type: ignore[method-assign]
+
+    def _build_optimizer(self) -> None:
+        with self.fake:
+            super()._build_optimizer()
+
+    def _build_checkpointer(self, full_shapes: dict[str, torch.Size]) -> None:
+        pass  # not rehearsed yet (REPLACED)
+
+    def _build_metrics(self) -> None:
+        with self.fake:
+            self._build_hooks()
+
+    def _log_summary(self) -> None:
+        pass
+
+    def _check_finite(self, s: StepState) -> None:
+        pass  # fake tensors have no values: the step is taken as finite
+
+
+# -- one rank ---------------------------------------------------------------------------------------
+
+
+class Row(TypedDict):
+    """One term of a rank's report; ``checked`` terms fail the rehearsal outside ``1 +- TOLERANCE``."""
+
+    kind: str  # memory | comm
+    what: str
+    planned: float
+    rehearsed: float
+    ratio: float  # rehearsed / planned
+    checked: bool
+
+
+@dataclass
+class RankReport:
+    """One rehearsed rank next to its plan: ``rows`` of (kind, what, planned, rehearsed, ratio)."""
+
+    rank: int
+    world_size: int
+    steps: int
+    wall_s: float
+    rows: list[Row] = field(default_factory=list)
+
+    def failures(self, tolerance: float = TOLERANCE) -> list[Row]:
+        """The checked rows whose ratio leaves ``1 +- tolerance``."""
+        return [r for r in self.rows if r["checked"] and not abs(r["ratio"] - 1) <= tolerance]
+
+
+def _local_bytes(tensors: Iterable[Optional[torch.Tensor]]) -> float:
+    """Bytes of the distinct tensors (a DTensor counts its local shard; tied weights count once)."""
+    from torch.distributed.tensor import DTensor
+
+    seen: dict[int, float] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        seen[id(local)] = float(local.numel() * local.element_size())
+    return sum(seen.values())
+
+
+class _StateProbe:
+    """A step hook: the model-state bytes at the instant they are defined (gradients complete, before
+    the optimizer step; optimizer state after it)."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self.grads = 0.0
+        self.optimizer = 0.0
+
+    def before_optimizer_step(self, state: StepState) -> None:
+        self.grads = _local_bytes(p.grad for p in self.trainer.parameters)
+
+    def after_optimizer_step(self, state: StepState) -> None:
+        opt = self.trainer.optimizer.state.values()
+        self.optimizer = _local_bytes(v for s in opt for v in s.values() if isinstance(v, torch.Tensor))
+
+
+def _row(kind: str, what: str, planned: float, rehearsed: float, checked: bool = True) -> Row:
+    ratio = rehearsed / planned if planned else (1.0 if not rehearsed else math.inf)
+    return Row(kind=kind, what=what, planned=planned, rehearsed=rehearsed, ratio=ratio, checked=checked)
+
+
+def _run_steps(
+    trainer: RehearsalTrainer, steps: int
+) -> tuple[dict[str, float], dict[str, object], _StateProbe]:
+    """``steps`` real training steps under MemTracker and the CommLedger: (memory at the peak by
+    category, the ledger's collectives per step, the model-state probe)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from parallelisms.parallel_dims import DP_REPLICATE_CP
+    from trainer.hooks import StepHooks
+    from trainer.observe.comm_ledger import CommLedger, axis_names_of_groups
+
+    probe = _StateProbe(trainer)
+    trainer.hooks = StepHooks([*trainer.hooks.hooks, probe])
+    dims = trainer.dims
+    ledger = CommLedger(
+        axis_names_of_groups(dims.mesh, (*dims.mesh_dim_names, *dims.flat_views, DP_REPLICATE_CP))
+    )
+    tracker = _mem_tracker(MemTracker)
+    tracker.track_external(*trainer.model_parts, trainer.optimizer)
+    with trainer.fake, tracker:
+        for _ in range(steps):
+            with ledger:
+                trainer.train_step()
+                trainer.state.step += 1
+    peak = tracker.get_tracker_snapshot("peak")
+    by_category = (
+        {str(getattr(k, "value", k)): float(v) for k, v in next(iter(peak.values())).items()} if peak else {}
+    )
+    return by_category, ledger.pop(), probe
+
+
+def _mem_tracker(base: type[MemTracker]) -> MemTracker:
+    """torch's ``MemTracker`` that accepts the model being called again within a step (gradient
+    accumulation; it refuses a second top-level forward): the per-module statistics, which the
+    rehearsal does not read, restart; the device-wide snapshots and the peak are kept."""
+
+    class AccumulatingMemTracker(base):  # type: ignore[misc,valid-type]
+        def _pre_fw_hook(self, module: nn.Module, inputs: tuple[object, ...]) -> None:
+            tracker = self._mod_tracker
+            if (
+                module in self.memory_tracking
+                and not tracker.is_bw
+                and set(tracker.parents) <= {"Global"} | {tracker.get_known_fqn(module)}
+            ):
+                self.reset_mod_stats()
+            super()._pre_fw_hook(module, inputs)
+
+    return AccumulatingMemTracker()
+
+
+def _memory_rows(
+    plan: Plan, pp_rank: int, peak: dict[str, float], probe: _StateProbe, trainer: Trainer
+) -> list[Row]:
+    stage = plan.stages[pp_rank]
+    params = _local_bytes(trainer.parameters)
+    return [
+        _row("memory", "params", stage.params_bytes, params),
+        _row("memory", "grads", stage.grads_bytes, probe.grads),
+        _row("memory", "optimizer", stage.optimizer_bytes, probe.optimizer),
+        _row("memory", "peak: activations", stage.activations_bytes, peak.get("Activation", 0.0), False),
+        _row("memory", "peak: total", stage.total_bytes, peak.get("Total", 0.0), False),
+    ]
+
+
+def _comm_rows(plan: Plan, pp_rank: int, counts: dict[str, object]) -> list[Row]:
+    """Per (collective, mesh axis): bytes and calls per step, planned vs rehearsed. Scalars (token
+    counts, the grad norm's partial sums) are not planned: rows under 1 MB a step are shown unchecked."""
+    planned: dict[tuple[str, str], list[float]] = {}
+    for x in plan.pp_rank_collectives[pp_rank]:
+        slot = planned.setdefault((x.op, x.axis), [0.0, 0.0])
+        slot[0] += x.logical_bytes
+        slot[1] += x.calls
+    measured: dict[tuple[str, str], list[float]] = {}
+    for op, axes in counts.items():
+        if not isinstance(axes, dict):  # total_bytes
+            continue
+        for axis, v in axes.items():
+            measured[(op, axis)] = [v["bytes"], v["calls"]]
+    rows = []
+    for op, axis in sorted(set(planned) | set(measured)):
+        want, got = planned.get((op, axis), [0.0, 0.0]), measured.get((op, axis), [0.0, 0.0])
+        significant = max(want[0], got[0]) >= 1e6
+        rows.append(_row("comm", f"{op} {axis} bytes", want[0], got[0], significant))
+        rows.append(_row("comm", f"{op} {axis} calls", want[1], got[1], False))
+    return rows
+
+
+def _forget_meshes() -> None:
+    """Clear DTensor's sharding-propagation caches: their entries hold the meshes (and through them
+    the destroyed process groups) of the rank rehearsed before; an equal mesh of the next rank would
+    otherwise be answered with the old one's groups."""
+    from torch.distributed.tensor._redistribute import _gen_transform_infos, clear_redistribute_planner_cache
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()  # the Python and the C++ fast path's
+    clear_redistribute_planner_cache()
+    _gen_transform_infos.cache_clear()
+
+
+def rehearse_rank(cfg: TrainConfig, world_size: int, rank: int, steps: int, plan: Plan) -> RankReport:
+    """Rehearse ``steps`` training steps of ``cfg`` as ``rank`` of ``world_size`` under the fake
+    process group, and set every term next to ``plan``'s for the same rank."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from trainer.planner.compare import pp_rank_of
+
+    start = time.perf_counter()
+    saved_env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        trainer = RehearsalTrainer(cfg, FakeTensorMode(allow_non_fake_inputs=True))
+        peak, counts, probe = _run_steps(trainer, steps)
+        pp_rank = pp_rank_of(plan, rank)
+        rows = _memory_rows(plan, pp_rank, peak, probe, trainer) + _comm_rows(plan, pp_rank, counts)
+    finally:
+        dist.destroy_process_group()
+        _forget_meshes()
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return RankReport(rank, world_size, steps, time.perf_counter() - start, rows)
+
+
+# -- the command ------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Args:
+    overrides: list[str]
+    ranks: Optional[list[int]]
+    steps: int
+    world: Optional[int]
+    as_json: bool
+    report_only: bool
+
+
+def _int_option(arg: str) -> int:
+    name, _, value = arg.partition("=")
+    try:
+        out = int(value)
+    except ValueError:
+        raise ConfigError(f"{arg!r}: {name} takes a whole number, e.g. {name}=1.") from None
+    if out < 1:
+        raise ConfigError(f"{arg!r}: {name} must be >= 1.")
+    return out
+
+
+def _parse(argv: list[str]) -> _Args:
+    """The command line; a bad option is a ConfigError naming it (exit 2)."""
+    args = _Args([], None, 1, None, "--json" in argv, "--report-only" in argv)
+    for a in argv:
+        if a.startswith("--ranks="):
+            try:
+                args.ranks = [int(r) for r in a.split("=", 1)[1].split(",")]
+            except ValueError:
+                raise ConfigError(
+                    f"{a!r}: --ranks takes comma-separated rank numbers, e.g. --ranks=0,31."
+                ) from None
+        elif a.startswith("--steps="):
+            args.steps = _int_option(a)
+        elif a.startswith("--world="):
+            args.world = _int_option(a)
+        elif a.startswith("-") and a not in ("--json", "--report-only"):
+            raise ConfigError(
+                f"unknown option {a!r}; the options are --ranks=R,..., --steps=N, --world=N, --json and "
+                "--report-only; the rest are key=value overrides (e.g. +experiment=7b_hsdp)."
+            )
+        elif not a.startswith("-"):
+            args.overrides.append(a)
+    return args
+
+
+def _plan_inputs(args: _Args) -> tuple[TrainConfig, int, list[int], str]:
+    """(the composed and validated config, the world size, the ranks to rehearse, the experiment)."""
+    from trainer.config import compose_config
+
+    experiment = next((a.split("=", 1)[1] for a in args.overrides if a.startswith("+experiment=")), "")
+    if args.world is None and not experiment:
+        raise ConfigError("name the run: +experiment=NAME (its YAML states the world size) or --world=N.")
+    world = args.world if args.world is not None else intended_world_size(experiment)
+    cfg = compose_config(*args.overrides, *REHEARSAL_OVERRIDES)
+    p = cfg.parallelism
+    if p.pp > 1 or p.ep > 1:
+        raise ConfigError(
+            f"parallelism.pp={p.pp}, parallelism.ep={p.ep}: pipeline and expert parallelism are not "
+            "rehearsed yet (issue #32); rehearse a layout without them, or plan it: python -m trainer.plan."
+        )
+    ranks = args.ranks if args.ranks is not None else sorted({0, world - 1})
+    bad = [r for r in ranks if not 0 <= r < world]
+    if bad:
+        raise ConfigError(
+            f"--ranks: rank {bad[0]} is outside the world of {world} ranks; use 0..{world - 1}."
+        )
+    return cfg, world, ranks, experiment
+
+
+def render_report(reports: list[RankReport], experiment: str, tolerance: float = TOLERANCE) -> str:
+    """The reports as text: one table per rank, then what was replaced."""
+    lines = []
+    for rep in reports:
+        lines.append(
+            f"rehearsal: {experiment or '(overrides)'} rank {rep.rank} of {rep.world_size}, "
+            f"{rep.steps} step(s) in {rep.wall_s:.1f} s "
+            f"(ratio = rehearsed / planned; * = checked, +-{tolerance:.0%})"
+        )
+        lines.append(f"  {'kind':<7} {'what':<40} {'planned':>16} {'rehearsed':>16} {'ratio':>8}")
+        for r in rep.rows:
+            mark = ("*" if abs(r["ratio"] - 1) <= tolerance else "!") if r["checked"] else " "
+            lines.append(
+                f"  {r['kind']:<7} {r['what']:<40} {r['planned']:>16,.0f} {r['rehearsed']:>16,.0f} "
+                f"{r['ratio']:>8.3f}{mark}"
+            )
+        lines.append("")
+    lines.append("replaced / not traced:")
+    lines.extend(f"  - {x}" for x in REPLACED)
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``python -m trainer.rehearse +experiment=NAME [key=value ...] [--ranks=R,...] [--steps=N]
+    [--world=N] [--json] [--report-only]``: rehearse the run at its intended world size as each rank
+    (default: the first and the last) and compare every term with ``trainer.plan``'s; exit 1 when
+    one differs by more than 5% (unless --report-only), 2 on a bad argument."""
+    from trainer.planner.cluster import compose_cluster
+    from trainer.planner.plan import build_plan
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(inspect.cleandoc(main.__doc__ or ""))
+        return 0
+    rank: Optional[int] = None
+    try:
+        args = _parse(argv)
+        cfg, world, ranks, experiment = _plan_inputs(args)
+        plan = build_plan(cfg, compose_cluster([]), experiment)
+        reports = []
+        for rank in ranks:
+            reports.append(rehearse_rank(cfg, world, rank, args.steps, plan))
+    except ConfigError as e:
+        where = f" (rehearsing rank {rank})" if rank is not None else ""
+        print(f"config error{where}: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # the run's own code failed at this rank: name it, not DTensor's traceback
+        first = (str(e).splitlines() or [""])[0]
+        print(
+            f"rehearsal failed at rank {rank}: {type(e).__name__}: {first}; the real run fails there too "
+            f"(rerun with --ranks={rank} under python -X dev for the traceback).",
+            file=sys.stderr,
+        )
+        return 1
+    if args.as_json:
+        print(
+            json.dumps(
+                {"experiment": experiment, "ranks": [asdict(r) for r in reports], "replaced": REPLACED},
+                indent=1,
+            )
+        )
+    else:
+        print(render_report(reports, experiment))
+    failed = [(rep.rank, r["what"], r["ratio"]) for rep in reports for r in rep.failures()]
+    if failed and not args.report_only:
+        print(
+            "rehearsal and plan disagree by more than 5%: "
+            + "; ".join(f"rank {k} {w} ratio {x:.3f}" for k, w, x in failed),
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
