@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import glob
 import os
-import re
 
 import pytest
 import torch
@@ -13,17 +12,11 @@ from models import get_spec
 from parallelisms.validate import validated_dims
 from tests.configs import CONFIG_DIR, make_config
 from tests.models.test_llama import PUBLISHED
+from trainer.rehearse import intended_world_size
 
 EXPERIMENTS = sorted(
     os.path.basename(p)[:-5] for p in glob.glob(os.path.join(CONFIG_DIR, "experiment", "*.yaml"))
 )
-
-
-def intended_world_size(name: str) -> int:
-    with open(os.path.join(CONFIG_DIR, "experiment", f"{name}.yaml"), encoding="utf-8") as f:
-        match = re.search(r"intended world size:\s*(\d+)", f.read())
-    assert match, f"experiment/{name}.yaml must state '# intended world size: N'"
-    return int(match.group(1))
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)

@@ -37,6 +37,7 @@ from torch import nn
 
 from models.errors import ConfigError
 from trainer.config import CONFIG_DIR
+from trainer.data.windows import Batch
 from trainer.step import StepState
 from trainer.train import Trainer
 
@@ -92,22 +93,15 @@ def intended_world_size(experiment: str) -> int:
 # -- the rehearsed trainer --------------------------------------------------------------------------
 
 
-class _SyntheticBatch:
-    """What ``DataLoader.next_batch`` returns: ``inputs`` and ``labels`` (B, S) of token ids."""
-
-    def __init__(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
-        self.inputs, self.labels = inputs, labels
-
-
 class SyntheticLoader:
     """The training loader's place in a rehearsal: token ids of the real shapes (fake tensors)."""
 
     def __init__(self, batch: int, seq_len: int, vocab_size: int) -> None:
         self.batch, self.seq_len, self.vocab_size = batch, seq_len, vocab_size
 
-    def next_batch(self) -> _SyntheticBatch:
+    def next_batch(self) -> Batch:
         tokens = torch.randint(0, self.vocab_size, (self.batch, self.seq_len + 1))
-        return _SyntheticBatch(tokens[:, :-1], tokens[:, 1:])
+        return Batch(tokens[:, :-1], tokens[:, 1:])
 
     def pop_metrics(self) -> dict[str, float]:
         return {}
