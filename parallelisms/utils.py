@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from typing import Union, cast
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Optional, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -13,10 +13,17 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from models.errors import ConfigError
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import Placement
+
 # Config dtype name -> torch dtype: the one map (configs, export, FSDP mixed precision).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 Positions = Union[slice, torch.Tensor]  # flat element positions: a contiguous range, or int64 indices
+# What one rank holds of a tensor, per dimension: the global indices it holds along it, in local order
+# (a ``range`` when contiguous and ascending). The local tensor is their product, row-major.
+Index = Union[range, tuple[int, ...]]
+Piece = tuple[Index, ...]
 
 
 def to_dtype(name: str) -> torch.dtype:
@@ -122,3 +129,107 @@ def compress_positions(idx: torch.Tensor) -> Positions:
     if torch.equal(idx, torch.arange(start, start + idx.numel(), dtype=idx.dtype)):
         return slice(start, start + idx.numel())
     return idx
+
+
+# -- what every rank holds of a tensor, from its mesh and placements (no communication) --------------
+
+
+def _as_index(values: Sequence[int]) -> Index:
+    """``values`` as a ``range`` when contiguous and ascending, else as a tuple."""
+    if not values or list(values) == list(range(values[0], values[0] + len(values))):
+        return range(values[0], values[0] + len(values)) if values else range(0)
+    return tuple(values)
+
+
+def shard_piece(
+    shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    coordinate: Sequence[int],
+    placements: Sequence[Placement],
+) -> Piece:
+    """The piece of a tensor of ``shape`` that the rank at ``coordinate`` of a mesh of ``mesh_shape``
+    holds under ``placements``: the shards applied mesh dimension by mesh dimension, as
+    ``distribute_tensor`` does (``Shard``: ``torch.chunk``'s split; ``_StridedShard``, FSDP over TP:
+    its own split). Pure host arithmetic, valid for any rank, also under ``FakeTensorMode``."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    idx: list[Index] = [range(n) for n in shape]
+    for mesh_dim, placement in enumerate(placements):
+        chunks, at = mesh_shape[mesh_dim], coordinate[mesh_dim]
+        if isinstance(placement, _StridedShard):
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+            d = placement.dim
+            view = [1] * len(shape)
+            view[d] = len(idx[d])
+            with unset_fake_temporarily():  # a few host integers, real even inside a traced step
+                held = torch.tensor(list(idx[d]), dtype=torch.int64).view(view)
+                parts, _ = placement._split_tensor(held, chunks, with_padding=False)
+                values = parts[at].reshape(-1).tolist() if at < len(parts) else []
+            idx[d] = _as_index(values)
+        elif isinstance(placement, Shard):
+            d = placement.dim
+            size, offset = Shard.local_shard_size_and_offset(len(idx[d]), chunks, at)
+            held_d = idx[d][offset : offset + size]
+            idx[d] = held_d if isinstance(held_d, range) else _as_index(held_d)
+        # Replicate (and Partial, which parameters never carry): the whole extent
+    return tuple(idx)
+
+
+def rank_coordinates(mesh: DeviceMesh) -> dict[int, tuple[int, ...]]:
+    """Every global rank's coordinate in its own copy of ``mesh``: a sliced or flattened mesh
+    (``tp``, ``dp_shard_cp``...) exists once per combination of the other dimensions, and every
+    rank of the root mesh sits in exactly one copy."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():  # the rank table is host metadata: real even inside a traced step
+        copies = mesh._layout.remap_to_tensor(mesh._rank_map).tolist()  # (copies, *mesh.shape)
+    out: dict[int, tuple[int, ...]] = {}
+
+    def walk(node: object, coord: tuple[int, ...]) -> None:
+        if isinstance(node, list):
+            for i, child in enumerate(node):
+                walk(child, (*coord, i))
+        else:
+            out[cast(int, node)] = coord
+
+    for copy in copies:
+        walk(copy, ())
+    return out
+
+
+def piece_of(p: torch.Tensor, coordinate: Optional[Sequence[int]] = None) -> Piece:
+    """What the rank at ``coordinate`` of ``p``'s mesh (default: this rank) holds of ``p``; a plain
+    tensor is held whole."""
+    if not hasattr(p, "placements"):
+        return tuple(range(n) for n in p.shape)
+    from torch.distributed.tensor import DTensor
+
+    dp = cast(DTensor, p)  # only a DTensor has placements
+    mesh = dp.device_mesh
+    at = mesh.get_coordinate() if coordinate is None else coordinate
+    if at is None:
+        raise ValueError(f"this rank is not in the mesh {mesh} of a DTensor of shape {tuple(dp.shape)}")
+    return shard_piece(tuple(dp.shape), tuple(mesh.shape), at, dp.placements)
+
+
+def piece_numel(piece: Piece) -> int:
+    return math.prod(len(i) for i in piece)
+
+
+def piece_positions(piece: Piece, shape: Sequence[int]) -> Positions:
+    """Flat positions, in a tensor of ``shape``, of ``piece``'s elements in local (row-major) order:
+    a slice when they are contiguous, else int64 indices."""
+    if piece_numel(piece) == 0:
+        return slice(0, 0)
+    # contiguous: the dimensions after the last partial one whole, that one a range, those before single
+    whole = [i == range(n) for i, n in zip(piece, shape)]
+    last = max((d for d, w in enumerate(whole) if not w), default=0)
+    if isinstance(piece[last], range) and all(len(piece[d]) == 1 for d in range(last)):
+        start = sum(piece[d][0] * math.prod(shape[d + 1 :]) for d in range(last + 1))
+        return slice(start, start + piece_numel(piece))
+    flat = torch.zeros((), dtype=torch.int64)
+    for d, i in enumerate(piece):
+        flat = flat.unsqueeze(-1) * shape[d] + torch.as_tensor(list(i), dtype=torch.int64)
+    return flat.reshape(-1)

@@ -345,6 +345,7 @@ class Trainer:
             device_type=self.device.type,
             shard_mesh=shard_mesh,
             adamw_modules=self.spec.first_modules + self.spec.last_modules,
+            layout=optimizer_layout(self.dims, p),
         )
         self.lr_scheduler = build_lr_scheduler(self.optimizer, self.cfg.lr_scheduler, self.cfg.training.steps)
         self.state = TrainState()

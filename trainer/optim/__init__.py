@@ -83,7 +83,8 @@ EVERY_LAYOUT = frozenset(LAYOUTS)
 class OptimizerBuilder(Protocol):
     """Builds the optimizer of ``parts`` (the model parts: each parameter once, in their order);
     with ``shard_mesh`` wrapped in ZeRO-1's ShardedOptimizer over that mesh's group;
-    ``adamw_modules``: top-level modules kept on AdamW by optimizers that split the parameters."""
+    ``adamw_modules``: top-level modules kept on AdamW by optimizers that split the parameters;
+    ``layout``: the run's :func:`optimizer_layout` (empty: one process, or not known)."""
 
     def __call__(
         self,
@@ -93,6 +94,7 @@ class OptimizerBuilder(Protocol):
         device_type: str,
         shard_mesh: Optional[DeviceMesh],
         adamw_modules: tuple[str, ...],
+        layout: frozenset[str] = ...,
     ) -> torch.optim.Optimizer: ...
 
 
@@ -196,7 +198,12 @@ def build_optimizer(
     check_optimizer_layout(cfg.name, {*layout, *(("zero1",) if shard_mesh is not None else ())})
     parts = model if isinstance(model, list) else [model]
     return entry.build(
-        parts, cfg, device_type=device_type, shard_mesh=shard_mesh, adamw_modules=adamw_modules
+        parts,
+        cfg,
+        device_type=device_type,
+        shard_mesh=shard_mesh,
+        adamw_modules=adamw_modules,
+        layout=frozenset(layout),
     )
 
 

@@ -53,8 +53,10 @@ def build_adamw(
     device_type: str,
     shard_mesh: Optional[DeviceMesh],
     adamw_modules: tuple[str, ...],
+    layout: frozenset[str] = frozenset(),
 ) -> torch.optim.Optimizer:
-    """torch.optim.AdamW over :func:`param_groups` (``adamw_modules`` unused: every parameter is AdamW's);
+    """torch.optim.AdamW over :func:`param_groups` (``adamw_modules`` and ``layout`` unused: every
+    parameter is AdamW's, elementwise on its local piece);
     with ``shard_mesh`` the ZeRO-1 ShardedOptimizer over that mesh's group wraps it."""
     kwargs: dict[str, Any] = {"lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps}
     kwargs.update(impl_kwargs(cfg, device_type))

@@ -8,14 +8,17 @@ matrix, while FSDP (Shard(0) slices), TP (row/column slices), EP (expert stacks)
 
 * **Units.** Every Muon parameter is split into matrices: a 2-D weight is one unit, a 3-D
   expert stack ``(E, m, n)`` is E units (Muon per expert).
-* **Pieces.** What a rank holds of a unit is found once, from the parameter itself
-  (``parallelisms.utils.local_positions``): a plain tensor holds everything; a DTensor holds
-  exactly what ``distribute_tensor`` of an ``arange`` over the same mesh and placements keeps
-  locally (any placement: Shard, Replicate, the strided shards of FSDP over TP), recorded as a
-  slice when contiguous, else as an index.
+* **Pieces.** What every rank holds of a unit is found once, from the parameter's mesh and
+  placements (``parallelisms.utils.piece_of``: per dimension, the indices a rank holds, as
+  ``distribute_tensor`` would leave them; any placement: Shard, Replicate, the strided shards
+  of FSDP over TP), as positions in the unit: a slice when contiguous, else an index.
 * **Owners.** One rank per unit, among the ranks holding a piece of it (so PP stages own their
   own units), chosen largest-first onto the least-loaded rank by Newton-Schulz FLOPs
-  ``m * n * min(m, n)``; every rank computes the same answer from one metadata all-gather.
+  ``m * n * min(m, n)``; every rank computes the same answer. When every rank of the group
+  holds the same parameters (any layout without pipeline stages) each rank derives the others'
+  pieces from the meshes and placements, without communicating (a rehearsal under a fake
+  process group so plans what the real run does); pipeline stages hold different parameters,
+  so there the pieces are exchanged once (one ``all_gather_object``).
 * **Primaries.** Identical pieces (replicas: DDP, HSDP's replicate axis, the dp axis of TP)
   form a group; one member, the *primary* (the unit's owner when it holds the piece, else the
   lowest rank), keeps the momentum of that piece and sends the Nesterov update. So under DDP
@@ -43,6 +46,7 @@ owners (the ``ShardedOptimizer`` in ``parallelisms/`` takes it as an argument).
 
 from __future__ import annotations
 
+import array
 import functools
 import hashlib
 import math
@@ -57,7 +61,15 @@ from torch import Tensor, nn
 from models.common import unwrapped_name
 from models.errors import ConfigError, check_choice
 from parallelisms.sharded_optimizer import ShardedOptimizer
-from parallelisms.utils import Positions, compress_positions, local_positions
+from parallelisms.utils import (
+    Piece,
+    Positions,
+    piece_numel,
+    piece_of,
+    piece_positions,
+    rank_coordinates,
+    shard_piece,
+)
 from trainer.optim.adamw import impl_kwargs
 from trainer.optim.config import DEFAULT_NS_COEFFICIENTS
 
@@ -121,28 +133,28 @@ def ns_flops(rows: int, cols: int) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def _signature(pos: Positions) -> str:
-    if isinstance(pos, slice):
-        return f"{pos.start}:{pos.stop}"
-    return hashlib.sha1(pos.numpy().tobytes()).hexdigest()
+def _signature(piece: Piece) -> str:
+    """A piece's identity: equal for the ranks holding the same elements (replicas)."""
+    parts = []
+    for index in piece:
+        if isinstance(index, range):
+            parts.append(f"{index.start}:{index.stop}")
+        else:
+            parts.append(hashlib.sha1(array.array("q", index).tobytes()).hexdigest())
+    return ",".join(parts)
 
 
-def _split_by_unit(pos: Positions, unit_size: int, num_units: int) -> list[tuple[int, Positions, Positions]]:
-    """(unit, local positions, positions within the unit) of each unit the piece touches."""
-    out: list[tuple[int, Positions, Positions]] = []
-    if isinstance(pos, slice):
-        for u in range(pos.start // unit_size, -(-pos.stop // unit_size) if pos.stop else 0):
-            lo, hi = max(pos.start, u * unit_size), min(pos.stop, (u + 1) * unit_size)
-            if lo < hi:
-                out.append(
-                    (u, slice(lo - pos.start, hi - pos.start), slice(lo - u * unit_size, hi - u * unit_size))
-                )
-        return out
-    unit_of = pos // unit_size
-    for u in torch.unique(unit_of).tolist():
-        local = (unit_of == u).nonzero().reshape(-1)
-        out.append((u, compress_positions(local), compress_positions(pos[local] - u * unit_size)))
-    return out
+def _piece_units(shape: Sequence[int], piece: Piece) -> list[tuple[int, slice, Piece]]:
+    """(unit, local positions, the piece within the unit) of each unit the piece touches: a 2-D
+    weight is one unit; a 3-D stack ``(E, m, n)`` is E units, the experts held along dimension 0."""
+    if len(shape) == 2:
+        n = piece_numel(piece)
+        return [(0, slice(0, n), piece)] if n else []
+    per_unit = len(piece[1]) * len(piece[2])
+    if not per_unit:
+        return []
+    held = [(e, slice(i * per_unit, (i + 1) * per_unit), piece[1:]) for i, e in enumerate(piece[0])]
+    return sorted(held, key=lambda unit: unit[0])
 
 
 def _count(pos: Positions) -> int:
@@ -184,66 +196,140 @@ class _LocalParam:
     primary: bool = False  # keeps the momentum and sends the update pieces
 
 
-# One rank's Muon parameters: (name, shape, signature of its local positions, [(unit, count)])
-_Layout = list[tuple[str, tuple[int, ...], str, list[tuple[int, int]]]]
+# One rank's Muon parameters: (name, full shape, the piece it holds)
+_Layout = list[tuple[str, tuple[int, ...], Piece]]
+
+
+def derive_layouts(named: Sequence[tuple[str, Tensor]], group: dist.ProcessGroup) -> list[_Layout]:
+    """Every rank's :data:`_Layout` of ``group``, derived from each parameter's mesh and placements
+    (``parallelisms.utils``): valid when every rank of ``group`` holds the same parameters, the
+    pieces of a DTensor differing only by the rank's coordinate in its copy of the mesh."""
+    world = dist.get_world_size(group)
+    ranks = [dist.get_global_rank(group, r) for r in range(world)]
+    out: list[_Layout] = [[] for _ in range(world)]
+    by_rank: dict[tuple[object, ...], list[Piece]] = {}  # (mesh, placements, shape) -> piece per rank
+    coordinates: dict[DeviceMesh, dict[int, tuple[int, ...]]] = {}
+    for name, p in named:
+        shape = tuple(p.shape)
+        if not hasattr(p, "placements"):
+            pieces = [piece_of(p)] * world
+        else:
+            dp = cast("DTensor", p)
+            mesh = dp.device_mesh
+            key = (mesh, tuple(dp.placements), shape)
+            if key not in by_rank:
+                if mesh not in coordinates:
+                    coordinates[mesh] = rank_coordinates(mesh)
+                where = coordinates[mesh]
+                missing = [r for r in ranks if r not in where]
+                if missing:
+                    raise RuntimeError(
+                        f"Muon: rank {missing[0]} of the group holds no copy of {name}'s mesh {mesh}; a "
+                        "group whose ranks hold different parameters must exchange its layouts"
+                    )
+                by_rank[key] = [shard_piece(shape, mesh.shape, where[r], dp.placements) for r in ranks]
+            pieces = by_rank[key]
+        for r in range(world):
+            out[r].append((name, shape, pieces[r]))
+    return out
+
+
+def plan_units(
+    everyone: Sequence[_Layout], world: int
+) -> tuple[list[_Unit], dict[tuple[str, int, str], Piece]]:
+    """The units of every rank's pieces (``everyone[r]``: rank r's layout) in the canonical order,
+    each with its owner, holders and the primary of each piece, the same on every rank; and
+    (name, unit, signature) -> that piece within its unit."""
+    found: dict[tuple[str, int], _Unit] = {}
+    signatures: dict[int, str] = {}  # id(piece) -> its signature (ranks share piece objects)
+    pieces: dict[tuple[str, int, str], Piece] = {}
+    for rank, entries in enumerate(everyone):
+        for name, shape, piece in entries:
+            if id(piece) not in signatures:
+                signatures[id(piece)] = _signature(piece)
+            sig = signatures[id(piece)]
+            for unit_id, _, unit_piece in _piece_units(shape, piece):
+                unit = found.setdefault((name, unit_id), _Unit((name, unit_id), shape[-2], shape[-1]))
+                unit.holders[rank] = sig
+                unit.counts[sig] = piece_numel(unit_piece)
+                pieces.setdefault((name, unit_id, sig), unit_piece)
+    units = [found[k] for k in sorted(found)]  # the canonical order, the same on every rank
+    owners = assign_owners(
+        [ns_flops(u.rows, u.cols) for u in units], [sorted(u.holders) for u in units], world
+    )
+    for unit, owner in zip(units, owners):
+        unit.owner = owner
+    # The primary of a piece (per parameter, so one rank keeps its whole momentum): the owner of
+    # the parameter's first unit it touches when that rank holds the piece, else the lowest holder.
+    by_param: dict[str, list[_Unit]] = {}
+    for u in units:
+        by_param.setdefault(u.key[0], []).append(u)
+    for param_units in by_param.values():
+        for sig in {s for u in param_units for s in u.holders.values()}:
+            holders = sorted({r for u in param_units for r, s in u.holders.items() if s == sig})
+            first = next(u for u in param_units if sig in u.counts)
+            primary = first.owner if first.owner in holders else holders[0]
+            for u in param_units:
+                if sig in u.counts:
+                    u.primaries[sig] = primary
+    return units, pieces
+
+
+def exchange_elements(units: Sequence[_Unit], rank: int) -> tuple[int, int]:
+    """Elements ``rank`` hands to each of Muon's two all_to_alls per step: its primary pieces (to
+    their owners; also the momentum it keeps) and, as an owner, the orthogonalised pieces of its
+    units for every holder."""
+    to_owners = sum(
+        u.counts[u.holders[rank]] for u in units if rank in u.holders and u.primaries[u.holders[rank]] == rank
+    )
+    to_holders = sum(u.counts[sig] for u in units if u.owner == rank for sig in u.holders.values())
+    return to_owners, to_holders
 
 
 class _Plan:
     """Units, owners, primaries and the exchange layout of every Muon parameter, for all ranks."""
 
-    def __init__(self, named: Sequence[tuple[str, Tensor]], group: Optional[dist.ProcessGroup]) -> None:
+    def __init__(
+        self, named: Sequence[tuple[str, Tensor]], group: Optional[dist.ProcessGroup], exchange: bool = False
+    ) -> None:
         self.group = group
         self.rank = dist.get_rank(group) if group is not None else 0
         self.world = dist.get_world_size(group) if group is not None else 1
         self.local: list[_LocalParam] = []
-        # owner side, after the first step: (unit key, signature) -> where that piece sits in its unit
-        self.positions: Optional[dict[tuple[tuple[str, int], str], Positions]] = None
         mine: _Layout = []
         for name, p in named:
             shape = tuple(p.shape)
             if len(shape) not in (2, 3):
                 raise ConfigError(f"Muon takes 2-D matrices and 3-D expert stacks; {name} has shape {shape}")
-            rows, cols = shape[-2:]
-            pos = local_positions(p)
-            units = _split_by_unit(pos, rows * cols, shape[0] if len(shape) == 3 else 1)
-            sig = _signature(pos)
-            self.local.append(_LocalParam(p, name, units, sig))
-            mine.append((name, shape, sig, [(u, _count(up)) for u, _, up in units]))
-        everyone = [mine]
-        if self.world > 1:
+            piece = piece_of(p)
+            if tuple(len(i) for i in piece) != tuple(_local(p).shape):
+                raise RuntimeError(
+                    f"Muon: {name}'s local shape {tuple(_local(p).shape)} is not the piece its placements "
+                    f"give ({tuple(len(i) for i in piece)}): this torch shards otherwise than assumed"
+                )
+            units: list[tuple[int, Positions, Positions]] = [
+                (u, local_pos, piece_positions(unit_piece, shape[-2:]))
+                for u, local_pos, unit_piece in _piece_units(shape, piece)
+            ]
+            self.local.append(_LocalParam(p, name, units, _signature(piece)))
+            mine.append((name, shape, piece))
+        if self.world == 1:
+            everyone = [mine]
+        elif exchange:  # pipeline stages: the other ranks' parameters are not this rank's to derive
             gathered: list[object] = [None] * self.world
             dist.all_gather_object(gathered, mine, group=group)
             everyone = cast("list[_Layout]", gathered)  # every rank's ``mine``
+        else:
+            assert group is not None
+            everyone = derive_layouts(named, group)
+            if everyone[self.rank] != mine:
+                raise RuntimeError("Muon: the layout derived for this rank is not the one it holds")
+        self.layouts = everyone  # every rank's pieces: what the plan is built from
         self._build_units(everyone)
 
     def _build_units(self, everyone: list[_Layout]) -> None:
-        units: dict[tuple[str, int], _Unit] = {}
-        for rank, entries in enumerate(everyone):
-            for name, shape, sig, unit_counts in entries:
-                for unit_id, count in unit_counts:
-                    unit = units.setdefault((name, unit_id), _Unit((name, unit_id), shape[-2], shape[-1]))
-                    unit.holders[rank] = sig
-                    unit.counts[sig] = count
-        self.units = [units[k] for k in sorted(units)]  # the canonical order, the same on every rank
+        self.units, pieces = plan_units(everyone, self.world)
         self.index = {u.key: i for i, u in enumerate(self.units)}
-        owners = assign_owners(
-            [ns_flops(u.rows, u.cols) for u in self.units],
-            [sorted(u.holders) for u in self.units],
-            self.world,
-        )
-        for unit, owner in zip(self.units, owners):
-            unit.owner = owner
-        # The primary of a piece (per parameter, so one rank keeps its whole momentum): the owner of
-        # the parameter's first unit it touches when that rank holds the piece, else the lowest holder.
-        for name in {u.key[0] for u in self.units}:
-            param_units = [u for u in self.units if u.key[0] == name]
-            for sig in {s for u in param_units for s in u.holders.values()}:
-                holders = sorted({r for u in param_units for r, s in u.holders.items() if s == sig})
-                first = next(u for u in param_units if sig in u.counts)
-                primary = first.owner if first.owner in holders else holders[0]
-                for u in param_units:
-                    if sig in u.counts:
-                        u.primaries[sig] = primary
         for lp in self.local:
             lp.primary = (
                 bool(lp.units) and self.unit(lp.name, lp.units[0][0]).primaries[lp.signature] == self.rank
@@ -260,6 +346,12 @@ class _Plan:
         self.flops_per_rank = [0] * self.world
         for u in self.units:
             self.flops_per_rank[u.owner] += ns_flops(u.rows, u.cols)
+        # Owner side: where each piece it receives sits in its unit.
+        self.positions: dict[tuple[tuple[str, int], str], Positions] = {
+            (unit.key, sig): piece_positions(pieces[(unit.key[0], unit.key[1], sig)], (unit.rows, unit.cols))
+            for unit in self.owned()
+            for sig in unit.primaries
+        }
 
     def unit(self, name: str, u: int) -> _Unit:
         return self.units[self.index[(name, u)]]
@@ -342,6 +434,9 @@ class Muon(torch.optim.Optimizer):
             group; None = everything is local, as on one process or inside ZeRO-1's owners).
         ns_dtype: the dtype of the Newton-Schulz iteration (torch's is bfloat16).
         adamw_kwargs: AdamW implementation switches (``foreach`` / ``fused``).
+        symmetric: every rank of ``process_group`` holds the same parameters (every layout but
+            pipeline stages): each rank derives the others' pieces from the meshes and placements.
+            False (the safe default): the pieces are exchanged once (one ``all_gather_object``).
         **defaults: Muon hyperparameters (lr, weight_decay, momentum, nesterov, ns_coefficients,
             ns_steps, eps, adjust_lr_fn) and AdamW's (betas, eps) for groups that lack them.
 
@@ -355,9 +450,11 @@ class Muon(torch.optim.Optimizer):
         *,
         ns_dtype: torch.dtype = torch.bfloat16,
         adamw_kwargs: Optional[dict[str, Any]] = None,
+        symmetric: bool = False,
         **defaults: Any,
     ) -> None:
         defaults.setdefault("use_muon", False)
+        self.symmetric = symmetric
         self.process_group = (
             process_group if process_group is not None and dist.get_world_size(process_group) > 1 else None
         )
@@ -391,10 +488,11 @@ class Muon(torch.optim.Optimizer):
     # -- plan -----------------------------------------------------------------------------------
 
     def plan(self) -> _Plan:
-        """Units, owners and exchange sizes (collective the first time: one all_gather_object)."""
+        """Units, owners and exchange sizes (derived; or, unless ``symmetric``, collective the first
+        time: one all_gather_object)."""
         if self._plan is None:
             named = [(self._names[id(p)], p) for g in self.param_groups if g["use_muon"] for p in g["params"]]
-            self._plan = _Plan(named, self.process_group)
+            self._plan = _Plan(named, self.process_group, exchange=not self.symmetric)
         return self._plan
 
     def owner_balance(self) -> float:
@@ -491,7 +589,7 @@ class Muon(torch.optim.Optimizer):
         offsets = [0] * plan.world
         for r, n in enumerate(plan.recv_counts()[:-1]):
             offsets[r + 1] = offsets[r] + n
-        positions = self._unit_positions(plan)
+        positions = plan.positions
         out: list[list[Tensor]] = [[] for _ in range(plan.world)]
         ids = self._param_ids
         for unit in plan.owned():
@@ -508,33 +606,6 @@ class Muon(torch.optim.Optimizer):
             for rank, sig in sorted(unit.holders.items()):
                 out[rank].append(_take(ortho, positions[(unit.key, sig)]).to(received.dtype))
         return out
-
-    def _unit_positions(self, plan: _Plan) -> dict[tuple[tuple[str, int], str], Positions]:
-        """Owner side: where each piece sits in its unit. Contiguous pieces are known from their
-        counts' order only when the piece is a range, so the positions travel once, at the first
-        step, with the same exchange as the updates (int64)."""
-        if plan.positions is None:
-            outgoing: list[list[Tensor]] = [[] for _ in range(plan.world)]
-            for i, lp, _, up in plan.pieces:
-                if lp.primary:
-                    idx = torch.arange(up.start, up.stop) if isinstance(up, slice) else up
-                    outgoing[plan.units[i].owner].append(idx.to(torch.int64))
-            flat = [t for ts in outgoing for t in ts]
-            send = torch.cat(flat) if flat else torch.empty(0, dtype=torch.int64)
-            received = _exchange(send, plan.send_counts(), plan.recv_counts(), self.process_group)
-            offsets = [0] * plan.world
-            for r, n in enumerate(plan.recv_counts()[:-1]):
-                offsets[r + 1] = offsets[r] + n
-            positions = {}
-            for unit in plan.owned():
-                for sig, primary in sorted(unit.primaries.items(), key=lambda kv: kv[1]):
-                    n = unit.counts[sig]
-                    positions[(unit.key, sig)] = compress_positions(
-                        received[offsets[primary] : offsets[primary] + n]
-                    )
-                    offsets[primary] += n
-            plan.positions = positions
-        return plan.positions
 
     def _apply(self, back: Tensor, plan: _Plan, groups: dict[int, dict[str, Any]]) -> None:
         offsets = [0] * plan.world
@@ -646,10 +717,12 @@ def build_muon(
     device_type: str,
     shard_mesh: Optional[DeviceMesh],
     adamw_modules: tuple[str, ...],
+    layout: frozenset[str] = frozenset(),
 ) -> torch.optim.Optimizer:
     """Muon + AdamW (:func:`muon_param_groups`). With ``shard_mesh`` it is the ZeRO-1
     ShardedOptimizer's inner optimizer (each owner orthogonalises its whole matrices); without,
-    Muon spreads its matrices over the world group's ranks."""
+    Muon spreads its matrices over the world group's ranks, each rank deriving the others' pieces
+    when the run's ``layout`` is known and has no pipeline stages (else they are exchanged)."""
     groups = muon_param_groups(parts, cfg, adamw_modules)
     kwargs: dict[str, Any] = {
         "ns_dtype": NS_DTYPES[cfg.muon.ns_dtype],
@@ -660,7 +733,7 @@ def build_muon(
         inner = functools.partial(Muon, **kwargs)
         return ShardedOptimizer(groups, inner, shard_mesh.get_group(), cost=muon_cost)
     group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-    return Muon(groups, group, **kwargs)
+    return Muon(groups, group, symmetric=bool(layout) and "pp" not in layout, **kwargs)
 
 
 def muon_cost(p: torch.Tensor, group: dict[str, Any]) -> int:

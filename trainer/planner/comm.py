@@ -147,26 +147,29 @@ def _ddp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
         "backward_s",
     )
     if p.ddp.sharded_optimizer:
-        n = c.dims.dp_replicate
+        from trainer.planner.owners import zero1_segments
+
+        segments = zero1_segments(c, pp_rank)  # the owners' parameter elements
         if c.cluster.backend == "gloo":
+            owners = sum(1 for s in segments if s)
             rows.add(
                 "ZeRO-1 broadcast (fp32 params, one per owner)",
                 "broadcast",
                 "dp_replicate",
                 ("dp_replicate",),
-                n,
-                local * 4 / n,
+                owners,
+                sum(segments) * 4 / owners,
                 "none: after the step",
                 "",
             )
-        else:
+        else:  # every owner's segment padded to the largest
             rows.add(
-                "ZeRO-1 all_gather (fp32 params after step)",
+                "ZeRO-1 all_gather (fp32 params after step, segments padded to the largest)",
                 "all_gather",
                 "dp_replicate",
                 ("dp_replicate",),
                 1,
-                local * 4,
+                len(segments) * max(segments) * 4,
                 "none: after the step",
                 "",
             )
@@ -381,12 +384,19 @@ def _muon_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
     group of the primaries' fp32 update pieces to their owners (each piece once: 1/replicas of what a
     rank holds, on average), one of the owners' orthogonalised pieces back to every holder (what a
     rank holds). Per rank the bytes follow the owners (balanced by Newton-Schulz FLOPs): the plan
-    is the mean. ZeRO-1 runs Muon inside each owner: no exchange (its broadcast re-replicates)."""
-    from trainer.planner.memory import muon_held
+    is the mean; for ``c.rank``, its own (``trainer/planner/owners.py``). ZeRO-1 runs Muon inside each
+    owner: no exchange (its broadcast re-replicates)."""
+    from trainer.planner.memory import muon_held, planned_rank
+    from trainer.planner.owners import muon_rank
 
     if c.dims.ddp_enabled and c.cfg.parallelism.ddp.sharded_optimizer:
         return
     held, replicas = muon_held(c, pp_rank)
+    to_owners, to_holders = held / replicas, held
+    rank = planned_rank(c, pp_rank)
+    if rank is not None:
+        figures = muon_rank(c, rank)
+        to_owners, to_holders = figures.to_owners, figures.to_holders
     world = MESH_DIM_NAMES
     rows.add(
         "Muon all_to_all (update pieces -> owners)",
@@ -394,7 +404,7 @@ def _muon_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
         "world",
         world,
         1,
-        4 * held / replicas,
+        4 * to_owners,
         "none: in the optimizer step",
         "",
     )
@@ -404,7 +414,7 @@ def _muon_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
         "world",
         world,
         1,
-        4 * held,
+        4 * to_holders,
         "none: in the optimizer step",
         "",
     )

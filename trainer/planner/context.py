@@ -162,6 +162,9 @@ class PlanContext:
     sync_bytes: int  # gradient dtype on the wire of the data-parallel sync
     param_gather_bytes: int  # FSDP param_dtype
     reshard_after_forward: bool
+    # The global rank whose owner-assigned terms (ZeRO-1's optimizer state, Muon's momentum and
+    # exchange: ``trainer/planner/owners.py``) the plan gives for its stage; None: their mean.
+    rank: Optional[int] = None
 
     @property
     def tp_sp(self) -> tuple[int, bool]:
@@ -228,10 +231,11 @@ def planner_terms_of(spec: ModelSpec, args: ModelArgs) -> PlannerTerms:
 
 
 def build_context(
-    cfg: TrainConfig, cluster: ClusterConfig, dims: Optional[ParallelDims] = None
+    cfg: TrainConfig, cluster: ClusterConfig, dims: Optional[ParallelDims] = None, rank: Optional[int] = None
 ) -> PlanContext:
     """The plan's shared context for ``cfg`` on ``cluster``. ``dims``: the run's layout when the caller
-    has validated it already against ``cfg`` (the trainer's launch check); None validates it here."""
+    has validated it already against ``cfg`` (the trainer's launch check); None validates it here.
+    ``rank``: plan the owner-assigned terms of this global rank (default: their mean)."""
     from parallelisms.pipeline_split import num_microbatches, stages_per_rank
 
     spec, t, p = get_spec(cfg.model.family), cfg.training, cfg.parallelism
@@ -276,6 +280,7 @@ def build_context(
         sync_bytes=DTYPE_BYTES[sync_dtype],
         param_gather_bytes=DTYPE_BYTES[p.fsdp.param_dtype],
         reshard_after_forward=(dims.pp == 1) if reshard is None else reshard,
+        rank=rank,
     )
 
 

@@ -444,16 +444,37 @@ def muon_held(c: PlanContext, pp_rank: int) -> tuple[float, float]:
     return held, replicas
 
 
+def planned_rank(c: PlanContext, pp_rank: int) -> Optional[int]:
+    """The global rank the plan gives the owner-assigned terms of (``c.rank``) when it is on
+    ``pp_rank``'s stage; None: those terms are the mean over the stage's ranks."""
+    if c.rank is None or c.rank // (c.dims.world_size // c.dims.pp) != pp_rank:
+        return None
+    return c.rank
+
+
 def _muon_optimizer_bytes(c: PlanContext, pp_rank: int, local: float, held: float) -> float:
     """Muon's momentum (fp32, 4 B) only on the primary of each piece (``trainer/optim/muon.py``), on
     average 1/replicas of the held pieces; AdamW's two moments (8 B) for the rest, sharded like the
-    parameters (ZeRO-1: everything on its owner, 1/dp_replicate on average)."""
+    parameters (ZeRO-1: everything on its owner, 1/dp_replicate on average). For ``c.rank``: its
+    own primaries and owned parameters (``trainer/planner/owners.py``)."""
+    from trainer.planner.owners import muon_rank, zero1_optimizer_bytes
+
     dims = c.dims
     muon, replicas = muon_held(c, pp_rank)
+    rank = planned_rank(c, pp_rank)
     if dims.ddp_enabled and c.cfg.parallelism.ddp.sharded_optimizer:
+        if rank is not None:
+            return zero1_optimizer_bytes(c, pp_rank, _replica(c, rank))
         muon_all = c.group(pp_rank).muon_local(dims.tp, dims.ep)
         return (4 * muon_all + ADAM_BYTES * (local - muon_all)) / dims.dp_replicate
-    return 4 * muon / replicas + ADAM_BYTES * (held - muon)
+    momentum = muon / replicas if rank is None else muon_rank(c, rank).momentum
+    return 4 * momentum + ADAM_BYTES * (held - muon)
+
+
+def _replica(c: PlanContext, rank: int) -> int:
+    """The dp_replicate coordinate of a global rank (mesh order pp, dp_replicate, dp_shard, cp, tp)."""
+    d = c.dims
+    return rank // (d.dp_shard * d.cp * d.tp) % d.dp_replicate
 
 
 def stage_memory_of(c: PlanContext, pp_rank: int) -> StageMemory:
@@ -470,7 +491,14 @@ def stage_memory_of(c: PlanContext, pp_rank: int) -> StageMemory:
         held = (local - experts) / (dims.dp_shard * dims.cp) + experts / (dims.dp_shard * dims.cp // dims.ep)
     params_b, grads_b, opt_b = 4 * held, 4 * held, ADAM_BYTES * held
     if dims.ddp_enabled and p.ddp.sharded_optimizer:
-        opt_b = ADAM_BYTES * local / dims.dp_replicate
+        from trainer.planner.owners import zero1_optimizer_bytes
+
+        rank = planned_rank(c, pp_rank)
+        opt_b = (
+            ADAM_BYTES * local / dims.dp_replicate
+            if rank is None
+            else zero1_optimizer_bytes(c, pp_rank, _replica(c, rank))
+        )
     if c.cfg.optimizer.name == "muon":
         opt_b = _muon_optimizer_bytes(c, pp_rank, local, held)
     saved = saved_plan(c, pp_rank)

@@ -15,9 +15,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
+from torch import nn
 
 from models.spec import ModelSpec
 from parallelisms.tensor_parallel import tp_kinds
@@ -91,6 +92,8 @@ class ParamTable:
     last_kinds: list[str]
     tied: bool  # the head shares the embedding's weight (no separate FSDP unit for the last modules)
     moe_layers: list[int]  # blocks that hold experts
+    # the model on meta (shapes, no storage): the optimizers' own group and owner functions run on it
+    model: Optional[nn.Module] = field(default=None, repr=False, compare=False)
 
     @property
     def total(self) -> int:
@@ -161,4 +164,5 @@ def param_table(spec: ModelSpec, args: Any) -> ParamTable:
         last_kinds=kinds_under(tuple(spec.last_modules)),
         tied=tied,
         moe_layers=[i for i, g in enumerate(groups) if g.experts],
+        model=model,
     )

@@ -95,12 +95,17 @@ def _verdict(plan: Plan) -> dict[str, Any]:
 
 
 def build_plan(
-    cfg: TrainConfig, cluster: ClusterConfig, experiment: str = "", dims: Optional[ParallelDims] = None
+    cfg: TrainConfig,
+    cluster: ClusterConfig,
+    experiment: str = "",
+    dims: Optional[ParallelDims] = None,
+    rank: Optional[int] = None,
 ) -> Plan:
     """The plan of ``cfg`` (a validated ``TrainConfig``) on ``cluster``; builds the model only on the
     meta device (shapes, no storage) to classify its parameters. ``dims``: the layout, when the caller
-    has validated it already (``build_context``)."""
-    return plan_of(build_context(cfg, cluster, dims), experiment)
+    has validated it already (``build_context``). ``rank``: the terms that follow an optimizer's
+    owners (ZeRO-1, Muon) are this global rank's, on its stage (default: the mean over its ranks)."""
+    return plan_of(build_context(cfg, cluster, dims, rank), experiment)
 
 
 def plan_of(c: PlanContext, experiment: str = "") -> Plan:
