@@ -38,7 +38,7 @@ from torch import nn
 from models.errors import ConfigError
 from trainer.config import CONFIG_DIR
 from trainer.data.windows import Batch
-from trainer.step import StepState
+from trainer.step import StepBatch, StepState
 from trainer.train import Trainer
 
 if TYPE_CHECKING:
@@ -115,6 +115,7 @@ class RehearsalTrainer(Trainer):
 
     def __init__(self, cfg: TrainConfig, fake: FakeTensorMode) -> None:
         self.fake = fake
+        self.probe: Optional[_StateProbe] = None  # set while steps are rehearsed
         super().__init__(cfg)
 
     def _load_data(self) -> None:
@@ -172,6 +173,12 @@ class RehearsalTrainer(Trainer):
     def _check_finite(self, s: StepState) -> None:
         pass  # fake tensors have no values: the step is taken as finite
 
+    def _forward_loss_sum(self, batch: StepBatch) -> torch.Tensor:
+        loss = super()._forward_loss_sum(batch)
+        if self.probe is not None:
+            self.probe.record_saved()
+        return loss
+
 
 # -- one rank ---------------------------------------------------------------------------------------
 
@@ -223,6 +230,21 @@ class _StateProbe:
         self.trainer = trainer
         self.grads = 0.0
         self.optimizer = 0.0
+        self.saved = 0.0  # the most forward-allocated bytes live when a model part's forward returns
+        self.tracker: Optional[MemTracker] = None
+
+    def record_saved(self) -> None:
+        """The forward (and the loss) of a microbatch returned: the forward-allocated bytes still live
+        are what backward will read (saved activations, the loss's log-softmax), the memory ledger's
+        and the planner's term; the most over the step's microbatches is kept."""
+        if self.tracker is not None:
+            snap = self.tracker.get_tracker_snapshot("current")
+            live = next(iter(snap.values()), {}) if snap else {}
+            acts = float(sum(v for k, v in live.items() if str(getattr(k, "value", k)) == "Activation"))
+            self.saved = max(self.saved, acts)
+
+    def forward_done(self, module: nn.Module, inputs: object, output: object) -> None:
+        self.record_saved()  # a pipeline stage's forward (the last stage's loss follows inside torch)
 
     def before_optimizer_step(self, state: StepState) -> None:
         self.grads = _local_bytes(p.grad for p in self.trainer.parameters)
@@ -256,11 +278,17 @@ def _run_steps(
     )
     tracker = _mem_tracker(MemTracker)
     tracker.track_external(*trainer.model_parts, trainer.optimizer)
+    probe.tracker = tracker
+    trainer.probe = probe
+    parts = trainer.model_parts if trainer.pipeline is not None else []
+    handles = [part.register_forward_hook(probe.forward_done) for part in parts]
     with trainer.fake, tracker:
         for _ in range(steps):
             with ledger:
                 trainer.train_step()
                 trainer.state.step += 1
+    for h in handles:
+        h.remove()
     peak = tracker.get_tracker_snapshot("peak")
     by_category = (
         {str(getattr(k, "value", k)): float(v) for k, v in next(iter(peak.values())).items()} if peak else {}
@@ -329,14 +357,36 @@ def _mem_tracker(base: type[MemTracker]) -> MemTracker:
 def _memory_rows(
     plan: Plan, pp_rank: int, peak: dict[str, float], probe: _StateProbe, trainer: Trainer
 ) -> list[Row]:
+    """Model states when each is defined (checked), the saved activations when the forward returns
+    (checked), and the peak: its total and MemTracker's categories at that instant next to the
+    planner's nearest terms (shown, not checked: the planner adds every term's own maximum, which
+    happen at different instants; see ``PEAK_NOT_SETTLED``)."""
     stage = plan.stages[pp_rank]
     params = _local_bytes(trainer.parameters)
+    gathered = stage.buffers.get("fsdp_unsharded_params", 0.0)
+    other_buffers = sum(v for k, v in stage.buffers.items() if k != "fsdp_unsharded_params")
     return [
         _row("memory", "params", stage.params_bytes, params),
         _row("memory", "grads", stage.grads_bytes, probe.grads),
         _row("memory", "optimizer", stage.optimizer_bytes, probe.optimizer),
-        _row("memory", "peak: activations", stage.activations_bytes, peak.get("Activation", 0.0), False),
+        _row("memory", "activations saved (end of forward)", stage.peak_saved, probe.saved),
         _row("memory", "peak: total", stage.total_bytes, peak.get("Total", 0.0), False),
+        _row(
+            "memory",
+            "at peak: parameters (+ gathered)",
+            stage.params_bytes + gathered,
+            peak.get("Parameter", 0.0),
+            False,
+        ),
+        _row("memory", "at peak: gradients", stage.grads_bytes, peak.get("Gradient", 0.0), False),
+        _row("memory", "at peak: optimizer state", stage.optimizer_bytes, peak.get("Optstate", 0.0), False),
+        _row(
+            "memory",
+            "at peak: activations + temporaries",
+            stage.activations_bytes + other_buffers,
+            peak.get("Activation", 0.0) + peak.get("Temp", 0.0),
+            False,
+        ),
     ]
 
 
