@@ -29,7 +29,7 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Optional, TypedDict, Union
+from typing import TYPE_CHECKING, Optional, Protocol, TypedDict, Union
 
 import torch
 import torch.distributed as dist
@@ -231,6 +231,7 @@ class _StateProbe:
         self.grads = 0.0
         self.optimizer = 0.0
         self.saved = 0.0  # the most forward-allocated bytes live when a model part's forward returns
+        self.flops = 0.0  # matmul and attention FLOPs per step
         self.tracker: Optional[MemTracker] = None
 
     def record_saved(self) -> None:
@@ -252,6 +253,43 @@ class _StateProbe:
     def after_optimizer_step(self, state: StepState) -> None:
         opt = self.trainer.optimizer.state.values()
         self.optimizer = _local_bytes(v for s in opt for v in s.values() if isinstance(v, torch.Tensor))
+
+
+def _flop_counter() -> _Counting:
+    """FLOPs of the ops this rank runs, by torch's ``flop_counter`` formulas: DTensor ops are let
+    through to their local ops (torch's ``FlopCounterMode`` would count a DTensor matmul at its global
+    shape), and the CPU attention kernels count as the fused kernels they stand for."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop
+
+    aten = torch.ops.aten
+    formulas = {
+        **flop_registry,
+        aten._scaled_dot_product_flash_attention_for_cpu: sdpa_flop,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: sdpa_backward_flop,
+    }
+
+    class LocalFlops(TorchDispatchMode):
+        total = 0.0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if any(issubclass(t, DTensor) for t in types):
+                return NotImplemented
+            out = func(*args, **(kwargs or {}))
+            formula = formulas.get(func._overloadpacket)
+            if formula is not None and not _PROPAGATING[0]:
+                self.total += formula(*args, **(kwargs or {}), out_val=out)
+            return out
+
+    return LocalFlops()
+
+
+class _Counting(Protocol):
+    total: float
+
+    def __enter__(self) -> object: ...
+    def __exit__(self, *exc: object) -> None: ...
 
 
 def _row(kind: str, what: str, planned: float, rehearsed: float, checked: bool = True) -> Row:
@@ -282,11 +320,13 @@ def _run_steps(
     trainer.probe = probe
     parts = trainer.model_parts if trainer.pipeline is not None else []
     handles = [part.register_forward_hook(probe.forward_done) for part in parts]
-    with trainer.fake, tracker:
+    flops = _flop_counter()
+    with _propagation_marked(), trainer.fake, tracker, flops:
         for _ in range(steps):
             with ledger:
                 trainer.train_step()
                 trainer.state.step += 1
+    probe.flops = flops.total / steps
     for h in handles:
         h.remove()
     peak = tracker.get_tracker_snapshot("peak")
@@ -296,22 +336,45 @@ def _run_steps(
     return by_category, ledger.pop(), probe
 
 
+_PROPAGATING = [0]  # > 0 while DTensor's sharding propagation runs an op on global-shape fake tensors
+
+
+@contextlib.contextmanager
+def _propagation_marked() -> Iterator[None]:
+    """Mark DTensor's sharding propagation (``ShardingPropagator._propagate_tensor_meta_non_cached``):
+    it runs each op once more on fake tensors of the *global* shapes, in the active fake mode (the
+    rehearsal's), to learn the output's metadata. Those are neither allocations nor FLOPs of the run:
+    the memory tracker and the FLOP counter skip them."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def propagate(prop: ShardingPropagator, op_schema: object) -> object:
+        _PROPAGATING[0] += 1
+        try:
+            return original(prop, op_schema)  # type: ignore[arg-type]
+        finally:
+            _PROPAGATING[0] -= 1
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = propagate  # type: ignore[assignment,method-assign]
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original  # type: ignore[method-assign]
+
+
 def _mem_tracker(base: type[MemTracker]) -> MemTracker:
     """torch's ``MemTracker`` with three changes for a rehearsal:
 
-    - DTensor's sharding propagation runs each op once more on fake tensors of the *global* shapes
-      (``ShardingPropagator._propagate_tensor_meta_non_cached``) in the active fake mode, which is the
-      rehearsal's: those arguments and outputs are metadata, never allocated by the run, so they are not
-      counted (they put the whole unsharded model into the optimizer step's peak);
+    - what DTensor's sharding propagation allocates is not counted (``_propagation_marked``: global-
+      shape metadata, never allocated by the run; it put the whole unsharded model into the optimizer
+      step's peak);
     - only the device-wide peak is updated per op (the per-module peaks, which the rehearsal does not
       read, cost a walk over every tracked module per op: quadratic in the depth of the model);
     - the model may be called again within a step (gradient accumulation; torch's tracker refuses a
       second top-level forward): the per-module statistics restart, the device-wide ones are kept."""
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
     class RehearsalMemTracker(base):  # type: ignore[misc,valid-type]
-        _propagating = 0
-
         def _pre_fw_hook(self, module: nn.Module, inputs: tuple[object, ...]) -> None:
             tracker = self._mod_tracker
             if (
@@ -329,27 +392,9 @@ def _mem_tracker(base: type[MemTracker]) -> MemTracker:
                     self._peak_mem_snap[dev] = dict(snap)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            if RehearsalMemTracker._propagating:
+            if _PROPAGATING[0]:
                 return func(*args, **(kwargs or {}))
             return super().__torch_dispatch__(func, types, args, kwargs)
-
-        def __enter__(self) -> RehearsalMemTracker:
-            original = ShardingPropagator._propagate_tensor_meta_non_cached
-
-            def propagate(prop: ShardingPropagator, op_schema: object) -> object:
-                RehearsalMemTracker._propagating += 1
-                try:
-                    return original(prop, op_schema)  # type: ignore[arg-type]
-                finally:
-                    RehearsalMemTracker._propagating -= 1
-
-            self._original_propagate = original
-            ShardingPropagator._propagate_tensor_meta_non_cached = propagate  # type: ignore[assignment,method-assign]
-            return super().__enter__()  # type: ignore[no-any-return]
-
-        def __exit__(self, *exc: object) -> None:
-            super().__exit__(*exc)
-            ShardingPropagator._propagate_tensor_meta_non_cached = self._original_propagate  # type: ignore[method-assign]
 
     return RehearsalMemTracker()
 
@@ -387,6 +432,17 @@ def _memory_rows(
             peak.get("Activation", 0.0) + peak.get("Temp", 0.0),
             False,
         ),
+    ]
+
+
+def _compute_rows(plan: Plan, probe: _StateProbe) -> list[Row]:
+    """The step's matmul and attention FLOPs on this rank against the planner's executed FLOPs
+    (checked without pipeline parallelism: the planner spreads them evenly over the ranks, where
+    stages differ), and the MFU convention's figure beside them (shown)."""
+    executed = plan.compute["executed_flops_per_rank"]
+    return [
+        _row("compute", "FLOPs executed", executed, probe.flops, plan.layout["pp"] == 1),
+        _row("compute", "FLOPs (MFU convention)", plan.compute["flops_per_rank"], probe.flops, False),
     ]
 
 
@@ -441,7 +497,8 @@ def rehearse_rank(cfg: TrainConfig, world_size: int, rank: int, steps: int, plan
         trainer = RehearsalTrainer(cfg, FakeTensorMode(allow_non_fake_inputs=True))
         peak, counts, probe = _run_steps(trainer, steps)
         pp_rank = pp_rank_of(plan, rank)
-        rows = _memory_rows(plan, pp_rank, peak, probe, trainer) + _comm_rows(plan, pp_rank, counts)
+        rows = _memory_rows(plan, pp_rank, peak, probe, trainer) + _compute_rows(plan, probe)
+        rows += _comm_rows(plan, pp_rank, counts)
     finally:
         dist.destroy_process_group()
         _forget_meshes()
