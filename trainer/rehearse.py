@@ -29,7 +29,7 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Optional, TypedDict, Union
+from typing import TYPE_CHECKING, Optional, Protocol, TypedDict, Union
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,7 @@ from torch import nn
 from models.errors import ConfigError
 from trainer.config import CONFIG_DIR
 from trainer.data.windows import Batch
-from trainer.step import StepState
+from trainer.step import StepBatch, StepState
 from trainer.train import Trainer
 
 if TYPE_CHECKING:
@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 
 __all__ = ["REPLACED", "TOLERANCE", "RankReport", "intended_world_size", "main", "rehearse_rank"]
 
+_TOTAL = "Total"  # MemTracker's key of a device's total in its snapshots
 TOLERANCE = 0.05  # a term whose rehearsed / planned ratio leaves [0.95, 1.05] fails the rehearsal
 
 # Overrides every rehearsal adds: trace eager on the CPU; the planner's launch check is what we compare
@@ -114,6 +115,7 @@ class RehearsalTrainer(Trainer):
 
     def __init__(self, cfg: TrainConfig, fake: FakeTensorMode) -> None:
         self.fake = fake
+        self.probe: Optional[_StateProbe] = None  # set while steps are rehearsed
         super().__init__(cfg)
 
     def _load_data(self) -> None:
@@ -171,6 +173,12 @@ class RehearsalTrainer(Trainer):
     def _check_finite(self, s: StepState) -> None:
         pass  # fake tensors have no values: the step is taken as finite
 
+    def _forward_loss_sum(self, batch: StepBatch) -> torch.Tensor:
+        loss = super()._forward_loss_sum(batch)
+        if self.probe is not None:
+            self.probe.record_saved()
+        return loss
+
 
 # -- one rank ---------------------------------------------------------------------------------------
 
@@ -222,6 +230,22 @@ class _StateProbe:
         self.trainer = trainer
         self.grads = 0.0
         self.optimizer = 0.0
+        self.saved = 0.0  # the most forward-allocated bytes live when a model part's forward returns
+        self.flops = 0.0  # matmul and attention FLOPs per step
+        self.tracker: Optional[MemTracker] = None
+
+    def record_saved(self) -> None:
+        """The forward (and the loss) of a microbatch returned: the forward-allocated bytes still live
+        are what backward will read (saved activations, the loss's log-softmax), the memory ledger's
+        and the planner's term; the most over the step's microbatches is kept."""
+        if self.tracker is not None:
+            snap = self.tracker.get_tracker_snapshot("current")
+            live = next(iter(snap.values()), {}) if snap else {}
+            acts = float(sum(v for k, v in live.items() if str(getattr(k, "value", k)) == "Activation"))
+            self.saved = max(self.saved, acts)
+
+    def forward_done(self, module: nn.Module, inputs: object, output: object) -> None:
+        self.record_saved()  # a pipeline stage's forward (the last stage's loss follows inside torch)
 
     def before_optimizer_step(self, state: StepState) -> None:
         self.grads = _local_bytes(p.grad for p in self.trainer.parameters)
@@ -229,6 +253,43 @@ class _StateProbe:
     def after_optimizer_step(self, state: StepState) -> None:
         opt = self.trainer.optimizer.state.values()
         self.optimizer = _local_bytes(v for s in opt for v in s.values() if isinstance(v, torch.Tensor))
+
+
+def _flop_counter() -> _Counting:
+    """FLOPs of the ops this rank runs, by torch's ``flop_counter`` formulas: DTensor ops are let
+    through to their local ops (torch's ``FlopCounterMode`` would count a DTensor matmul at its global
+    shape), and the CPU attention kernels count as the fused kernels they stand for."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop
+
+    aten = torch.ops.aten
+    formulas = {
+        **flop_registry,
+        aten._scaled_dot_product_flash_attention_for_cpu: sdpa_flop,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: sdpa_backward_flop,
+    }
+
+    class LocalFlops(TorchDispatchMode):
+        total = 0.0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if any(issubclass(t, DTensor) for t in types):
+                return NotImplemented
+            out = func(*args, **(kwargs or {}))
+            formula = formulas.get(func._overloadpacket)
+            if formula is not None and not _PROPAGATING[0]:
+                self.total += formula(*args, **(kwargs or {}), out_val=out)
+            return out
+
+    return LocalFlops()
+
+
+class _Counting(Protocol):
+    total: float
+
+    def __enter__(self) -> object: ...
+    def __exit__(self, *exc: object) -> None: ...
 
 
 def _row(kind: str, what: str, planned: float, rehearsed: float, checked: bool = True) -> Row:
@@ -255,11 +316,19 @@ def _run_steps(
     )
     tracker = _mem_tracker(MemTracker)
     tracker.track_external(*trainer.model_parts, trainer.optimizer)
-    with trainer.fake, tracker:
+    probe.tracker = tracker
+    trainer.probe = probe
+    parts = trainer.model_parts if trainer.pipeline is not None else []
+    handles = [part.register_forward_hook(probe.forward_done) for part in parts]
+    flops = _flop_counter()
+    with _propagation_marked(), trainer.fake, tracker, flops:
         for _ in range(steps):
             with ledger:
                 trainer.train_step()
                 trainer.state.step += 1
+    probe.flops = flops.total / steps
+    for h in handles:
+        h.remove()
     peak = tracker.get_tracker_snapshot("peak")
     by_category = (
         {str(getattr(k, "value", k)): float(v) for k, v in next(iter(peak.values())).items()} if peak else {}
@@ -267,12 +336,45 @@ def _run_steps(
     return by_category, ledger.pop(), probe
 
 
-def _mem_tracker(base: type[MemTracker]) -> MemTracker:
-    """torch's ``MemTracker`` that accepts the model being called again within a step (gradient
-    accumulation; it refuses a second top-level forward): the per-module statistics, which the
-    rehearsal does not read, restart; the device-wide snapshots and the peak are kept."""
+_PROPAGATING = [0]  # > 0 while DTensor's sharding propagation runs an op on global-shape fake tensors
 
-    class AccumulatingMemTracker(base):  # type: ignore[misc,valid-type]
+
+@contextlib.contextmanager
+def _propagation_marked() -> Iterator[None]:
+    """Mark DTensor's sharding propagation (``ShardingPropagator._propagate_tensor_meta_non_cached``):
+    it runs each op once more on fake tensors of the *global* shapes, in the active fake mode (the
+    rehearsal's), to learn the output's metadata. Those are neither allocations nor FLOPs of the run:
+    the memory tracker and the FLOP counter skip them."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def propagate(prop: ShardingPropagator, op_schema: object) -> object:
+        _PROPAGATING[0] += 1
+        try:
+            return original(prop, op_schema)  # type: ignore[arg-type]
+        finally:
+            _PROPAGATING[0] -= 1
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = propagate  # type: ignore[assignment,method-assign]
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original  # type: ignore[method-assign]
+
+
+def _mem_tracker(base: type[MemTracker]) -> MemTracker:
+    """torch's ``MemTracker`` with three changes for a rehearsal:
+
+    - what DTensor's sharding propagation allocates is not counted (``_propagation_marked``: global-
+      shape metadata, never allocated by the run; it put the whole unsharded model into the optimizer
+      step's peak);
+    - only the device-wide peak is updated per op (the per-module peaks, which the rehearsal does not
+      read, cost a walk over every tracked module per op: quadratic in the depth of the model);
+    - the model may be called again within a step (gradient accumulation; torch's tracker refuses a
+      second top-level forward): the per-module statistics restart, the device-wide ones are kept."""
+
+    class RehearsalMemTracker(base):  # type: ignore[misc,valid-type]
         def _pre_fw_hook(self, module: nn.Module, inputs: tuple[object, ...]) -> None:
             tracker = self._mod_tracker
             if (
@@ -283,20 +385,64 @@ def _mem_tracker(base: type[MemTracker]) -> MemTracker:
                 self.reset_mod_stats()
             super()._pre_fw_hook(module, inputs)
 
-    return AccumulatingMemTracker()
+        def _update_peak_stats(self, peak_state: object) -> None:
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap[_TOTAL]:
+                    self._peak_mem[dev] = snap[_TOTAL]
+                    self._peak_mem_snap[dev] = dict(snap)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if _PROPAGATING[0]:
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    return RehearsalMemTracker()
 
 
 def _memory_rows(
     plan: Plan, pp_rank: int, peak: dict[str, float], probe: _StateProbe, trainer: Trainer
 ) -> list[Row]:
+    """Model states when each is defined (checked), the saved activations when the forward returns
+    (checked), and the peak: its total and MemTracker's categories at that instant next to the
+    planner's nearest terms (shown, not checked: the planner adds every term's own maximum, which
+    happen at different instants; see ``PEAK_NOT_SETTLED``)."""
     stage = plan.stages[pp_rank]
     params = _local_bytes(trainer.parameters)
+    gathered = stage.buffers.get("fsdp_unsharded_params", 0.0)
+    other_buffers = sum(v for k, v in stage.buffers.items() if k != "fsdp_unsharded_params")
     return [
         _row("memory", "params", stage.params_bytes, params),
         _row("memory", "grads", stage.grads_bytes, probe.grads),
         _row("memory", "optimizer", stage.optimizer_bytes, probe.optimizer),
-        _row("memory", "peak: activations", stage.activations_bytes, peak.get("Activation", 0.0), False),
+        _row("memory", "activations saved (end of forward)", stage.peak_saved, probe.saved),
         _row("memory", "peak: total", stage.total_bytes, peak.get("Total", 0.0), False),
+        _row(
+            "memory",
+            "at peak: parameters (+ gathered)",
+            stage.params_bytes + gathered,
+            peak.get("Parameter", 0.0),
+            False,
+        ),
+        _row("memory", "at peak: gradients", stage.grads_bytes, peak.get("Gradient", 0.0), False),
+        _row("memory", "at peak: optimizer state", stage.optimizer_bytes, peak.get("Optstate", 0.0), False),
+        _row(
+            "memory",
+            "at peak: activations + temporaries",
+            stage.activations_bytes + other_buffers,
+            peak.get("Activation", 0.0) + peak.get("Temp", 0.0),
+            False,
+        ),
+    ]
+
+
+def _compute_rows(plan: Plan, probe: _StateProbe) -> list[Row]:
+    """The step's matmul and attention FLOPs on this rank against the planner's executed FLOPs
+    (checked without pipeline parallelism: the planner spreads them evenly over the ranks, where
+    stages differ), and the MFU convention's figure beside them (shown)."""
+    executed = plan.compute["executed_flops_per_rank"]
+    return [
+        _row("compute", "FLOPs executed", executed, probe.flops, plan.layout["pp"] == 1),
+        _row("compute", "FLOPs (MFU convention)", plan.compute["flops_per_rank"], probe.flops, False),
     ]
 
 
@@ -351,7 +497,8 @@ def rehearse_rank(cfg: TrainConfig, world_size: int, rank: int, steps: int, plan
         trainer = RehearsalTrainer(cfg, FakeTensorMode(allow_non_fake_inputs=True))
         peak, counts, probe = _run_steps(trainer, steps)
         pp_rank = pp_rank_of(plan, rank)
-        rows = _memory_rows(plan, pp_rank, peak, probe, trainer) + _comm_rows(plan, pp_rank, counts)
+        rows = _memory_rows(plan, pp_rank, peak, probe, trainer) + _compute_rows(plan, probe)
+        rows += _comm_rows(plan, pp_rank, counts)
     finally:
         dist.destroy_process_group()
         _forget_meshes()
