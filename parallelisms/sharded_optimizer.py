@@ -138,8 +138,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._flat_ptrs: list[int] = []
         # NCCL: one in-place all-gather per dtype (bandwidth-optimal ring). gloo: one broadcast per
         # owner, all in flight at once; gloo's all-gather is not pipelined and measured ~3x slower
-        # than concurrent broadcasts of the same bytes. (Tests flip this to cover both paths.)
-        self._sync_with_all_gather = dist.get_backend(process_group) == dist.Backend.NCCL
+        # than concurrent broadcasts of the same bytes. (Tests, and a rehearsal under a fake group,
+        # set it to take either path; before the first step.)
+        self.sync_with_all_gather = dist.get_backend(process_group) == dist.Backend.NCCL
 
         # Normalise the groups and assign every parameter given now in one global pass, so a
         # decay/no-decay split is balanced as a whole rather than group by group.
@@ -289,7 +290,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         flats = []
         for (dtype, device), per_rank in kinds.items():
             sizes = [sum(p.numel() for p in ps) for ps in per_rank]
-            if self._sync_with_all_gather:
+            if self.sync_with_all_gather:
                 segments = [(r * max(sizes), max(sizes)) for r in range(self.world_size)]
             else:
                 segments = [(sum(sizes[:r]), sizes[r]) for r in range(self.world_size)]
@@ -316,7 +317,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         handles = []
         for flat in self._flat:
-            if self._sync_with_all_gather:
+            if self.sync_with_all_gather:
                 offset, length = flat.segments[self.rank]
                 all_gather(flat.storage, flat.storage[offset : offset + length], group=self.process_group)
                 continue

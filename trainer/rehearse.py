@@ -27,7 +27,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Optional, Protocol, TypedDict, Union
 
@@ -74,6 +74,8 @@ REPLACED = (
     "NCCL reduce ops) are not traced; the CPU attention core stands for the GPU's",
     "evaluation: validation and tasks are not rehearsed",
     "pipeline and expert parallelism: not rehearsed yet (refused with exit 2)",
+    "backend: the fake group has none; ZeRO-1 re-replicates as on the planned cluster's (NCCL: one "
+    "all-gather; gloo: a broadcast per owner), DDP reduces with SUM then divides (NCCL: AVG)",
 )
 
 _OPTIONS = ("--ranks=", "--steps=", "--json", "--report-only", "--world=")
@@ -113,8 +115,9 @@ class RehearsalTrainer(Trainer):
     model, optimizer and hooks are built inside ``fake`` (FakeTensorMode), the mesh and the
     ``parallelize`` steps before materialisation outside it (they read mesh coordinates)."""
 
-    def __init__(self, cfg: TrainConfig, fake: FakeTensorMode) -> None:
+    def __init__(self, cfg: TrainConfig, fake: FakeTensorMode, backend: str = "nccl") -> None:
         self.fake = fake
+        self.backend = backend  # the planned cluster's: the fake group has none of its own
         self.probe: Optional[_StateProbe] = None  # set while steps are rehearsed
         super().__init__(cfg)
 
@@ -157,8 +160,12 @@ class RehearsalTrainer(Trainer):
             nn.Module.to_empty = original  # type: ignore[method-assign]
 
     def _build_optimizer(self) -> None:
+        from parallelisms.sharded_optimizer import ShardedOptimizer
+
         with self.fake:
             super()._build_optimizer()
+        if isinstance(self.optimizer, ShardedOptimizer):  # ZeRO-1 re-replicates as on the planned backend
+            self.optimizer.sync_with_all_gather = self.backend == "nccl"
 
     def _build_checkpointer(self, full_shapes: dict[str, torch.Size]) -> None:
         pass  # not rehearsed yet (REPLACED)
@@ -446,12 +453,14 @@ def _compute_rows(plan: Plan, probe: _StateProbe) -> list[Row]:
     ]
 
 
-def _comm_rows(plan: Plan, pp_rank: int, counts: dict[str, object]) -> list[Row]:
+def _comm_rows(plan: Plan, pp_rank: int, counts: dict[str, object], world_axis: str = "world") -> list[Row]:
     """Per (collective, mesh axis): bytes and calls per step, planned vs rehearsed. Scalars (token
-    counts, the grad norm's partial sums) are not planned: rows under 1 MB a step are shown unchecked."""
+    counts, the grad norm's partial sums) are not planned: rows under 1 MB a step are shown unchecked.
+    ``world_axis``: the ledger's name of the default group (a mesh view spanning the world lends it
+    its name), which the plan calls ``world``."""
     planned: dict[tuple[str, str], list[float]] = {}
     for x in plan.pp_rank_collectives[pp_rank]:
-        slot = planned.setdefault((x.op, x.axis), [0.0, 0.0])
+        slot = planned.setdefault((x.op, world_axis if x.axis == "world" else x.axis), [0.0, 0.0])
         slot[0] += x.logical_bytes
         slot[1] += x.calls
     measured: dict[tuple[str, str], list[float]] = {}
@@ -469,6 +478,17 @@ def _comm_rows(plan: Plan, pp_rank: int, counts: dict[str, object]) -> list[Row]
     return rows
 
 
+def _world_axis(trainer: Trainer) -> str:
+    """The comm ledger's name of the default group: the first mesh view that spans the world, if any."""
+    from parallelisms.parallel_dims import DP_REPLICATE_CP
+    from trainer.observe.comm_ledger import axis_names_of_groups
+
+    dims = trainer.dims
+    names = axis_names_of_groups(dims.mesh, (*dims.mesh_dim_names, *dims.flat_views, DP_REPLICATE_CP))
+    world = dist.group.WORLD
+    return names.get(world.group_name, "world") if world is not None else "world"
+
+
 def _forget_meshes() -> None:
     """Clear DTensor's sharding-propagation caches: their entries hold the meshes (and through them
     the destroyed process groups) of the rank rehearsed before; an equal mesh of the next rank would
@@ -481,9 +501,18 @@ def _forget_meshes() -> None:
     _gen_transform_infos.cache_clear()
 
 
-def rehearse_rank(cfg: TrainConfig, world_size: int, rank: int, steps: int, plan: Plan) -> RankReport:
+def rehearse_rank(
+    cfg: TrainConfig,
+    world_size: int,
+    rank: int,
+    steps: int,
+    plan: Plan,
+    inspect: Optional[Callable[[RehearsalTrainer, dict[str, object]], None]] = None,
+) -> RankReport:
     """Rehearse ``steps`` training steps of ``cfg`` as ``rank`` of ``world_size`` under the fake
-    process group, and set every term next to ``plan``'s for the same rank."""
+    process group, and set every term next to ``plan``'s for the same rank. ``inspect(trainer,
+    collectives)``, if given, sees the rehearsed trainer and its ledger's collectives per step
+    after the steps (the checks against real runs read the optimizer's plans there)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -494,11 +523,13 @@ def rehearse_rank(cfg: TrainConfig, world_size: int, rank: int, steps: int, plan
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        trainer = RehearsalTrainer(cfg, FakeTensorMode(allow_non_fake_inputs=True))
+        trainer = RehearsalTrainer(cfg, FakeTensorMode(allow_non_fake_inputs=True), plan.cluster.backend)
         peak, counts, probe = _run_steps(trainer, steps)
+        if inspect is not None:
+            inspect(trainer, counts)
         pp_rank = pp_rank_of(plan, rank)
         rows = _memory_rows(plan, pp_rank, peak, probe, trainer) + _compute_rows(plan, probe)
-        rows += _comm_rows(plan, pp_rank, counts)
+        rows += _comm_rows(plan, pp_rank, counts, _world_axis(trainer))
     finally:
         dist.destroy_process_group()
         _forget_meshes()
@@ -621,9 +652,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         args = _parse(argv)
         cfg, world, ranks, experiment = _plan_inputs(args)
-        plan = build_plan(cfg, compose_cluster([]), experiment)
+        cluster = compose_cluster([])
         reports = []
-        for rank in ranks:
+        for rank in ranks:  # the plan of each rank: ZeRO-1's and Muon's owners differ between ranks
+            plan = build_plan(cfg, cluster, experiment, rank=rank)
             reports.append(rehearse_rank(cfg, world, rank, args.steps, plan))
     except ConfigError as e:
         where = f" (rehearsing rank {rank})" if rank is not None else ""

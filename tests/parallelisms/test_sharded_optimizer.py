@@ -143,7 +143,7 @@ def _suite_2(rank: int, world_size: int, checkpoint_bytes: bytes) -> bytes:
     # The all-gather exchange (used on NCCL) also works on gloo: cover it here.
     ddp = BucketedDDP(make_model(seed=0), world, bucket_mb=TINY_BUCKET_MB)
     opt = ShardedOptimizer(ddp.parameters(), torch.optim.AdamW, world, **ADAMW)
-    opt._sync_with_all_gather = True
+    opt.sync_with_all_gather = True
     for step in range(3):
         train_step(ddp, opt, step, rank, world_size)
     out["all_gather_path"] = params_of(ddp)
