@@ -57,13 +57,24 @@ def _muon_of(optimizer: Any) -> Optional[Any]:
     return optimizer if isinstance(optimizer, Muon) else None
 
 
+def _positions(pos: Any) -> Any:
+    """A slice as it is; an index by its length (a rehearsal's are fake: their values follow from the
+    piece, which its signature names exactly)."""
+    return pos if isinstance(pos, slice) else ("index", pos.numel())
+
+
 def _muon_summary(plan: Any) -> dict[str, Any]:
-    """Everything a Muon plan decides: every rank's pieces, and each unit's owner, holders, element
-    counts and primaries."""
+    """Everything a Muon plan decides: each unit's owner, holders (by piece), element counts and
+    primaries; this rank's pieces (where they sit locally and in their units, whether it is their
+    primary); and, as an owner, where each piece it receives sits in its unit."""
     return {
-        "layouts": plan.layouts,
         "units": [(u.key, u.owner, u.holders, u.counts, u.primaries) for u in plan.units],
         "flops_per_rank": plan.flops_per_rank,
+        "local": [
+            (lp.name, lp.signature, lp.primary, [(u, _positions(a), _positions(b)) for u, a, b in lp.units])
+            for lp in plan.local
+        ],
+        "positions": {key: _positions(pos) for key, pos in plan.positions.items()},
     }
 
 

@@ -324,7 +324,6 @@ class _Plan:
             everyone = derive_layouts(named, group)
             if everyone[self.rank] != mine:
                 raise RuntimeError("Muon: the layout derived for this rank is not the one it holds")
-        self.layouts = everyone  # every rank's pieces: what the plan is built from
         self._build_units(everyone)
 
     def _build_units(self, everyone: list[_Layout]) -> None:
