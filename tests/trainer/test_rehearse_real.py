@@ -211,6 +211,41 @@ def test_pieces_are_what_distribute_tensor_leaves() -> None:
             dist.destroy_process_group()
 
 
+def test_muon_plans_expert_stacks_under_fake_tensors() -> None:
+    """The plan of 3-D expert stacks (a unit per expert) under FakeTensorMode and a fake 4-rank
+    group: host arithmetic only (no ``.tolist()`` of a fake tensor), every rank's pieces derived."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from trainer.optim.muon import Muon
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            whole = nn.Parameter(
+                distribute_tensor(torch.empty(8, 6, 4), mesh, [Shard(0)], src_data_rank=None)
+            )
+            rows = nn.Parameter(distribute_tensor(torch.empty(3, 8, 4), mesh, [Shard(1)], src_data_rank=None))
+            group = {"params": [whole, rows], "names": ["whole", "rows"], "use_muon": True}
+            plan = Muon([group], dist.group.WORLD, symmetric=True).plan()
+    finally:
+        dist.destroy_process_group()
+    units = {u.key: u for u in plan.units}
+    assert len(units) == 8 + 3
+    for e in range(8):  # two whole experts per rank
+        assert sorted(units[("whole", e)].holders) == [e // 2] and units[("whole", e)].owner == e // 2
+    for e in range(3):  # every rank holds 2 of each expert's 8 rows
+        assert sorted(units[("rows", e)].holders) == [0, 1, 2, 3]
+        assert sorted(units[("rows", e)].counts.values()) == [8] * 4
+    assert [u for u, _, _ in next(lp for lp in plan.local if lp.name == "whole").units] == [2, 3]
+
+
 # -- seeded defects: the comparison with the planner fails (exit 1) -------------------------------
 
 
