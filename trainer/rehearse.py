@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from models.errors import ConfigError
+from parallelisms.parallel_dims import DP_REPLICATE_CP, ParallelDims
 from trainer.config import CONFIG_DIR
 from trainer.data.windows import Batch
 from trainer.step import StepBatch, StepState
@@ -108,6 +109,15 @@ class SyntheticLoader:
         return {}
 
 
+@dataclass(frozen=True)
+class _DocumentIds:
+    """The tokenizer's place in a rehearsal: the ids that start documents (block-causal positions);
+    fake token ids have no values, so which ids they are changes no shape."""
+
+    bos_id: int = 1
+    eos_id: int = 2
+
+
 class RehearsalTrainer(Trainer):
     """The real ``Trainer`` with the points that need values or real I/O answered (``REPLACED``): the
     model, optimizer and hooks are built inside ``fake`` (FakeTensorMode), the mesh and the
@@ -119,7 +129,7 @@ class RehearsalTrainer(Trainer):
         super().__init__(cfg)
 
     def _load_data(self) -> None:
-        self.tokenizer = None  # type: ignore[assignment]  # synthetic ids need none
+        self.tokenizer = _DocumentIds()  # type: ignore[assignment]  # what block-causal positions read
         t = self.cfg.training
         self.train_loader = SyntheticLoader(self.local_batch_size, t.seq_len, self.cfg.model.vocab_size)  # type: ignore[assignment]
         self.val_loader, self.named_val_loaders, self.task_evaluator = None, {}, None
@@ -232,6 +242,7 @@ class _StateProbe:
         self.optimizer = 0.0
         self.saved = 0.0  # the most forward-allocated bytes live when a model part's forward returns
         self.flops = 0.0  # matmul and attention FLOPs per step
+        self.axes: dict[str, str] = {}  # axis -> the name it is compared under (``_canonical_axes``)
         self.tracker: Optional[MemTracker] = None
 
     def record_saved(self) -> None:
@@ -304,7 +315,6 @@ def _run_steps(
     category, the ledger's collectives per step, the model-state probe)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from parallelisms.parallel_dims import DP_REPLICATE_CP
     from trainer.hooks import StepHooks
     from trainer.observe.comm_ledger import CommLedger, axis_names_of_groups
 
@@ -321,7 +331,7 @@ def _run_steps(
     parts = trainer.model_parts if trainer.pipeline is not None else []
     handles = [part.register_forward_hook(probe.forward_done) for part in parts]
     flops = _flop_counter()
-    with _propagation_marked(), trainer.fake, tracker, flops:
+    with _propagation_marked(), _fused_attention_stand_in(), trainer.fake, tracker, flops:
         for _ in range(steps):
             with ledger:
                 trainer.train_step()
@@ -329,11 +339,73 @@ def _run_steps(
     probe.flops = flops.total / steps
     for h in handles:
         h.remove()
+    counts = ledger.pop()
+    probe.axes = _canonical_axes(dims)
     peak = tracker.get_tracker_snapshot("peak")
     by_category = (
         {str(getattr(k, "value", k)): float(v) for k, v in next(iter(peak.values())).items()} if peak else {}
     )
-    return by_category, ledger.pop(), probe
+    return by_category, counts, probe
+
+
+# The planner's names of the axes, first: axes that span the same ranks are one group of collectives
+# (with cp = 1, dp_shard and dp_shard_cp; with dp_shard = 1, cp and dp_shard_cp), and the mesh may have
+# made them one process group: both sides are compared under the first name of these that spans them.
+_PLANNER_AXES = ("dp_shard_cp", "dp_replicate_cp", "dp_replicate", "cp", "tp", "pp", "ep", "dp_shard_mod_ep")
+
+
+def _canonical_axes(dims: ParallelDims) -> dict[str, str]:
+    """``{axis: the first of _PLANNER_AXES (or of the mesh's names) spanning the same ranks}``."""
+    names = [*_PLANNER_AXES, *dims.mesh_dim_names, *dims.flat_views, DP_REPLICATE_CP]
+    by_ranks: dict[tuple[int, ...], str] = {}
+    canonical: dict[str, str] = {}
+    for name in names:
+        try:
+            ranks = tuple(dist.get_process_group_ranks(dims.get_mesh(name).get_group()))
+        except (KeyError, RuntimeError, ValueError):
+            continue
+        canonical[name] = by_ranks.setdefault(ranks, name)
+    return canonical
+
+
+@contextlib.contextmanager
+def _fused_attention_stand_in() -> Iterator[None]:
+    """Masked attention (block-causal documents, context parallel's gathered keys) as the GPU runs it:
+    FlexAttention with a block mask saves q, k, v, the output and the log-sum-exp, FLOPs of a fused
+    kernel; the CPU path builds a dense (Sq, Sk) additive mask and SDPA's math path over it, S x S
+    memory that would swamp the report at long context. Under the rehearsal the masked calls run
+    SDPA's fused CPU kernel (``is_causal``: same shapes, FLOPs and saved tensors; fake tensors carry no
+    values, so the mask's pattern changes nothing measured) and the dense mask is not built. Causal
+    attention without a mask is traced as it is (the GPU runs SDPA on it too)."""
+    import models.attention as attention
+    import parallelisms.context_parallel as context_parallel
+
+    real_attend, real_additive = attention.attend, attention.MaskSpec.additive
+
+    def attend(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: Optional[attention.Mask],
+        *,
+        flex: Optional[object] = None,
+    ) -> torch.Tensor:
+        if mask is None:
+            return real_attend(q, k, v, None)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return out.transpose(1, 2)
+
+    def additive(spec: attention.MaskSpec, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(0, dtype=dtype, device=spec.q_index.device)  # a BlockMask's few bytes
+
+    attention.attend = context_parallel.attend = attend  # type: ignore[assignment]
+    attention.MaskSpec.additive = additive  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        attention.attend = context_parallel.attend = real_attend
+        attention.MaskSpec.additive = real_additive  # type: ignore[method-assign]
 
 
 _PROPAGATING = [0]  # > 0 while DTensor's sharding propagation runs an op on global-shape fake tensors
@@ -446,20 +518,23 @@ def _compute_rows(plan: Plan, probe: _StateProbe) -> list[Row]:
     ]
 
 
-def _comm_rows(plan: Plan, pp_rank: int, counts: dict[str, object]) -> list[Row]:
-    """Per (collective, mesh axis): bytes and calls per step, planned vs rehearsed. Scalars (token
-    counts, the grad norm's partial sums) are not planned: rows under 1 MB a step are shown unchecked."""
+def _comm_rows(plan: Plan, pp_rank: int, counts: dict[str, object], axes: dict[str, str]) -> list[Row]:
+    """Per (collective, mesh axis): bytes and calls per step, planned vs rehearsed, axes spanning the
+    same ranks merged (``axes``). Scalars (token counts, the grad norm's partial sums) are not planned:
+    rows under 1 MB a step are shown unchecked."""
     planned: dict[tuple[str, str], list[float]] = {}
     for x in plan.pp_rank_collectives[pp_rank]:
-        slot = planned.setdefault((x.op, x.axis), [0.0, 0.0])
+        slot = planned.setdefault((x.op, axes.get(x.axis, x.axis)), [0.0, 0.0])
         slot[0] += x.logical_bytes
         slot[1] += x.calls
     measured: dict[tuple[str, str], list[float]] = {}
-    for op, axes in counts.items():
-        if not isinstance(axes, dict):  # total_bytes
+    for op, by_axis in counts.items():
+        if not isinstance(by_axis, dict):  # total_bytes
             continue
-        for axis, v in axes.items():
-            measured[(op, axis)] = [v["bytes"], v["calls"]]
+        for axis, v in by_axis.items():
+            slot = measured.setdefault((op, axes.get(axis, axis)), [0.0, 0.0])
+            slot[0] += v["bytes"]
+            slot[1] += v["calls"]
     rows = []
     for op, axis in sorted(set(planned) | set(measured)):
         want, got = planned.get((op, axis), [0.0, 0.0]), measured.get((op, axis), [0.0, 0.0])
@@ -498,7 +573,7 @@ def rehearse_rank(cfg: TrainConfig, world_size: int, rank: int, steps: int, plan
         peak, counts, probe = _run_steps(trainer, steps)
         pp_rank = pp_rank_of(plan, rank)
         rows = _memory_rows(plan, pp_rank, peak, probe, trainer) + _compute_rows(plan, probe)
-        rows += _comm_rows(plan, pp_rank, counts)
+        rows += _comm_rows(plan, pp_rank, counts, probe.axes)
     finally:
         dist.destroy_process_group()
         _forget_meshes()
@@ -583,6 +658,26 @@ def _plan_inputs(args: _Args) -> tuple[TrainConfig, int, list[int], str]:
     return cfg, world, ranks, experiment
 
 
+def _dims_at(cfg: TrainConfig, world: int) -> ParallelDims:
+    """The layout the run validates at ``world`` ranks (``dp_shard=-1`` resolved as the trainer does),
+    so the plan is of the rehearsed world, not of the cluster preset's."""
+    from models import get_spec
+    from parallelisms.validate import validated_dims
+
+    t = cfg.training
+    return validated_dims(
+        cfg.parallelism,
+        world,
+        spec=get_spec(cfg.model.family),
+        model_args=cfg.model,
+        seq_len=t.seq_len,
+        global_batch_size=t.global_batch_size,
+        micro_batch_size=t.micro_batch_size,
+        compile=t.compile,
+        device_type="cuda",
+    )
+
+
 def render_report(reports: list[RankReport], experiment: str, tolerance: float = TOLERANCE) -> str:
     """The reports as text: one table per rank, then what was replaced."""
     lines = []
@@ -621,7 +716,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         args = _parse(argv)
         cfg, world, ranks, experiment = _plan_inputs(args)
-        plan = build_plan(cfg, compose_cluster([]), experiment)
+        plan = build_plan(cfg, compose_cluster([]), experiment, dims=_dims_at(cfg, world))
         reports = []
         for rank in ranks:
             reports.append(rehearse_rank(cfg, world, rank, args.steps, plan))
