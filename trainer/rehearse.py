@@ -66,13 +66,18 @@ REHEARSAL_OVERRIDES = (
 
 # What the rehearsal replaces, or does not trace (shown in every report).
 REPLACED = (
-    "data: synthetic token ids of the real (local batch, seq_len) shapes replace the loader and tokenizer",
+    "data: synthetic token ids of the real (local batch, seq_len) shapes replace the loader and tokenizer "
+    "(block-causal documents start at stand-in BOS/EOS ids: fake ids have no values)",
     "weights: the deterministic init_weights is skipped (fake tensors have no values)",
     "guards: the non-finite check (a host sync) is answered 'finite'",
     "checkpoint: not built, no save traced (DCP's planner is not run yet)",
     "operations: preemption agreement, comm watchdog, profiler, metrics logger not built",
-    "compile: training.compile=false (eager); CUDA-only branches (compile, async TP, CUDA streams, "
-    "NCCL reduce ops) are not traced; the CPU attention core stands for the GPU's",
+    "compile: training.compile=false (eager); CUDA-only branches (compile, async TP, ring CP, CUDA streams, "
+    "NCCL reduce ops) are not traced",
+    "attention: causal SDPA is traced as is; masked attention (block-causal, context parallel) as SDPA's "
+    "fused kernel, standing for FlexAttention on the GPU (no dense S x S mask)",
+    "optimizer: optimizer.implementation=auto traces the CPU's foreach AdamW (the GPU's is fused); its "
+    "temporaries are in the peak",
     "evaluation: validation and tasks are not rehearsed",
     "pipeline and expert parallelism: not rehearsed yet (refused with exit 2)",
 )
