@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    from parallelisms.parallel_dims import ParallelDims
     from trainer.config import TrainConfig
     from trainer.planner.context import Plan
 
@@ -72,7 +73,12 @@ REPLACED = (
     "compile: training.compile=false (eager); CUDA-only branches (compile, async TP, CUDA streams, "
     "NCCL reduce ops) are not traced; the CPU attention core stands for the GPU's",
     "evaluation: validation and tasks are not rehearsed",
-    "pipeline and expert parallelism: not rehearsed yet (refused with exit 2)",
+    "pipeline parallelism: not rehearsed yet (refused with exit 2)",
+    "MoE routing: balanced, copy j of a forward's token copies to expert j mod E (tokens x top_k / "
+    "num_experts each, as torchtitan's and Megatron's forced load balance): the token counts, the "
+    "expert-parallel all_to_all splits and the experts' group sizes follow on the host, with no "
+    ".tolist(); the load balancer's all_reduce and bias update run on it; its logged statistics are "
+    "not traced (no step is logged)",
 )
 
 _OPTIONS = ("--ranks=", "--steps=", "--json", "--report-only", "--world=")
@@ -133,7 +139,19 @@ class RehearsalTrainer(Trainer):
 
     def _build_model(self) -> dict[str, torch.Size]:
         with self._fake_materialisation():
-            return super()._build_model()
+            full_shapes = super()._build_model()
+        self._balance_routing()
+        return full_shapes
+
+    def _balance_routing(self) -> None:
+        """Mixture-of-experts layers route balanced (copy j to expert j mod E, ``REPLACED``): fake
+        tensors have no values to choose experts by, and the token counts per expert, the dispatch
+        splits of expert parallelism and the experts' group sizes must be known on the host."""
+        if self.spec.moe_layers is None:
+            return
+        for part in self.model_parts:
+            for _, moe in self.spec.moe_layers(part):
+                moe.balanced_routing = True
 
     @contextlib.contextmanager
     def _fake_materialisation(self) -> Iterator[None]:
@@ -243,16 +261,13 @@ def _run_steps(
     category, the ledger's collectives per step, the model-state probe)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from parallelisms.parallel_dims import DP_REPLICATE_CP
     from trainer.hooks import StepHooks
     from trainer.observe.comm_ledger import CommLedger, axis_names_of_groups
 
     probe = _StateProbe(trainer)
     trainer.hooks = StepHooks([*trainer.hooks.hooks, probe])
     dims = trainer.dims
-    ledger = CommLedger(
-        axis_names_of_groups(dims.mesh, (*dims.mesh_dim_names, *dims.flat_views, DP_REPLICATE_CP))
-    )
+    ledger = CommLedger(axis_names_of_groups(dims.mesh, _ledger_axes(dims)))
     tracker = _mem_tracker(MemTracker)
     tracker.track_external(*trainer.model_parts, trainer.optimizer)
     with trainer.fake, tracker:
@@ -265,6 +280,16 @@ def _run_steps(
         {str(getattr(k, "value", k)): float(v) for k, v in next(iter(peak.values())).items()} if peak else {}
     )
     return by_category, ledger.pop(), probe
+
+
+def _ledger_axes(dims: ParallelDims) -> tuple[str, ...]:
+    """The mesh dims and views the ledger names groups by, the planner's axes first: a process group
+    two names share is counted under the planner's (under ep with cp = 1, the ``dp_shard`` view and
+    FSDP's ``dp_shard_cp`` are one group)."""
+    from parallelisms.parallel_dims import DP_REPLICATE_CP
+
+    planned = ("dp_shard_cp", "dp_shard_mod_ep", "ep", "dp_replicate", DP_REPLICATE_CP, "tp", "cp", "pp")
+    return tuple(dict.fromkeys((*planned, *dims.mesh_dim_names, *dims.flat_views)))
 
 
 def _mem_tracker(base: type[MemTracker]) -> MemTracker:
@@ -412,6 +437,21 @@ def _parse(argv: list[str]) -> _Args:
     return args
 
 
+def _fill_dp_shard(cfg: TrainConfig, world: int) -> None:
+    """``parallelism.dp_shard=-1`` (what is left of the world) made explicit for the rehearsed world,
+    as ``ParallelDims`` resolves it, so that the planner plans the same layout."""
+    p = cfg.parallelism
+    others = p.dp_replicate * p.cp * p.tp * p.pp
+    if p.dp_shard != -1:
+        return
+    if world % others != 0:
+        raise ConfigError(
+            f"parallelism.dp_shard=-1 over a world of {world}: dp_replicate x cp x tp x pp = {others} does "
+            f"not divide it; rehearse a multiple of {others} ranks (--world=N) or set parallelism.dp_shard."
+        )
+    p.dp_shard = world // others
+
+
 def _plan_inputs(args: _Args) -> tuple[TrainConfig, int, list[int], str]:
     """(the composed and validated config, the world size, the ranks to rehearse, the experiment)."""
     from trainer.config import compose_config
@@ -421,11 +461,12 @@ def _plan_inputs(args: _Args) -> tuple[TrainConfig, int, list[int], str]:
         raise ConfigError("name the run: +experiment=NAME (its YAML states the world size) or --world=N.")
     world = args.world if args.world is not None else intended_world_size(experiment)
     cfg = compose_config(*args.overrides, *REHEARSAL_OVERRIDES)
+    _fill_dp_shard(cfg, world)
     p = cfg.parallelism
-    if p.pp > 1 or p.ep > 1:
+    if p.pp > 1:
         raise ConfigError(
-            f"parallelism.pp={p.pp}, parallelism.ep={p.ep}: pipeline and expert parallelism are not "
-            "rehearsed yet (issue #32); rehearse a layout without them, or plan it: python -m trainer.plan."
+            f"parallelism.pp={p.pp}: pipeline parallelism is not rehearsed yet (issue #32); rehearse a "
+            "layout without it, or plan it: python -m trainer.plan."
         )
     ranks = args.ranks if args.ranks is not None else sorted({0, world - 1})
     bad = [r for r in ranks if not 0 <= r < world]
