@@ -197,7 +197,13 @@ def _tp_counts(c: PlanContext, pp_rank: int) -> dict[str, float]:
     mtp = c.spec.mtp_depth(c.cfg.model)
     for st in c.ranks[pp_rank]:
         for b in st.blocks:
-            count(c.table.block_kinds[b], fwd_repeat)
+            kinds = c.table.block_kinds[b]
+            count(kinds, fwd_repeat)
+            if c.recompute and "rowwise" in kinds and "moe_io" not in kinds:
+                # torch's checkpoint stops recomputing once the tensors backward reads are back
+                # (early stop): the dense block's last forward collective, on the feed-forward's
+                # row-wise output, is not issued again (measured by the rehearsal at 70B shapes)
+                counts["reduce_scatter" if sp else "all_reduce"] -= 1
             if not attn.tp_entry_partial:  # the attention's gather_input gets its gradient back complete
                 counts["reduce_scatter" if sp else "all_reduce"] -= 1
         count(c.table.first_kinds if st.first else [], 1)
@@ -256,8 +262,11 @@ def _tp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
 
 
 def _tp_norm_rows(rows: _Rows, c: PlanContext, pp_rank: int, mtp: int) -> None:
-    """TP all-reduces of replicated weights' partial gradients: SP norms, MTP's projection, q/k norms."""
+    """TP all-reduces of replicated weights' partial gradients: SP norms, MTP's projection, q/k norms,
+    in the dtype the weights compute in (FSDP's param_dtype: the partial gradients are reduced over tp
+    before FSDP casts them for its own reduce; fp32 otherwise)."""
     args = c.cfg.model
+    wb = c.param_gather_bytes if c.dims.fsdp_enabled else 4
     if c.tp_sp[1]:  # SP norms: their weight gradients are partial sums over the sequence shards
         norms = [n for st in c.ranks[pp_rank] for b in st.blocks for n in c.table.blocks[b].norms]
         norms += [n for st in c.ranks[pp_rank] if st.last for n in c.table.last.norms]
@@ -267,7 +276,7 @@ def _tp_norm_rows(rows: _Rows, c: PlanContext, pp_rank: int, mtp: int) -> None:
             "tp",
             ("tp",),
             len(norms) * c.accum,
-            4 * sum(norms) / max(len(norms), 1),
+            wb * sum(norms) / max(len(norms), 1),
             "backward",
             "backward_s",
         )
@@ -278,7 +287,7 @@ def _tp_norm_rows(rows: _Rows, c: PlanContext, pp_rank: int, mtp: int) -> None:
                 "tp",
                 ("tp",),
                 mtp * c.accum,
-                4 * 2 * args.dim * args.dim,
+                wb * 2 * args.dim * args.dim,
                 "backward",
                 "backward_s",
             )
@@ -291,7 +300,7 @@ def _tp_norm_rows(rows: _Rows, c: PlanContext, pp_rank: int, mtp: int) -> None:
             "tp",
             ("tp",),
             len(head_norms) * c.accum,
-            4 * sum(head_norms) / len(head_norms),
+            wb * sum(head_norms) / len(head_norms),
             "backward",
             "backward_s",
         )
