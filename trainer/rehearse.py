@@ -45,8 +45,8 @@ from trainer.train import Trainer
 if TYPE_CHECKING:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.utils.hooks import RemovableHandle
 
-    from parallelisms.parallel_dims import ParallelDims
     from trainer.config import TrainConfig
     from trainer.planner.context import Plan
 
@@ -344,13 +344,16 @@ def _run_steps(
     probe = _StateProbe(trainer)
     trainer.hooks = StepHooks([*trainer.hooks.hooks, probe])
     dims = trainer.dims
-    ledger = CommLedger(axis_names_of_groups(dims.mesh, _ledger_axes(dims)))
+    ledger = CommLedger(
+        axis_names_of_groups(dims.mesh, (*dims.mesh_dim_names, *dims.flat_views, DP_REPLICATE_CP))
+    )
     tracker = _mem_tracker(MemTracker)
     tracker.track_external(*trainer.model_parts, trainer.optimizer)
     probe.tracker = tracker
     trainer.probe = probe
     parts = trainer.model_parts if trainer.pipeline is not None else []
     handles = [part.register_forward_hook(probe.forward_done) for part in parts]
+    handles += _gathered_units_tagged(tracker, trainer.model_parts)
     flops = _flop_counter()
     with _propagation_marked(), _fused_attention_stand_in(), trainer.fake, tracker, flops:
         for _ in range(steps):
@@ -367,6 +370,21 @@ def _run_steps(
         {str(getattr(k, "value", k)): float(v) for k, v in next(iter(peak.values())).items()} if peak else {}
     )
     return by_category, counts, probe
+
+
+def _gathered_units_tagged(tracker: MemTracker, parts: list[nn.Module]) -> list[RemovableHandle]:
+    """``MemTracker`` books a module's parameters in its pre-forward hook, which runs before FSDP2's
+    gather (a module's own hooks follow the global ones): a unit's gathered parameters are booked when
+    a submodule of the unit runs, never those of a unit without submodules -- the stacked experts
+    under expert parallelism, an FSDP unit of their own -- which it would count as activations. A
+    pre-forward hook after FSDP's books them as parameters."""
+    from torch.distributed.fsdp import FSDPModule
+
+    def book(module: nn.Module, args: object) -> None:
+        tracker._track_module_params_and_buffers(module, install_grad_hooks=False)
+
+    leaves = (m for part in parts for m in part.modules() if next(m.children(), None) is None)
+    return [m.register_forward_pre_hook(book) for m in leaves if isinstance(m, FSDPModule)]
 
 
 # The planner's names of the axes, first: axes that span the same ranks are one group of collectives
@@ -454,16 +472,6 @@ def _propagation_marked() -> Iterator[None]:
         yield
     finally:
         ShardingPropagator._propagate_tensor_meta_non_cached = original  # type: ignore[method-assign]
-
-
-def _ledger_axes(dims: ParallelDims) -> tuple[str, ...]:
-    """The mesh dims and views the ledger names groups by, the planner's axes first: a process group
-    two names share is counted under the planner's (under ep with cp = 1, the ``dp_shard`` view and
-    FSDP's ``dp_shard_cp`` are one group)."""
-    from parallelisms.parallel_dims import DP_REPLICATE_CP
-
-    planned = ("dp_shard_cp", "dp_shard_mod_ep", "ep", "dp_replicate", DP_REPLICATE_CP, "tp", "cp", "pp")
-    return tuple(dict.fromkeys((*planned, *dims.mesh_dim_names, *dims.flat_views)))
 
 
 def _mem_tracker(base: type[MemTracker]) -> MemTracker:
@@ -665,21 +673,6 @@ def _parse(argv: list[str]) -> _Args:
     return args
 
 
-def _fill_dp_shard(cfg: TrainConfig, world: int) -> None:
-    """``parallelism.dp_shard=-1`` (what is left of the world) made explicit for the rehearsed world,
-    as ``ParallelDims`` resolves it, so that the planner plans the same layout."""
-    p = cfg.parallelism
-    others = p.dp_replicate * p.cp * p.tp * p.pp
-    if p.dp_shard != -1:
-        return
-    if world % others != 0:
-        raise ConfigError(
-            f"parallelism.dp_shard=-1 over a world of {world}: dp_replicate x cp x tp x pp = {others} does "
-            f"not divide it; rehearse a multiple of {others} ranks (--world=N) or set parallelism.dp_shard."
-        )
-    p.dp_shard = world // others
-
-
 def _plan_inputs(args: _Args) -> tuple[TrainConfig, int, list[int], str]:
     """(the composed and validated config, the world size, the ranks to rehearse, the experiment)."""
     from trainer.config import compose_config
@@ -689,7 +682,6 @@ def _plan_inputs(args: _Args) -> tuple[TrainConfig, int, list[int], str]:
         raise ConfigError("name the run: +experiment=NAME (its YAML states the world size) or --world=N.")
     world = args.world if args.world is not None else intended_world_size(experiment)
     cfg = compose_config(*args.overrides, *REHEARSAL_OVERRIDES)
-    _fill_dp_shard(cfg, world)
     p = cfg.parallelism
     if p.pp > 1:
         raise ConfigError(
