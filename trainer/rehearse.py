@@ -45,6 +45,7 @@ from trainer.train import Trainer
 if TYPE_CHECKING:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.utils.hooks import RemovableHandle
 
     from trainer.config import TrainConfig
     from trainer.planner.context import Plan
@@ -79,7 +80,12 @@ REPLACED = (
     "optimizer: optimizer.implementation=auto traces the CPU's foreach AdamW (the GPU's is fused); its "
     "temporaries are in the peak",
     "evaluation: validation and tasks are not rehearsed",
-    "pipeline and expert parallelism: not rehearsed yet (refused with exit 2)",
+    "pipeline parallelism: not rehearsed yet (refused with exit 2)",
+    "MoE routing: balanced, copy j of a forward's token copies to expert j mod E (tokens x top_k / "
+    "num_experts each, as torchtitan's and Megatron's forced load balance): the token counts, the "
+    "expert-parallel all_to_all splits and the experts' group sizes follow on the host, with no "
+    ".tolist(); the load balancer's all_reduce and bias update run on it; its logged statistics are "
+    "not traced (no step is logged)",
 )
 
 _OPTIONS = ("--ranks=", "--steps=", "--json", "--report-only", "--world=")
@@ -150,7 +156,19 @@ class RehearsalTrainer(Trainer):
 
     def _build_model(self) -> dict[str, torch.Size]:
         with self._fake_materialisation():
-            return super()._build_model()
+            full_shapes = super()._build_model()
+        self._balance_routing()
+        return full_shapes
+
+    def _balance_routing(self) -> None:
+        """Mixture-of-experts layers route balanced (copy j to expert j mod E, ``REPLACED``): fake
+        tensors have no values to choose experts by, and the token counts per expert, the dispatch
+        splits of expert parallelism and the experts' group sizes must be known on the host."""
+        if self.spec.moe_layers is None:
+            return
+        for part in self.model_parts:
+            for _, moe in self.spec.moe_layers(part):
+                moe.balanced_routing = True
 
     @contextlib.contextmanager
     def _fake_materialisation(self) -> Iterator[None]:
@@ -335,6 +353,7 @@ def _run_steps(
     trainer.probe = probe
     parts = trainer.model_parts if trainer.pipeline is not None else []
     handles = [part.register_forward_hook(probe.forward_done) for part in parts]
+    handles += _gathered_units_tagged(tracker, trainer.model_parts)
     flops = _flop_counter()
     with _propagation_marked(), _fused_attention_stand_in(), trainer.fake, tracker, flops:
         for _ in range(steps):
@@ -351,6 +370,21 @@ def _run_steps(
         {str(getattr(k, "value", k)): float(v) for k, v in next(iter(peak.values())).items()} if peak else {}
     )
     return by_category, counts, probe
+
+
+def _gathered_units_tagged(tracker: MemTracker, parts: list[nn.Module]) -> list[RemovableHandle]:
+    """``MemTracker`` books a module's parameters in its pre-forward hook, which runs before FSDP2's
+    gather (a module's own hooks follow the global ones): a unit's gathered parameters are booked when
+    a submodule of the unit runs, never those of a unit without submodules -- the stacked experts
+    under expert parallelism, an FSDP unit of their own -- which it would count as activations. A
+    pre-forward hook after FSDP's books them as parameters."""
+    from torch.distributed.fsdp import FSDPModule
+
+    def book(module: nn.Module, args: object) -> None:
+        tracker._track_module_params_and_buffers(module, install_grad_hooks=False)
+
+    leaves = (m for part in parts for m in part.modules() if next(m.children(), None) is None)
+    return [m.register_forward_pre_hook(book) for m in leaves if isinstance(m, FSDPModule)]
 
 
 # The planner's names of the axes, first: axes that span the same ranks are one group of collectives
@@ -649,10 +683,10 @@ def _plan_inputs(args: _Args) -> tuple[TrainConfig, int, list[int], str]:
     world = args.world if args.world is not None else intended_world_size(experiment)
     cfg = compose_config(*args.overrides, *REHEARSAL_OVERRIDES)
     p = cfg.parallelism
-    if p.pp > 1 or p.ep > 1:
+    if p.pp > 1:
         raise ConfigError(
-            f"parallelism.pp={p.pp}, parallelism.ep={p.ep}: pipeline and expert parallelism are not "
-            "rehearsed yet (issue #32); rehearse a layout without them, or plan it: python -m trainer.plan."
+            f"parallelism.pp={p.pp}: pipeline parallelism is not rehearsed yet (issue #32); rehearse a "
+            "layout without it, or plan it: python -m trainer.plan."
         )
     ranks = args.ranks if args.ranks is not None else sorted({0, world - 1})
     bad = [r for r in ranks if not 0 <= r < world]

@@ -28,19 +28,21 @@ SUITE: dict[str, list[str]] = {
     "7b_hsdp": ["model.n_layers=2"],
     "70b_tp_fsdp": ["model.n_layers=1", "training.global_batch_size=8"],
     "llama3_8b_128k_cp": ["model.n_layers=1"],
+    "moe_debug_ep": ["model.n_layers=1"],  # at full size in test_rehearse_ep.py
+    "qwen3_30b_a3b_ep": ["model.n_layers=1"],
+    "deepseek_v3_debug": ["model.n_layers=2", "training.global_batch_size=8"],
 }
 # Measured disagreements not settled yet (README): preset -> {row: (low, high) ratio}
 KNOWN: dict[str, dict[str, tuple[float, float]]] = {
     "debug_cp": {"activations saved (end of forward)": (0.90, 0.95)},
+    # MLA blocks without activation checkpointing save ~24% more than planned, with or without ep
+    "deepseek_v3_debug": {"activations saved (end of forward)": (1.2, 1.3)},
 }
-# Presets the rehearsal refuses for now (pipeline or expert parallelism): exit 2, saying so
+# Presets the rehearsal refuses for now (pipeline parallelism): exit 2, saying so
 NOT_YET = {
     "debug_pp",
     "405b_4d",
-    "deepseek_v3_debug",
     "deepseek_v3_ep_pp",
-    "moe_debug_ep",
-    "qwen3_30b_a3b_ep",
 }
 
 
