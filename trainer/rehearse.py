@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from models.errors import ConfigError
+from parallelisms.parallel_dims import DP_REPLICATE_CP, ParallelDims
 from trainer.config import CONFIG_DIR
 from trainer.data.windows import Batch
 from trainer.step import StepBatch, StepState
@@ -44,6 +45,7 @@ from trainer.train import Trainer
 if TYPE_CHECKING:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.utils.hooks import RemovableHandle
 
     from trainer.config import TrainConfig
     from trainer.planner.context import Plan
@@ -65,15 +67,25 @@ REHEARSAL_OVERRIDES = (
 
 # What the rehearsal replaces, or does not trace (shown in every report).
 REPLACED = (
-    "data: synthetic token ids of the real (local batch, seq_len) shapes replace the loader and tokenizer",
+    "data: synthetic token ids of the real (local batch, seq_len) shapes replace the loader and tokenizer "
+    "(block-causal documents start at stand-in BOS/EOS ids: fake ids have no values)",
     "weights: the deterministic init_weights is skipped (fake tensors have no values)",
     "guards: the non-finite check (a host sync) is answered 'finite'",
     "checkpoint: not built, no save traced (DCP's planner is not run yet)",
     "operations: preemption agreement, comm watchdog, profiler, metrics logger not built",
-    "compile: training.compile=false (eager); CUDA-only branches (compile, async TP, CUDA streams, "
-    "NCCL reduce ops) are not traced; the CPU attention core stands for the GPU's",
+    "compile: training.compile=false (eager); CUDA-only branches (compile, async TP, ring CP, CUDA streams, "
+    "NCCL reduce ops) are not traced",
+    "attention: causal SDPA is traced as is; masked attention (block-causal, context parallel) as SDPA's "
+    "fused kernel, standing for FlexAttention on the GPU (no dense S x S mask)",
+    "optimizer: optimizer.implementation=auto traces the CPU's foreach AdamW (the GPU's is fused); its "
+    "temporaries are in the peak",
     "evaluation: validation and tasks are not rehearsed",
-    "pipeline and expert parallelism: not rehearsed yet (refused with exit 2)",
+    "pipeline parallelism: not rehearsed yet (refused with exit 2)",
+    "MoE routing: balanced, copy j of a forward's token copies to expert j mod E (tokens x top_k / "
+    "num_experts each, as torchtitan's and Megatron's forced load balance): the token counts, the "
+    "expert-parallel all_to_all splits and the experts' group sizes follow on the host, with no "
+    ".tolist(); the load balancer's all_reduce and bias update run on it; its logged statistics are "
+    "not traced (no step is logged)",
     "backend: the fake group has none; ZeRO-1 re-replicates as on the planned cluster's (NCCL: one "
     "all-gather; gloo: a broadcast per owner), DDP reduces with SUM then divides (NCCL: AVG)",
 )
@@ -110,6 +122,15 @@ class SyntheticLoader:
         return {}
 
 
+@dataclass(frozen=True)
+class _DocumentIds:
+    """The tokenizer's place in a rehearsal: the ids that start documents (block-causal positions);
+    fake token ids have no values, so which ids they are changes no shape."""
+
+    bos_id: int = 1
+    eos_id: int = 2
+
+
 class RehearsalTrainer(Trainer):
     """The real ``Trainer`` with the points that need values or real I/O answered (``REPLACED``): the
     model, optimizer and hooks are built inside ``fake`` (FakeTensorMode), the mesh and the
@@ -122,7 +143,7 @@ class RehearsalTrainer(Trainer):
         super().__init__(cfg)
 
     def _load_data(self) -> None:
-        self.tokenizer = None  # type: ignore[assignment]  # synthetic ids need none
+        self.tokenizer = _DocumentIds()  # type: ignore[assignment]  # what block-causal positions read
         t = self.cfg.training
         self.train_loader = SyntheticLoader(self.local_batch_size, t.seq_len, self.cfg.model.vocab_size)  # type: ignore[assignment]
         self.val_loader, self.named_val_loaders, self.task_evaluator = None, {}, None
@@ -138,7 +159,19 @@ class RehearsalTrainer(Trainer):
 
     def _build_model(self) -> dict[str, torch.Size]:
         with self._fake_materialisation():
-            return super()._build_model()
+            full_shapes = super()._build_model()
+        self._balance_routing()
+        return full_shapes
+
+    def _balance_routing(self) -> None:
+        """Mixture-of-experts layers route balanced (copy j to expert j mod E, ``REPLACED``): fake
+        tensors have no values to choose experts by, and the token counts per expert, the dispatch
+        splits of expert parallelism and the experts' group sizes must be known on the host."""
+        if self.spec.moe_layers is None:
+            return
+        for part in self.model_parts:
+            for _, moe in self.spec.moe_layers(part):
+                moe.balanced_routing = True
 
     @contextlib.contextmanager
     def _fake_materialisation(self) -> Iterator[None]:
@@ -239,6 +272,7 @@ class _StateProbe:
         self.optimizer = 0.0
         self.saved = 0.0  # the most forward-allocated bytes live when a model part's forward returns
         self.flops = 0.0  # matmul and attention FLOPs per step
+        self.axes: dict[str, str] = {}  # axis -> the name it is compared under (``_canonical_axes``)
         self.tracker: Optional[MemTracker] = None
 
     def record_saved(self) -> None:
@@ -311,7 +345,6 @@ def _run_steps(
     category, the ledger's collectives per step, the model-state probe)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from parallelisms.parallel_dims import DP_REPLICATE_CP
     from trainer.hooks import StepHooks
     from trainer.observe.comm_ledger import CommLedger, axis_names_of_groups
 
@@ -327,8 +360,9 @@ def _run_steps(
     trainer.probe = probe
     parts = trainer.model_parts if trainer.pipeline is not None else []
     handles = [part.register_forward_hook(probe.forward_done) for part in parts]
+    handles += _gathered_units_tagged(tracker, trainer.model_parts)
     flops = _flop_counter()
-    with _propagation_marked(), trainer.fake, tracker, flops:
+    with _propagation_marked(), _fused_attention_stand_in(), trainer.fake, tracker, flops:
         for _ in range(steps):
             with ledger:
                 trainer.train_step()
@@ -336,11 +370,94 @@ def _run_steps(
     probe.flops = flops.total / steps
     for h in handles:
         h.remove()
+    counts = ledger.pop()
+    probe.axes = _canonical_axes(dims)
     peak = tracker.get_tracker_snapshot("peak")
     by_category = (
         {str(getattr(k, "value", k)): float(v) for k, v in next(iter(peak.values())).items()} if peak else {}
     )
-    return by_category, ledger.pop(), probe
+    return by_category, counts, probe
+
+
+def _gathered_units_tagged(tracker: MemTracker, parts: list[nn.Module]) -> list[RemovableHandle]:
+    """``MemTracker`` books a module's parameters in its pre-forward hook, which runs before FSDP2's
+    gather (a module's own hooks follow the global ones): a unit's gathered parameters are booked when
+    a submodule of the unit runs, never those of a unit without submodules -- the stacked experts
+    under expert parallelism, an FSDP unit of their own -- which it would count as activations. A
+    pre-forward hook after FSDP's books them as parameters."""
+    from torch.distributed.fsdp import FSDPModule
+
+    def book(module: nn.Module, args: object) -> None:
+        tracker._track_module_params_and_buffers(module, install_grad_hooks=False)
+
+    leaves = (m for part in parts for m in part.modules() if next(m.children(), None) is None)
+    return [m.register_forward_pre_hook(book) for m in leaves if isinstance(m, FSDPModule)]
+
+
+# The planner's names of the axes, first: axes that span the same ranks are one group of collectives
+# (with cp = 1, dp_shard and dp_shard_cp; with dp_shard = 1, cp and dp_shard_cp), and the mesh may have
+# made them one process group: both sides are compared under the first name of these that spans them.
+_PLANNER_AXES = ("dp_shard_cp", "dp_replicate_cp", "dp_replicate", "cp", "tp", "pp", "ep", "dp_shard_mod_ep")
+
+
+def _canonical_axes(dims: ParallelDims) -> dict[str, str]:
+    """``{axis: the first of _PLANNER_AXES (or of the mesh's names) spanning the same ranks}``."""
+    names = [*_PLANNER_AXES, *dims.mesh_dim_names, *dims.flat_views, DP_REPLICATE_CP]
+    by_ranks: dict[tuple[int, ...], str] = {}
+    canonical: dict[str, str] = {}
+    for name in names:
+        try:
+            ranks = tuple(dist.get_process_group_ranks(dims.get_mesh(name).get_group()))
+        except (KeyError, RuntimeError, ValueError):
+            continue
+        canonical[name] = by_ranks.setdefault(ranks, name)
+    # the plan's ``world`` (Muon's all_to_all over the default group), which the ledger names after a
+    # mesh view that spans the world, if one does
+    everyone = tuple(range(dist.get_world_size()))
+    spanning = next((name for ranks, name in by_ranks.items() if tuple(sorted(ranks)) == everyone), None)
+    if spanning is not None:
+        canonical["world"] = spanning
+    return canonical
+
+
+@contextlib.contextmanager
+def _fused_attention_stand_in() -> Iterator[None]:
+    """Masked attention (block-causal documents, context parallel's gathered keys) as the GPU runs it:
+    FlexAttention with a block mask saves q, k, v, the output and the log-sum-exp, FLOPs of a fused
+    kernel; the CPU path builds a dense (Sq, Sk) additive mask and SDPA's math path over it, S x S
+    memory that would swamp the report at long context. Under the rehearsal the masked calls run
+    SDPA's fused CPU kernel (``is_causal``: same shapes, FLOPs and saved tensors; fake tensors carry no
+    values, so the mask's pattern changes nothing measured) and the dense mask is not built. Causal
+    attention without a mask is traced as it is (the GPU runs SDPA on it too)."""
+    import models.attention as attention
+    import parallelisms.context_parallel as context_parallel
+
+    real_attend, real_additive = attention.attend, attention.MaskSpec.additive
+
+    def attend(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: Optional[attention.Mask],
+        *,
+        flex: Optional[object] = None,
+    ) -> torch.Tensor:
+        if mask is None:
+            return real_attend(q, k, v, None)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return out.transpose(1, 2)
+
+    def additive(spec: attention.MaskSpec, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(0, dtype=dtype, device=spec.q_index.device)  # a BlockMask's few bytes
+
+    attention.attend = context_parallel.attend = attend  # type: ignore[assignment]
+    attention.MaskSpec.additive = additive  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        attention.attend = context_parallel.attend = real_attend
+        attention.MaskSpec.additive = real_additive  # type: ignore[method-assign]
 
 
 _PROPAGATING = [0]  # > 0 while DTensor's sharding propagation runs an op on global-shape fake tensors
@@ -453,22 +570,23 @@ def _compute_rows(plan: Plan, probe: _StateProbe) -> list[Row]:
     ]
 
 
-def _comm_rows(plan: Plan, pp_rank: int, counts: dict[str, object], world_axis: str = "world") -> list[Row]:
-    """Per (collective, mesh axis): bytes and calls per step, planned vs rehearsed. Scalars (token
-    counts, the grad norm's partial sums) are not planned: rows under 1 MB a step are shown unchecked.
-    ``world_axis``: the ledger's name of the default group (a mesh view spanning the world lends it
-    its name), which the plan calls ``world``."""
+def _comm_rows(plan: Plan, pp_rank: int, counts: dict[str, object], axes: dict[str, str]) -> list[Row]:
+    """Per (collective, mesh axis): bytes and calls per step, planned vs rehearsed, axes spanning the
+    same ranks merged (``axes``). Scalars (token counts, the grad norm's partial sums) are not planned:
+    rows under 1 MB a step are shown unchecked."""
     planned: dict[tuple[str, str], list[float]] = {}
     for x in plan.pp_rank_collectives[pp_rank]:
-        slot = planned.setdefault((x.op, world_axis if x.axis == "world" else x.axis), [0.0, 0.0])
+        slot = planned.setdefault((x.op, axes.get(x.axis, x.axis)), [0.0, 0.0])
         slot[0] += x.logical_bytes
         slot[1] += x.calls
     measured: dict[tuple[str, str], list[float]] = {}
-    for op, axes in counts.items():
-        if not isinstance(axes, dict):  # total_bytes
+    for op, by_axis in counts.items():
+        if not isinstance(by_axis, dict):  # total_bytes
             continue
-        for axis, v in axes.items():
-            measured[(op, axis)] = [v["bytes"], v["calls"]]
+        for axis, v in by_axis.items():
+            slot = measured.setdefault((op, axes.get(axis, axis)), [0.0, 0.0])
+            slot[0] += v["bytes"]
+            slot[1] += v["calls"]
     rows = []
     for op, axis in sorted(set(planned) | set(measured)):
         want, got = planned.get((op, axis), [0.0, 0.0]), measured.get((op, axis), [0.0, 0.0])
@@ -476,17 +594,6 @@ def _comm_rows(plan: Plan, pp_rank: int, counts: dict[str, object], world_axis: 
         rows.append(_row("comm", f"{op} {axis} bytes", want[0], got[0], significant))
         rows.append(_row("comm", f"{op} {axis} calls", want[1], got[1], False))
     return rows
-
-
-def _world_axis(trainer: Trainer) -> str:
-    """The comm ledger's name of the default group: the first mesh view that spans the world, if any."""
-    from parallelisms.parallel_dims import DP_REPLICATE_CP
-    from trainer.observe.comm_ledger import axis_names_of_groups
-
-    dims = trainer.dims
-    names = axis_names_of_groups(dims.mesh, (*dims.mesh_dim_names, *dims.flat_views, DP_REPLICATE_CP))
-    world = dist.group.WORLD
-    return names.get(world.group_name, "world") if world is not None else "world"
 
 
 def _forget_meshes() -> None:
@@ -529,7 +636,7 @@ def rehearse_rank(
             inspect(trainer, counts)
         pp_rank = pp_rank_of(plan, rank)
         rows = _memory_rows(plan, pp_rank, peak, probe, trainer) + _compute_rows(plan, probe)
-        rows += _comm_rows(plan, pp_rank, counts, _world_axis(trainer))
+        rows += _comm_rows(plan, pp_rank, counts, probe.axes)
     finally:
         dist.destroy_process_group()
         _forget_meshes()
@@ -600,10 +707,10 @@ def _plan_inputs(args: _Args) -> tuple[TrainConfig, int, list[int], str]:
     world = args.world if args.world is not None else intended_world_size(experiment)
     cfg = compose_config(*args.overrides, *REHEARSAL_OVERRIDES)
     p = cfg.parallelism
-    if p.pp > 1 or p.ep > 1:
+    if p.pp > 1:
         raise ConfigError(
-            f"parallelism.pp={p.pp}, parallelism.ep={p.ep}: pipeline and expert parallelism are not "
-            "rehearsed yet (issue #32); rehearse a layout without them, or plan it: python -m trainer.plan."
+            f"parallelism.pp={p.pp}: pipeline parallelism is not rehearsed yet (issue #32); rehearse a "
+            "layout without it, or plan it: python -m trainer.plan."
         )
     ranks = args.ranks if args.ranks is not None else sorted({0, world - 1})
     bad = [r for r in ranks if not 0 <= r < world]
@@ -612,6 +719,26 @@ def _plan_inputs(args: _Args) -> tuple[TrainConfig, int, list[int], str]:
             f"--ranks: rank {bad[0]} is outside the world of {world} ranks; use 0..{world - 1}."
         )
     return cfg, world, ranks, experiment
+
+
+def _dims_at(cfg: TrainConfig, world: int) -> ParallelDims:
+    """The layout the run validates at ``world`` ranks (``dp_shard=-1`` resolved as the trainer does),
+    so the plan is of the rehearsed world, not of the cluster preset's."""
+    from models import get_spec
+    from parallelisms.validate import validated_dims
+
+    t = cfg.training
+    return validated_dims(
+        cfg.parallelism,
+        world,
+        spec=get_spec(cfg.model.family),
+        model_args=cfg.model,
+        seq_len=t.seq_len,
+        global_batch_size=t.global_batch_size,
+        micro_batch_size=t.micro_batch_size,
+        compile=t.compile,
+        device_type="cuda",
+    )
 
 
 def render_report(reports: list[RankReport], experiment: str, tolerance: float = TOLERANCE) -> str:
@@ -652,10 +779,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         args = _parse(argv)
         cfg, world, ranks, experiment = _plan_inputs(args)
-        cluster = compose_cluster([])
+        cluster, dims = compose_cluster([]), _dims_at(cfg, world)
         reports = []
         for rank in ranks:  # the plan of each rank: ZeRO-1's and Muon's owners differ between ranks
-            plan = build_plan(cfg, cluster, experiment, rank=rank)
+            plan = build_plan(cfg, cluster, experiment, dims=dims, rank=rank)
             reports.append(rehearse_rank(cfg, world, rank, args.steps, plan))
     except ConfigError as e:
         where = f" (rehearsing rank {rank})" if rank is not None else ""
