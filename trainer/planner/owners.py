@@ -28,9 +28,10 @@ if TYPE_CHECKING:
     from torch.distributed.tensor import Placement
 
     from parallelisms.utils import Piece
+    from trainer.optim.muon import _Unit
     from trainer.planner.context import PlanContext
 
-__all__ = ["MuonRank", "muon_rank", "zero1_optimizer_bytes", "zero1_segments"]
+__all__ = ["MuonRank", "muon_ns_flops", "muon_rank", "zero1_optimizer_bytes", "zero1_segments"]
 
 _TP_DIM = {"colwise": 0, "rowwise": 1}  # the TP plan kinds that shard a Linear weight, and along which dim
 
@@ -159,13 +160,13 @@ class MuonRank:
     to_holders: int  # as an owner: the orthogonalised pieces of its units, for every holder
 
 
-def muon_rank(c: PlanContext, rank: int) -> MuonRank:
-    """Muon's per-rank figures for global ``rank`` (every rank of the world group holds the pieces
-    the layout gives it; the owners and primaries are Muon's own ``plan_units``)."""
+def _muon_units(c: PlanContext) -> list[_Unit]:
+    """Muon's units over the world group, with their owners and primaries (Muon's own
+    ``plan_units``), from the pieces the layout gives every rank."""
     from models.common import unwrapped_name
     from parallelisms.tensor_parallel import tp_kinds
     from parallelisms.utils import shard_piece
-    from trainer.optim.muon import exchange_elements, plan_units
+    from trainer.optim.muon import plan_units
 
     model = c.table.model
     assert model is not None
@@ -193,5 +194,32 @@ def muon_rank(c: PlanContext, rank: int) -> MuonRank:
             layout.append((name, shape, cache[key]))
         layouts.append(layout)
     units, _ = plan_units(layouts, c.dims.world_size)
-    to_owners, to_holders = exchange_elements(units, rank)
+    return units
+
+
+def muon_rank(c: PlanContext, rank: int) -> MuonRank:
+    """Muon's per-rank figures for global ``rank`` (every rank of the world group holds the pieces
+    the layout gives it)."""
+    from trainer.optim.muon import exchange_elements
+
+    to_owners, to_holders = exchange_elements(_muon_units(c), rank)
     return MuonRank(momentum=to_owners, to_owners=to_owners, to_holders=to_holders)
+
+
+def muon_ns_flops(c: PlanContext, rank: int) -> float:
+    """Newton-Schulz FLOPs global ``rank`` runs per step: the matrices it owns (ZeRO-1: every matrix
+    of the parameters it owns, each expert of a stack on its own), ``ns_steps`` iterations each."""
+    from trainer.optim.muon import ns_step_flops
+
+    steps = c.cfg.optimizer.muon.ns_steps
+    d = c.dims
+    if d.ddp_enabled and c.cfg.parallelism.ddp.sharded_optimizer:
+        from trainer.planner.memory import _replica
+
+        pp_rank = rank // (d.world_size // d.pp)
+        replica = _replica(c, rank)
+        owned = [p for p, muon, owner in _zero1(c, pp_rank) if muon and owner == replica]
+        return float(
+            steps * sum((p.shape[0] if p.ndim == 3 else 1) * ns_step_flops(*p.shape[-2:]) for p in owned)
+        )
+    return float(steps * sum(ns_step_flops(u.rows, u.cols) for u in _muon_units(c) if u.owner == rank))

@@ -35,8 +35,14 @@ def compute_seconds(c: PlanContext) -> dict[str, float]:
     }
     out["executed_flops_per_rank"] = executed_flops(c)
     if c.cfg.optimizer.name == "muon":
+        from trainer.planner.owners import muon_ns_flops
+
         out["ns_flops_per_rank"] = _muon_ns_flops(c)
         out["optimizer_s"] = out["ns_flops_per_rank"] / (c.cluster.peak_tflops * 1e12 * c.cluster.mfu)
+        # the optimizer step's matmuls are executed too: c.rank's own owners' share, else the mean
+        out["executed_flops_per_rank"] += (
+            out["ns_flops_per_rank"] if c.rank is None else muon_ns_flops(c, c.rank)
+        )
     return out
 
 
