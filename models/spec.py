@@ -246,6 +246,9 @@ class BlockLayout:
     # SDPA has a fused kernel for q/k head sizes unlike v's (CUDA's memory-efficient attention); on CPU
     # (gloo) torch runs its math path instead, which saves other tensors
     fused_attention: bool
+    # the attention kernel takes grouped K/V heads as they are, without the repeat copy to n_heads
+    # (FlexAttention, which the GPU runs for masked attention: block-causal documents, context parallel)
+    grouped_kv: bool = False
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,8 @@ REPLACED = (
     "compile: training.compile=false (eager); CUDA-only branches (compile, async TP, ring CP, CUDA streams, "
     "NCCL reduce ops) are not traced",
     "attention: causal SDPA is traced as is; masked attention (block-causal, context parallel) as SDPA's "
-    "fused kernel, standing for FlexAttention on the GPU (no dense S x S mask)",
+    "fused kernel, standing for FlexAttention on the GPU (no dense S x S mask); unlike q/v head sizes "
+    "(MLA) as the memory-efficient kernel, not the CPU's math path",
     "optimizer: optimizer.implementation=auto traces the CPU's foreach AdamW (the GPU's is fused); its "
     "temporaries are in the peak",
     "evaluation: validation and tasks are not rehearsed",
@@ -427,8 +428,10 @@ def _fused_attention_stand_in() -> Iterator[None]:
     kernel; the CPU path builds a dense (Sq, Sk) additive mask and SDPA's math path over it, S x S
     memory that would swamp the report at long context. Under the rehearsal the masked calls run
     SDPA's fused CPU kernel (``is_causal``: same shapes, FLOPs and saved tensors; fake tensors carry no
-    values, so the mask's pattern changes nothing measured) and the dense mask is not built. Causal
-    attention without a mask is traced as it is (the GPU runs SDPA on it too)."""
+    values, so the mask's pattern changes nothing measured) and the dense mask is not built. Unlike
+    query and value head sizes (MLA), which the CPU runs on SDPA's math path (S x S probabilities
+    saved), run the memory-efficient kernel the GPU picks. Causal attention of equal head sizes without
+    a mask is traced as it is (the GPU runs SDPA on it too)."""
     import models.attention as attention
     import parallelisms.context_parallel as context_parallel
 
@@ -442,10 +445,15 @@ def _fused_attention_stand_in() -> Iterator[None]:
         *,
         flex: Optional[object] = None,
     ) -> torch.Tensor:
-        if mask is None:
+        unlike = q.size(-1) != v.size(-1)  # MLA: the CPU has no fused kernel for unlike head sizes
+        if mask is None and not unlike:
             return real_attend(q, k, v, None)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        if unlike:  # the memory-efficient kernel takes them (its meta and backward run on fake tensors)
+            efficient = torch.ops.aten._scaled_dot_product_efficient_attention
+            out = efficient(q, k, v, None, True, is_causal=True)[0]
+        else:
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return out.transpose(1, 2)
 
     def additive(spec: attention.MaskSpec, dtype: torch.dtype) -> torch.Tensor:

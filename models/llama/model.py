@@ -509,14 +509,14 @@ def qk_norm(args: LlamaArgs) -> bool:
 def attention_saved(args: LlamaArgs, layout: BlockLayout) -> dict[str, float]:
     """What ``Attention`` and ``models/attention.py``'s core save for backward per local token, after
     the input norm: q after RoPE; K and V after the grouped-query repeat (a copy to n_heads, or a free
-    view when one KV head is local), gathered over the whole sequence under CP (all-gather
-    implementation); SDPA's fp32 log-sum-exp per head; its output (also the input of ``wo``). With
-    ``qk_norm`` (Qwen3), the per-head RMSNorms' (before RoPE, on the local heads and tokens) fp32 input
-    (the projection's output itself when fp32), rsqrt per head, and normalised head saved by the gain
-    multiply (compute dtype)."""
+    view when one KV head is local; none when the kernel takes grouped heads: ``layout.grouped_kv``),
+    gathered over the whole sequence under CP (all-gather implementation); SDPA's fp32 log-sum-exp
+    per head; its output (also the input of ``wo``). With ``qk_norm`` (Qwen3), the per-head RMSNorms'
+    (before RoPE, on the local heads and tokens) fp32 input (the projection's output itself when
+    fp32), rsqrt per head, and normalised head saved by the gain multiply (compute dtype)."""
     D, cb = args.head_dim, layout.compute
     nh, nkv = args.n_heads / layout.tp, args.kv_heads / layout.tp
-    kv_width = nkv * D if nh == nkv else (D if nkv == 1 else nh * D)
+    kv_width = nkv * D if (nh == nkv or layout.grouped_kv) else (D if nkv == 1 else nh * D)
     terms = {
         "q": cb * nh * D,
         "kv": 2 * cb * kv_width * layout.cp,

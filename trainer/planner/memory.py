@@ -132,7 +132,15 @@ def block_layout(c: PlanContext, pol: DtypePolicy, keys: Optional[int] = None) -
         cast_each=pol.cast_each,
         keys=c.cfg.training.seq_len if keys is None else keys,  # key positions per query (CP: all)
         fused_attention=c.cluster.backend != "gloo",  # CPU: SDPA's math path for unlike head sizes
+        grouped_kv=c.cluster.backend != "gloo" and masked_attention(c),
     )
+
+
+def masked_attention(c: PlanContext) -> bool:
+    """Whether attention runs with a mask (``models/attention.py``: block-causal documents, or context
+    parallel's all-gathered keys): on the GPU that is FlexAttention, which takes grouped K/V heads."""
+    masked_cp = c.dims.cp > 1 and c.cfg.parallelism.cp_impl == "allgather"
+    return masked_cp or c.spec.attention_mask(c.cfg.model) == "block_causal"
 
 
 def attention_terms(c: PlanContext, pol: DtypePolicy, keys: Optional[int] = None) -> dict[str, float]:
