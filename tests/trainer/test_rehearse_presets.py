@@ -1,7 +1,8 @@
 """Every preset of ``configs/experiment/`` rehearsed at its intended world size on its default ranks
 (``python -m trainer.rehearse``), and every checked term within 5% of the planner's.
 
-The large presets are rehearsed with fewer blocks (``model.n_layers``) and, where the local batch
+The sizes are ``benchmarks/rehearse_presets.py``'s ``SUITE`` (which prints the same as a table): the
+large presets are rehearsed with fewer blocks (``model.n_layers``) and, where the local batch
 allows, fewer microbatches: the world size, the mesh, every block's shapes and degrees stay the
 preset's, and the planner plans the same overrides, so each term is compared like for like. The
 full-size figures are in the README ("Rehearsing a run at its real size")."""
@@ -9,29 +10,13 @@ full-size figures are in the README ("Rehearsing a run at its real size")."""
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 import pytest
 
+from benchmarks.rehearse_presets import SUITE, presets
 from trainer import rehearse
-from trainer.config import CONFIG_DIR
 
-# preset -> the overrides that keep its rehearsal within a few seconds per rank
-SUITE: dict[str, list[str]] = {
-    "debug": ["model.n_layers=2", "training.global_batch_size=8"],
-    "debug_cp": ["model.n_layers=2", "training.global_batch_size=4"],
-    "debug_tp": ["model.n_layers=2", "training.global_batch_size=8"],
-    "qwen3_debug": ["model.n_layers=2", "training.global_batch_size=8"],
-    "38m_ddp": ["model.n_layers=2"],
-    "7b_fsdp": ["model.n_layers=2"],
-    "7b_hsdp": ["model.n_layers=2"],
-    "70b_tp_fsdp": ["model.n_layers=1", "training.global_batch_size=8"],
-    "llama3_8b_128k_cp": ["model.n_layers=1"],
-    "moe_debug_ep": ["model.n_layers=1"],  # at full size in test_rehearse_ep.py
-    "qwen3_30b_a3b_ep": ["model.n_layers=1"],
-    "deepseek_v3_debug": ["model.n_layers=2", "training.global_batch_size=8"],
-}
 # Measured disagreements not settled yet (README): preset -> {row: (low, high) ratio}
 KNOWN: dict[str, dict[str, tuple[float, float]]] = {}
 # Presets the rehearsal refuses for now (pipeline parallelism): exit 2, saying so
@@ -42,13 +27,8 @@ NOT_YET = {
 }
 
 
-def _presets() -> list[str]:
-    folder = os.path.join(CONFIG_DIR, "experiment")
-    return sorted(f[:-5] for f in os.listdir(folder) if f.endswith(".yaml"))
-
-
 def test_every_preset_is_rehearsed_in_the_suite() -> None:
-    assert set(_presets()) == set(SUITE) | NOT_YET
+    assert set(presets()) == set(SUITE) | NOT_YET
 
 
 @pytest.mark.parametrize("preset", sorted(SUITE))
