@@ -72,7 +72,9 @@ REPLACED = (
     "compile: training.compile=false (eager); CUDA-only branches (compile, async TP, CUDA streams, "
     "NCCL reduce ops) are not traced; the CPU attention core stands for the GPU's",
     "evaluation: validation and tasks are not rehearsed",
-    "pipeline and expert parallelism: not rehearsed yet (refused with exit 2)",
+    "pipeline: torch's first-step vote on static shapes (one int32 send/recv per boundary and a "
+    "host read) is answered 'static' on each rank, as every rank computes it (trainer/rehearse_pp.py)",
+    "expert parallelism: not rehearsed yet (refused with exit 2)",
 )
 
 _OPTIONS = ("--ranks=", "--steps=", "--json", "--report-only", "--world=")
@@ -133,7 +135,12 @@ class RehearsalTrainer(Trainer):
 
     def _build_model(self) -> dict[str, torch.Size]:
         with self._fake_materialisation():
-            return super()._build_model()
+            full_shapes = super()._build_model()
+        if self.pipeline is not None:
+            from trainer.rehearse_pp import answer_schedule_vote
+
+            answer_schedule_vote(self.pipeline)
+        return full_shapes
 
     @contextlib.contextmanager
     def _fake_materialisation(self) -> Iterator[None]:
@@ -422,18 +429,32 @@ def _plan_inputs(args: _Args) -> tuple[TrainConfig, int, list[int], str]:
     world = args.world if args.world is not None else intended_world_size(experiment)
     cfg = compose_config(*args.overrides, *REHEARSAL_OVERRIDES)
     p = cfg.parallelism
-    if p.pp > 1 or p.ep > 1:
+    if p.ep > 1:
         raise ConfigError(
-            f"parallelism.pp={p.pp}, parallelism.ep={p.ep}: pipeline and expert parallelism are not "
-            "rehearsed yet (issue #32); rehearse a layout without them, or plan it: python -m trainer.plan."
+            f"parallelism.ep={p.ep}: expert parallelism is not rehearsed yet (issue #32); rehearse a "
+            "layout without it, or plan it: python -m trainer.plan."
         )
-    ranks = args.ranks if args.ranks is not None else sorted({0, world - 1})
+    from trainer.rehearse_pp import default_ranks
+
+    ranks = args.ranks if args.ranks is not None else default_ranks(world, p.pp)
     bad = [r for r in ranks if not 0 <= r < world]
     if bad:
         raise ConfigError(
             f"--ranks: rank {bad[0]} is outside the world of {world} ranks; use 0..{world - 1}."
         )
     return cfg, world, ranks, experiment
+
+
+def _cluster_overrides(world: int) -> list[str]:
+    """The planner's cluster (the default preset) sized to the rehearsed world, so a layout that
+    leaves it open (``parallelism.dp_shard=-1``) is planned at the size rehearsed: whole nodes of the
+    preset's GPUs, or one node of ``world`` GPUs when it is not a multiple of them."""
+    from trainer.planner.cluster import compose_cluster
+
+    per_node = compose_cluster([]).gpus_per_node
+    if world % per_node == 0:
+        return [f"cluster.nodes={world // per_node}"]
+    return ["cluster.nodes=1", f"cluster.gpus_per_node={world}"]
 
 
 def render_report(reports: list[RankReport], experiment: str, tolerance: float = TOLERANCE) -> str:
@@ -474,7 +495,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         args = _parse(argv)
         cfg, world, ranks, experiment = _plan_inputs(args)
-        plan = build_plan(cfg, compose_cluster([]), experiment)
+        plan = build_plan(cfg, compose_cluster(_cluster_overrides(world)), experiment)
         reports = []
         for rank in ranks:
             reports.append(rehearse_rank(cfg, world, rank, args.steps, plan))
