@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 
 __all__ = ["REPLACED", "TOLERANCE", "RankReport", "intended_world_size", "main", "rehearse_rank"]
 
+_TOTAL = "Total"  # MemTracker's key of a device's total in its snapshots
 TOLERANCE = 0.05  # a term whose rehearsed / planned ratio leaves [0.95, 1.05] fails the rehearsal
 
 # Overrides every rehearsal adds: trace eager on the CPU; the planner's launch check is what we compare
@@ -275,11 +276,21 @@ def _run_steps(
 
 
 def _mem_tracker(base: type[MemTracker]) -> MemTracker:
-    """torch's ``MemTracker`` that accepts the model being called again within a step (gradient
-    accumulation; it refuses a second top-level forward): the per-module statistics, which the
-    rehearsal does not read, restart; the device-wide snapshots and the peak are kept."""
+    """torch's ``MemTracker`` with three changes for a rehearsal:
 
-    class AccumulatingMemTracker(base):  # type: ignore[misc,valid-type]
+    - DTensor's sharding propagation runs each op once more on fake tensors of the *global* shapes
+      (``ShardingPropagator._propagate_tensor_meta_non_cached``) in the active fake mode, which is the
+      rehearsal's: those arguments and outputs are metadata, never allocated by the run, so they are not
+      counted (they put the whole unsharded model into the optimizer step's peak);
+    - only the device-wide peak is updated per op (the per-module peaks, which the rehearsal does not
+      read, cost a walk over every tracked module per op: quadratic in the depth of the model);
+    - the model may be called again within a step (gradient accumulation; torch's tracker refuses a
+      second top-level forward): the per-module statistics restart, the device-wide ones are kept."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    class RehearsalMemTracker(base):  # type: ignore[misc,valid-type]
+        _propagating = 0
+
         def _pre_fw_hook(self, module: nn.Module, inputs: tuple[object, ...]) -> None:
             tracker = self._mod_tracker
             if (
@@ -290,7 +301,36 @@ def _mem_tracker(base: type[MemTracker]) -> MemTracker:
                 self.reset_mod_stats()
             super()._pre_fw_hook(module, inputs)
 
-    return AccumulatingMemTracker()
+        def _update_peak_stats(self, peak_state: object) -> None:
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap[_TOTAL]:
+                    self._peak_mem[dev] = snap[_TOTAL]
+                    self._peak_mem_snap[dev] = dict(snap)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if RehearsalMemTracker._propagating:
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+        def __enter__(self) -> RehearsalMemTracker:
+            original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+            def propagate(prop: ShardingPropagator, op_schema: object) -> object:
+                RehearsalMemTracker._propagating += 1
+                try:
+                    return original(prop, op_schema)  # type: ignore[arg-type]
+                finally:
+                    RehearsalMemTracker._propagating -= 1
+
+            self._original_propagate = original
+            ShardingPropagator._propagate_tensor_meta_non_cached = propagate  # type: ignore[assignment,method-assign]
+            return super().__enter__()  # type: ignore[no-any-return]
+
+        def __exit__(self, *exc: object) -> None:
+            super().__exit__(*exc)
+            ShardingPropagator._propagate_tensor_meta_non_cached = self._original_propagate  # type: ignore[method-assign]
+
+    return RehearsalMemTracker()
 
 
 def _memory_rows(
