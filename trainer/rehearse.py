@@ -301,6 +301,17 @@ def _mem_tracker(base: type[MemTracker]) -> MemTracker:
                 self.reset_mod_stats()
             super()._pre_fw_hook(module, inputs)
 
+        # Pipeline schedules run forwards of later microbatches (and, interleaved, of other stages)
+        # before the backward of earlier ones: a module whose statistics were restarted meanwhile
+        # has none to update in its backward (the device-wide figures are kept either way).
+        def _pre_bw_hook(self, module: nn.Module, args: object) -> None:
+            if module in self.memory_tracking:
+                super()._pre_bw_hook(module, args)
+
+        def _post_bw_hook(self, module: nn.Module, args: object) -> None:
+            if module in self.memory_tracking:
+                super()._post_bw_hook(module, args)
+
         def _update_peak_stats(self, peak_state: object) -> None:
             for dev, snap in self._curr_mem_snap.items():
                 if self._peak_mem.get(dev, 0) < snap[_TOTAL]:
