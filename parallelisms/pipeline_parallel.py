@@ -122,10 +122,14 @@ class StageShapes:
     stream_dtype: torch.dtype  # the parameters' compute dtype (FSDP param_dtype, else the model's)
     logits_dtype: torch.dtype  # the head's output: autocast's dtype, else the stream's
 
-    def activation(self, batch: Optional[int] = None) -> Tensor:
-        """The boundary activation (meta): ``batch`` rows (default one microbatch)."""
-        rows = self.micro_batch if batch is None else batch
-        shape = (rows, self.seq_len // self.sp, self.dim)
+    def boundary(self, rows: int, tokens: int) -> tuple[int, int, int]:
+        """The residual stream's shape for ``rows`` sequences of ``tokens`` tokens (this rank's share
+        of each: S / cp); evaluation batches have their own rows and lengths."""
+        return (rows, tokens // self.sp, self.dim)
+
+    def activation(self) -> Tensor:
+        """One microbatch's boundary activation (meta)."""
+        shape = self.boundary(self.micro_batch, self.seq_len)
         return torch.empty(shape, dtype=self.stream_dtype, device="meta", requires_grad=True)
 
     def stage_args(self, stage: int, num_stages: int) -> tuple[Tensor, Tensor]:
@@ -171,22 +175,26 @@ def stage_shapes(
     )
 
 
-def _check_sent(stage: int, expected: Tensor) -> Callable[[nn.Module, object, object], None]:
-    """A forward hook on a stage whose output is sent: the activation must have the static shape
-    (any batch: evaluation runs whole batches) and dtype the receiver allocated."""
+def _check_sent(stage: int, shapes: StageShapes) -> Callable[[nn.Module, tuple[object, ...], object], None]:
+    """A forward hook on a stage whose output goes to the next stage: the activation must have the
+    boundary's shape for the stage's input (token ids into the first stage, the stream into the
+    others) and its dtype, which is what the receiver allocates."""
 
-    def hook(_module: nn.Module, _inputs: object, out: object) -> None:
-        if not (
-            isinstance(out, Tensor) and out.shape[1:] == expected.shape[1:] and out.dtype == expected.dtype
-        ):
-            got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, Tensor) else type(out).__name__
-            raise RuntimeError(
-                f"pipeline stage {stage} produced {got}, but its static boundary shape is "
-                f"(batch, {', '.join(map(str, expected.shape[1:]))}) {expected.dtype} "
-                "(parallelisms/pipeline_parallel.py StageShapes): the receiving stage would read a wrong "
-                "buffer. A model that changes the residual stream's shape or dtype needs StageShapes "
-                "updated."
-            )
+    def hook(_module: nn.Module, inputs: tuple[object, ...], out: object) -> None:
+        x = inputs[0] if inputs else None
+        if not isinstance(x, Tensor):
+            return  # not the pipeline's call
+        tokens = x.shape[1] if stage == 0 else x.shape[1] * shapes.sp
+        want = shapes.boundary(x.shape[0], tokens)
+        if isinstance(out, Tensor) and tuple(out.shape) == want and out.dtype == shapes.stream_dtype:
+            return
+        got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, Tensor) else type(out).__name__
+        raise RuntimeError(
+            f"pipeline stage {stage} produced {got}, but its static boundary is {want} "
+            f"{shapes.stream_dtype} (parallelisms/pipeline_parallel.py StageShapes): the receiving stage "
+            "would read a wrong buffer. A model that changes the residual stream's shape or dtype needs "
+            "StageShapes updated."
+        )
 
     return hook
 
@@ -240,7 +248,7 @@ class Pipeline:
         for part, s in zip(model_parts, stage_ids):
             inputs, outputs = shapes.stage_args(s, num_stages)
             if s < num_stages - 1:
-                part.register_forward_hook(_check_sent(s, outputs))
+                part.register_forward_hook(_check_sent(s, shapes))
             self.stages.append(
                 PipelineStage(
                     part, s, num_stages, device, input_args=inputs, output_args=outputs, group=self._group
@@ -344,7 +352,9 @@ class Pipeline:
                 elif self.stage_to_rank[s - 1] == self.pp_rank:
                     x = h
                 else:
-                    x = self._recv(self.stage_to_rank[s - 1], batch=labels.shape[0])
+                    x = self._recv(
+                        self.stage_to_rank[s - 1], self.shapes.boundary(labels.shape[0], labels.shape[1])
+                    )
                 out = part_of[s](x, **model_kwargs)
                 if s == self.num_stages - 1:
                     loss = loss_fn(out, labels).float()
@@ -358,11 +368,11 @@ class Pipeline:
     def _send(self, t: Tensor, peer: int) -> None:
         dist.send(t.detach().contiguous(), group=self._group, group_dst=peer)
 
-    def _recv(self, peer: int, batch: int) -> Tensor:
-        """The activation of ``batch`` rows from ``peer``: its shape and dtype are the static
-        boundary's (``StageShapes``; the sender's forward hook checked them), so no header travels."""
-        like = self.shapes.activation(batch)
-        t = torch.empty(like.shape, dtype=like.dtype, device=self.device)
+    def _recv(self, peer: int, shape: tuple[int, int, int]) -> Tensor:
+        """The activation of ``shape`` from ``peer`` in the stream's dtype: both follow from the config
+        and the batch every pp rank holds (``StageShapes``; the sender's forward hook checked them),
+        so no header travels."""
+        t = torch.empty(shape, dtype=self.shapes.stream_dtype, device=self.device)
         dist.recv(t, group=self._group, group_src=peer)
         return t
 

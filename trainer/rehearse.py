@@ -530,6 +530,20 @@ def render_report(reports: list[RankReport], experiment: str, tolerance: float =
     return "\n".join(lines)
 
 
+def _failure_line(e: BaseException) -> str:
+    """``Type: first line`` of an error, and of its root cause when a wrapper hides it (torch's
+    pipeline schedules re-raise a stage's error as a RuntimeError whose first line is blank)."""
+
+    def line(x: BaseException) -> str:
+        text = next((ln.strip() for ln in str(x).splitlines() if ln.strip()), "")
+        return f"{type(x).__name__}: {text}"
+
+    root = e
+    while root.__cause__ is not None:
+        root = root.__cause__
+    return line(e) if root is e else f"{line(e)} (caused by {line(root)})"
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """``python -m trainer.rehearse +experiment=NAME [key=value ...] [--ranks=R,...] [--steps=N]
     [--world=N] [--json] [--report-only]``: rehearse the run at its intended world size as each rank
@@ -555,9 +569,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"config error{where}: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # the run's own code failed at this rank: name it, not DTensor's traceback
-        first = (str(e).splitlines() or [""])[0]
+        first = _failure_line(e)
         print(
-            f"rehearsal failed at rank {rank}: {type(e).__name__}: {first}; the real run fails there too "
+            f"rehearsal failed at rank {rank}: {first}; the real run fails there too "
             f"(rerun with --ranks={rank} under python -X dev for the traceback).",
             file=sys.stderr,
         )

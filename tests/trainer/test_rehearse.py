@@ -19,10 +19,6 @@ from trainer import rehearse
 SMALL_7B = ["+experiment=7b_hsdp", "model.n_layers=2"]
 SMALL_70B = ["+experiment=70b_tp_fsdp", "model.n_layers=1", "training.global_batch_size=8"]
 
-# Measured disagreements of 70b_tp_fsdp (tensor parallel + sequence parallel + full AC), rehearsed /
-# planned: not settled in this slice (see README, "Rehearsing a run at its real size").
-KNOWN_70B = {"reduce_scatter tp bytes"}
-
 
 def _run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, dict[str, Any]]:
     rc = rehearse.main([*args, "--json"])
@@ -52,14 +48,20 @@ def test_7b_hsdp_agrees_with_the_plan_on_its_default_ranks(capsys: pytest.Captur
     assert rows["optimizer"]["ratio"] == pytest.approx(1.0, abs=1e-6)  # + AdamW's step counters
 
 
-def test_70b_tp_fsdp_agrees_but_for_the_known_tp_terms(capsys: pytest.CaptureFixture[str]) -> None:
-    rc, report = _run([*SMALL_70B, "--ranks=0", "--report-only"], capsys)
-    assert rc == 0
-    failing = _failing(report)
-    assert set(failing) == KNOWN_70B, failing
-    assert 0.7 < failing["reduce_scatter tp bytes"] < 0.95
+def test_70b_tp_fsdp_agrees_with_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    # TP + sequence parallel + full AC: torch's non-reentrant checkpoint does not recompute a block's
+    # exit (w2 and its reduce-scatter), which the plan once counted (0.85 of the planned bytes)
+    rc, report = _run([*SMALL_70B, "--ranks=0"], capsys)
+    assert rc == 0, _failing(report)
     rows = {r["what"]: r for r in report["ranks"][0]["rows"]}
-    for what in ("params", "grads", "optimizer", "all_gather tp bytes", "reduce_scatter dp_shard_cp bytes"):
+    for what in (
+        "params",
+        "grads",
+        "optimizer",
+        "all_gather tp bytes",
+        "reduce_scatter tp bytes",
+        "reduce_scatter dp_shard_cp bytes",
+    ):
         assert rows[what]["ratio"] == pytest.approx(1.0, abs=1e-6), what
 
 
