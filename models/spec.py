@@ -116,8 +116,10 @@ class MoELayer(Protocol):
     """What expert parallelism and its load balancer (``parallelisms/expert_parallel.py``) use of a
     family's routed mixture-of-experts module (``ModelSpec.moe_layers``)."""
 
-    # (rows sorted by expert, rows per expert, the stacked experts) -> rows; None: the local experts
-    dispatcher: Optional[Callable[[torch.Tensor, torch.Tensor, nn.Module], torch.Tensor]]
+    # (rows sorted by expert, rows per expert, the stacked experts, rows per expert on the host when
+    # the routing knows them, else None) -> rows; None: the local experts
+    dispatcher: Optional[Callable[[torch.Tensor, torch.Tensor, nn.Module, Optional[list[int]]], torch.Tensor]]
+    balanced_routing: bool  # copy j of a forward's token copies to expert j mod E (a rehearsal sets it)
     aux_grad_scale: Optional[float]  # weight of one forward's aux term per token (None: 1 per forward)
     step_records: list[torch.Tensor]  # one (E + 2,) row per forward of the current step
 

@@ -93,11 +93,15 @@ def _count(
 class AllToAllDispatcher:
     """An MoE module's ``dispatcher`` under expert parallel (see ``models.moe.MoE._routed``).
 
-    ``__call__(rows, counts, experts)``: ``rows`` (N, H) are this rank's token copies sorted by
-    global expert id, ``counts`` (E,) how many go to each expert. The counts are exchanged first
-    (so every rank knows its variable receive splits), the rows all_to_all'd to the ranks owning
-    their experts (contiguous blocks of E / ep), regrouped by local expert, run through
+    ``__call__(rows, counts, experts, host_counts=None)``: ``rows`` (N, H) are this rank's token
+    copies sorted by global expert id, ``counts`` (E,) how many go to each expert. The counts are
+    exchanged first (so every rank knows its variable receive splits), the rows all_to_all'd to the
+    ranks owning their experts (contiguous blocks of E / ep), regrouped by local expert, run through
     ``experts``, put back in arrival order and all_to_all'd home -- in the order they left.
+
+    The splits must be on the host: read from the counts (one sync), or, when the routing gives
+    ``host_counts`` (balanced routing, ``MoE.balanced_routing``), computed from them without reading
+    a tensor (``fixed_splits``): a rehearsal under FakeTensorMode has no values to read.
     """
 
     def __init__(self, group: dist.ProcessGroup, ep: int) -> None:
@@ -105,7 +109,19 @@ class AllToAllDispatcher:
         self.ep = ep
         self.stats: dict[str, int] = {}  # bytes handed to all_to_all (benchmarks/bench_ep.py)
 
-    def __call__(self, rows: Tensor, counts: Tensor, experts: nn.Module) -> Tensor:
+    def fixed_splits(self, host_counts: list[int]) -> tuple[list[int], list[int], list[int]]:
+        """(send splits, receive splits, rows per local expert) of a routing fixed on the host. Such a
+        routing is every rank's (balanced routing sends copy j to expert j mod E on every rank, and
+        every rank of the group routes equally many copies), so each source sends this rank what
+        this rank sends its own experts' owner: its block of ``host_counts``."""
+        ep, num_local = self.ep, len(host_counts) // self.ep
+        blocks = [host_counts[r * num_local : (r + 1) * num_local] for r in range(ep)]
+        mine = blocks[dist.get_rank(self.group)]
+        return [sum(b) for b in blocks], [sum(mine)] * ep, [ep * c for c in mine]
+
+    def __call__(
+        self, rows: Tensor, counts: Tensor, experts: nn.Module, host_counts: Optional[list[int]] = None
+    ) -> Tensor:
         ep = self.ep
         num_local = counts.numel() // ep
         recv_counts = torch.empty_like(counts)
@@ -113,20 +129,26 @@ class AllToAllDispatcher:
             recv_counts, counts, group=self.group
         )  # [src * E_l + e]: src's rows for my expert e
         recv_counts = recv_counts.view(ep, num_local)  # (ep, E_l)
-        # One host sync for the splits (all_to_all needs them on the host).
-        send_splits, recv_splits = torch.stack(
-            [counts.view(ep, num_local).sum(1), recv_counts.sum(1)]
-        ).tolist()
+        local_counts: Optional[list[int]] = None
+        if host_counts is None:
+            # One host sync for the splits (all_to_all needs them on the host).
+            send_splits, recv_splits = torch.stack(
+                [counts.view(ep, num_local).sum(1), recv_counts.sum(1)]
+            ).tolist()
+        else:
+            send_splits, recv_splits, local_counts = self.fixed_splits(host_counts)
         arrived = _AllToAll.apply(
             rows, send_splits, recv_splits, self.group, self.stats, "dispatch"
         )  # (M, H)
         # Regroup (src, e) -> (e, src): each local expert's rows become contiguous.
         segment = torch.repeat_interleave(
-            torch.arange(ep * num_local, device=rows.device), recv_counts.reshape(-1)
+            torch.arange(ep * num_local, device=rows.device),
+            recv_counts.reshape(-1),
+            output_size=sum(recv_splits),
         )  # (M,) segment id src * E_l + e of each arrived row
         key = (segment % num_local) * ep + segment // num_local
         perm = torch.argsort(key, stable=True)  # (M,)
-        out = experts(arrived[perm], recv_counts.sum(0))  # (M, H) grouped by local expert
+        out = experts(arrived[perm], recv_counts.sum(0), local_counts)  # (M, H) grouped by local expert
         out = out[torch.argsort(perm)]  # back to arrival order
         return _AllToAll.apply(out, recv_splits, send_splits, self.group, self.stats, "combine")  # (N, H)
 

@@ -29,21 +29,23 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Optional, TypedDict, Union
+from typing import TYPE_CHECKING, Optional, Protocol, TypedDict, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from models.errors import ConfigError
+from parallelisms.parallel_dims import DP_REPLICATE_CP, ParallelDims
 from trainer.config import CONFIG_DIR
 from trainer.data.windows import Batch
-from trainer.step import StepState
+from trainer.step import StepBatch, StepState
 from trainer.train import Trainer
 
 if TYPE_CHECKING:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.utils.hooks import RemovableHandle
 
     from trainer.config import TrainConfig
     from trainer.planner.context import Plan
@@ -65,17 +67,26 @@ REHEARSAL_OVERRIDES = (
 
 # What the rehearsal replaces, or does not trace (shown in every report).
 REPLACED = (
-    "data: synthetic token ids of the real (local batch, seq_len) shapes replace the loader and tokenizer",
+    "data: synthetic token ids of the real (local batch, seq_len) shapes replace the loader and tokenizer "
+    "(block-causal documents start at stand-in BOS/EOS ids: fake ids have no values)",
     "weights: the deterministic init_weights is skipped (fake tensors have no values)",
     "guards: the non-finite check (a host sync) is answered 'finite'",
     "checkpoint: not built, no save traced (DCP's planner is not run yet)",
     "operations: preemption agreement, comm watchdog, profiler, metrics logger not built",
-    "compile: training.compile=false (eager); CUDA-only branches (compile, async TP, CUDA streams, "
-    "NCCL reduce ops) are not traced; the CPU attention core stands for the GPU's",
+    "compile: training.compile=false (eager); CUDA-only branches (compile, async TP, ring CP, CUDA streams, "
+    "NCCL reduce ops) are not traced",
+    "attention: causal SDPA is traced as is; masked attention (block-causal, context parallel) as SDPA's "
+    "fused kernel, standing for FlexAttention on the GPU (no dense S x S mask)",
+    "optimizer: optimizer.implementation=auto traces the CPU's foreach AdamW (the GPU's is fused); its "
+    "temporaries are in the peak",
     "evaluation: validation and tasks are not rehearsed",
     "pipeline: torch's first-step vote on static shapes (one int32 send/recv per boundary and a "
     "host read) is answered 'static' on each rank, as every rank computes it (trainer/rehearse_pp.py)",
-    "expert parallelism: not rehearsed yet (refused with exit 2)",
+    "MoE routing: balanced, copy j of a forward's token copies to expert j mod E (tokens x top_k / "
+    "num_experts each, as torchtitan's and Megatron's forced load balance): the token counts, the "
+    "expert-parallel all_to_all splits and the experts' group sizes follow on the host, with no "
+    ".tolist(); the load balancer's all_reduce and bias update run on it; its logged statistics are "
+    "not traced (no step is logged)",
 )
 
 _OPTIONS = ("--ranks=", "--steps=", "--json", "--report-only", "--world=")
@@ -110,6 +121,15 @@ class SyntheticLoader:
         return {}
 
 
+@dataclass(frozen=True)
+class _DocumentIds:
+    """The tokenizer's place in a rehearsal: the ids that start documents (block-causal positions);
+    fake token ids have no values, so which ids they are changes no shape."""
+
+    bos_id: int = 1
+    eos_id: int = 2
+
+
 class RehearsalTrainer(Trainer):
     """The real ``Trainer`` with the points that need values or real I/O answered (``REPLACED``): the
     model, optimizer and hooks are built inside ``fake`` (FakeTensorMode), the mesh and the
@@ -117,10 +137,11 @@ class RehearsalTrainer(Trainer):
 
     def __init__(self, cfg: TrainConfig, fake: FakeTensorMode) -> None:
         self.fake = fake
+        self.probe: Optional[_StateProbe] = None  # set while steps are rehearsed
         super().__init__(cfg)
 
     def _load_data(self) -> None:
-        self.tokenizer = None  # type: ignore[assignment]  # synthetic ids need none
+        self.tokenizer = _DocumentIds()  # type: ignore[assignment]  # what block-causal positions read
         t = self.cfg.training
         self.train_loader = SyntheticLoader(self.local_batch_size, t.seq_len, self.cfg.model.vocab_size)  # type: ignore[assignment]
         self.val_loader, self.named_val_loaders, self.task_evaluator = None, {}, None
@@ -137,11 +158,22 @@ class RehearsalTrainer(Trainer):
     def _build_model(self) -> dict[str, torch.Size]:
         with self._fake_materialisation():
             full_shapes = super()._build_model()
+        self._balance_routing()
         if self.pipeline is not None:
             from trainer.rehearse_pp import answer_schedule_vote
 
             answer_schedule_vote(self.pipeline)
         return full_shapes
+
+    def _balance_routing(self) -> None:
+        """Mixture-of-experts layers route balanced (copy j to expert j mod E, ``REPLACED``): fake
+        tensors have no values to choose experts by, and the token counts per expert, the dispatch
+        splits of expert parallelism and the experts' group sizes must be known on the host."""
+        if self.spec.moe_layers is None:
+            return
+        for part in self.model_parts:
+            for _, moe in self.spec.moe_layers(part):
+                moe.balanced_routing = True
 
     @contextlib.contextmanager
     def _fake_materialisation(self) -> Iterator[None]:
@@ -178,6 +210,12 @@ class RehearsalTrainer(Trainer):
 
     def _check_finite(self, s: StepState) -> None:
         pass  # fake tensors have no values: the step is taken as finite
+
+    def _forward_loss_sum(self, batch: StepBatch) -> torch.Tensor:
+        loss = super()._forward_loss_sum(batch)
+        if self.probe is not None:
+            self.probe.record_saved()
+        return loss
 
 
 # -- one rank ---------------------------------------------------------------------------------------
@@ -230,6 +268,23 @@ class _StateProbe:
         self.trainer = trainer
         self.grads = 0.0
         self.optimizer = 0.0
+        self.saved = 0.0  # the most forward-allocated bytes live when a model part's forward returns
+        self.flops = 0.0  # matmul and attention FLOPs per step
+        self.axes: dict[str, str] = {}  # axis -> the name it is compared under (``_canonical_axes``)
+        self.tracker: Optional[MemTracker] = None
+
+    def record_saved(self) -> None:
+        """The forward (and the loss) of a microbatch returned: the forward-allocated bytes still live
+        are what backward will read (saved activations, the loss's log-softmax), the memory ledger's
+        and the planner's term; the most over the step's microbatches is kept."""
+        if self.tracker is not None:
+            snap = self.tracker.get_tracker_snapshot("current")
+            live = next(iter(snap.values()), {}) if snap else {}
+            acts = float(sum(v for k, v in live.items() if str(getattr(k, "value", k)) == "Activation"))
+            self.saved = max(self.saved, acts)
+
+    def forward_done(self, module: nn.Module, inputs: object, output: object) -> None:
+        self.record_saved()  # a pipeline stage's forward (the last stage's loss follows inside torch)
 
     def before_optimizer_step(self, state: StepState) -> None:
         self.grads = _local_bytes(p.grad for p in self.trainer.parameters)
@@ -237,6 +292,43 @@ class _StateProbe:
     def after_optimizer_step(self, state: StepState) -> None:
         opt = self.trainer.optimizer.state.values()
         self.optimizer = _local_bytes(v for s in opt for v in s.values() if isinstance(v, torch.Tensor))
+
+
+def _flop_counter() -> _Counting:
+    """FLOPs of the ops this rank runs, by torch's ``flop_counter`` formulas: DTensor ops are let
+    through to their local ops (torch's ``FlopCounterMode`` would count a DTensor matmul at its global
+    shape), and the CPU attention kernels count as the fused kernels they stand for."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop
+
+    aten = torch.ops.aten
+    formulas = {
+        **flop_registry,
+        aten._scaled_dot_product_flash_attention_for_cpu: sdpa_flop,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: sdpa_backward_flop,
+    }
+
+    class LocalFlops(TorchDispatchMode):
+        total = 0.0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if any(issubclass(t, DTensor) for t in types):
+                return NotImplemented
+            out = func(*args, **(kwargs or {}))
+            formula = formulas.get(func._overloadpacket)
+            if formula is not None and not _PROPAGATING[0]:
+                self.total += formula(*args, **(kwargs or {}), out_val=out)
+            return out
+
+    return LocalFlops()
+
+
+class _Counting(Protocol):
+    total: float
+
+    def __enter__(self) -> object: ...
+    def __exit__(self, *exc: object) -> None: ...
 
 
 def _row(kind: str, what: str, planned: float, rehearsed: float, checked: bool = True) -> Row:
@@ -251,7 +343,6 @@ def _run_steps(
     category, the ledger's collectives per step, the model-state probe)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from parallelisms.parallel_dims import DP_REPLICATE_CP
     from trainer.hooks import StepHooks
     from trainer.observe.comm_ledger import CommLedger, axis_names_of_groups
 
@@ -263,34 +354,143 @@ def _run_steps(
     )
     tracker = _mem_tracker(MemTracker)
     tracker.track_external(*trainer.model_parts, trainer.optimizer)
-    with trainer.fake, tracker:
+    probe.tracker = tracker
+    trainer.probe = probe
+    parts = trainer.model_parts if trainer.pipeline is not None else []
+    handles = [part.register_forward_hook(probe.forward_done) for part in parts]
+    handles += _gathered_units_tagged(tracker, trainer.model_parts)
+    flops = _flop_counter()
+    with _propagation_marked(), _fused_attention_stand_in(), trainer.fake, tracker, flops:
         for _ in range(steps):
             with ledger:
                 trainer.train_step()
                 trainer.state.step += 1
+    probe.flops = flops.total / steps
+    for h in handles:
+        h.remove()
+    counts = ledger.pop()
+    probe.axes = _canonical_axes(dims)
     peak = tracker.get_tracker_snapshot("peak")
     by_category = (
         {str(getattr(k, "value", k)): float(v) for k, v in next(iter(peak.values())).items()} if peak else {}
     )
-    return by_category, ledger.pop(), probe
+    return by_category, counts, probe
+
+
+def _gathered_units_tagged(tracker: MemTracker, parts: list[nn.Module]) -> list[RemovableHandle]:
+    """``MemTracker`` books a module's parameters in its pre-forward hook, which runs before FSDP2's
+    gather (a module's own hooks follow the global ones): a unit's gathered parameters are booked when
+    a submodule of the unit runs, never those of a unit without submodules -- the stacked experts
+    under expert parallelism, an FSDP unit of their own -- which it would count as activations. A
+    pre-forward hook after FSDP's books them as parameters."""
+    from torch.distributed.fsdp import FSDPModule
+
+    def book(module: nn.Module, args: object) -> None:
+        tracker._track_module_params_and_buffers(module, install_grad_hooks=False)
+
+    leaves = (m for part in parts for m in part.modules() if next(m.children(), None) is None)
+    return [m.register_forward_pre_hook(book) for m in leaves if isinstance(m, FSDPModule)]
+
+
+# The planner's names of the axes, first: axes that span the same ranks are one group of collectives
+# (with cp = 1, dp_shard and dp_shard_cp; with dp_shard = 1, cp and dp_shard_cp), and the mesh may have
+# made them one process group: both sides are compared under the first name of these that spans them.
+_PLANNER_AXES = ("dp_shard_cp", "dp_replicate_cp", "dp_replicate", "cp", "tp", "pp", "ep", "dp_shard_mod_ep")
+
+
+def _canonical_axes(dims: ParallelDims) -> dict[str, str]:
+    """``{axis: the first of _PLANNER_AXES (or of the mesh's names) spanning the same ranks}``."""
+    names = [*_PLANNER_AXES, *dims.mesh_dim_names, *dims.flat_views, DP_REPLICATE_CP]
+    by_ranks: dict[tuple[int, ...], str] = {}
+    canonical: dict[str, str] = {}
+    for name in names:
+        try:
+            ranks = tuple(dist.get_process_group_ranks(dims.get_mesh(name).get_group()))
+        except (KeyError, RuntimeError, ValueError):
+            continue
+        canonical[name] = by_ranks.setdefault(ranks, name)
+    return canonical
+
+
+@contextlib.contextmanager
+def _fused_attention_stand_in() -> Iterator[None]:
+    """Masked attention (block-causal documents, context parallel's gathered keys) as the GPU runs it:
+    FlexAttention with a block mask saves q, k, v, the output and the log-sum-exp, FLOPs of a fused
+    kernel; the CPU path builds a dense (Sq, Sk) additive mask and SDPA's math path over it, S x S
+    memory that would swamp the report at long context. Under the rehearsal the masked calls run
+    SDPA's fused CPU kernel (``is_causal``: same shapes, FLOPs and saved tensors; fake tensors carry no
+    values, so the mask's pattern changes nothing measured) and the dense mask is not built. Causal
+    attention without a mask is traced as it is (the GPU runs SDPA on it too)."""
+    import models.attention as attention
+    import parallelisms.context_parallel as context_parallel
+
+    real_attend, real_additive = attention.attend, attention.MaskSpec.additive
+
+    def attend(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: Optional[attention.Mask],
+        *,
+        flex: Optional[object] = None,
+    ) -> torch.Tensor:
+        if mask is None:
+            return real_attend(q, k, v, None)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return out.transpose(1, 2)
+
+    def additive(spec: attention.MaskSpec, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(0, dtype=dtype, device=spec.q_index.device)  # a BlockMask's few bytes
+
+    attention.attend = context_parallel.attend = attend  # type: ignore[assignment]
+    attention.MaskSpec.additive = additive  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        attention.attend = context_parallel.attend = real_attend
+        attention.MaskSpec.additive = real_additive  # type: ignore[method-assign]
+
+
+_PROPAGATING = [0]  # > 0 while DTensor's sharding propagation runs an op on global-shape fake tensors
+
+
+@contextlib.contextmanager
+def _propagation_marked() -> Iterator[None]:
+    """Mark DTensor's sharding propagation (``ShardingPropagator._propagate_tensor_meta_non_cached``):
+    it runs each op once more on fake tensors of the *global* shapes, in the active fake mode (the
+    rehearsal's), to learn the output's metadata. Those are neither allocations nor FLOPs of the run:
+    the memory tracker and the FLOP counter skip them."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def propagate(prop: ShardingPropagator, op_schema: object) -> object:
+        _PROPAGATING[0] += 1
+        try:
+            return original(prop, op_schema)  # type: ignore[arg-type]
+        finally:
+            _PROPAGATING[0] -= 1
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = propagate  # type: ignore[assignment,method-assign]
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original  # type: ignore[method-assign]
 
 
 def _mem_tracker(base: type[MemTracker]) -> MemTracker:
     """torch's ``MemTracker`` with three changes for a rehearsal:
 
-    - DTensor's sharding propagation runs each op once more on fake tensors of the *global* shapes
-      (``ShardingPropagator._propagate_tensor_meta_non_cached``) in the active fake mode, which is the
-      rehearsal's: those arguments and outputs are metadata, never allocated by the run, so they are not
-      counted (they put the whole unsharded model into the optimizer step's peak);
+    - what DTensor's sharding propagation allocates is not counted (``_propagation_marked``: global-
+      shape metadata, never allocated by the run; it put the whole unsharded model into the optimizer
+      step's peak);
     - only the device-wide peak is updated per op (the per-module peaks, which the rehearsal does not
       read, cost a walk over every tracked module per op: quadratic in the depth of the model);
     - the model may be called again within a step (gradient accumulation; torch's tracker refuses a
       second top-level forward): the per-module statistics restart, the device-wide ones are kept."""
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
     class RehearsalMemTracker(base):  # type: ignore[misc,valid-type]
-        _propagating = 0
-
         def _pre_fw_hook(self, module: nn.Module, inputs: tuple[object, ...]) -> None:
             tracker = self._mod_tracker
             if (
@@ -319,27 +519,9 @@ def _mem_tracker(base: type[MemTracker]) -> MemTracker:
                     self._peak_mem_snap[dev] = dict(snap)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            if RehearsalMemTracker._propagating:
+            if _PROPAGATING[0]:
                 return func(*args, **(kwargs or {}))
             return super().__torch_dispatch__(func, types, args, kwargs)
-
-        def __enter__(self) -> RehearsalMemTracker:
-            original = ShardingPropagator._propagate_tensor_meta_non_cached
-
-            def propagate(prop: ShardingPropagator, op_schema: object) -> object:
-                RehearsalMemTracker._propagating += 1
-                try:
-                    return original(prop, op_schema)  # type: ignore[arg-type]
-                finally:
-                    RehearsalMemTracker._propagating -= 1
-
-            self._original_propagate = original
-            ShardingPropagator._propagate_tensor_meta_non_cached = propagate  # type: ignore[assignment,method-assign]
-            return super().__enter__()  # type: ignore[no-any-return]
-
-        def __exit__(self, *exc: object) -> None:
-            super().__exit__(*exc)
-            ShardingPropagator._propagate_tensor_meta_non_cached = self._original_propagate  # type: ignore[method-assign]
 
     return RehearsalMemTracker()
 
@@ -347,31 +529,70 @@ def _mem_tracker(base: type[MemTracker]) -> MemTracker:
 def _memory_rows(
     plan: Plan, pp_rank: int, peak: dict[str, float], probe: _StateProbe, trainer: Trainer
 ) -> list[Row]:
+    """Model states when each is defined (checked), the saved activations when the forward returns
+    (checked), and the peak: its total and MemTracker's categories at that instant next to the
+    planner's nearest terms (shown, not checked: the planner adds every term's own maximum, which
+    happen at different instants; see ``PEAK_NOT_SETTLED``)."""
     stage = plan.stages[pp_rank]
     params = _local_bytes(trainer.parameters)
+    gathered = stage.buffers.get("fsdp_unsharded_params", 0.0)
+    other_buffers = sum(v for k, v in stage.buffers.items() if k != "fsdp_unsharded_params")
+    # Under PP the stages' receive buffers and kept outputs are live when a forward returns and are
+    # booked as activations; the plan holds them as buffers: they join the saved bytes (like for like)
+    pipeline = sum(v for k, v in stage.buffers.items() if k.startswith("pp_"))
     return [
         _row("memory", "params", stage.params_bytes, params),
         _row("memory", "grads", stage.grads_bytes, probe.grads),
         _row("memory", "optimizer", stage.optimizer_bytes, probe.optimizer),
-        _row("memory", "peak: activations", stage.activations_bytes, peak.get("Activation", 0.0), False),
+        _row("memory", "activations saved (end of forward)", stage.peak_saved + pipeline, probe.saved),
         _row("memory", "peak: total", stage.total_bytes, peak.get("Total", 0.0), False),
+        _row(
+            "memory",
+            "at peak: parameters (+ gathered)",
+            stage.params_bytes + gathered,
+            peak.get("Parameter", 0.0),
+            False,
+        ),
+        _row("memory", "at peak: gradients", stage.grads_bytes, peak.get("Gradient", 0.0), False),
+        _row("memory", "at peak: optimizer state", stage.optimizer_bytes, peak.get("Optstate", 0.0), False),
+        _row(
+            "memory",
+            "at peak: activations + temporaries",
+            stage.activations_bytes + other_buffers,
+            peak.get("Activation", 0.0) + peak.get("Temp", 0.0),
+            False,
+        ),
     ]
 
 
-def _comm_rows(plan: Plan, pp_rank: int, counts: dict[str, object]) -> list[Row]:
-    """Per (collective, mesh axis): bytes and calls per step, planned vs rehearsed. Scalars (token
-    counts, the grad norm's partial sums) are not planned: rows under 1 MB a step are shown unchecked."""
+def _compute_rows(plan: Plan, probe: _StateProbe) -> list[Row]:
+    """The step's matmul and attention FLOPs on this rank against the planner's executed FLOPs
+    (checked without pipeline parallelism: the planner spreads them evenly over the ranks, where
+    stages differ), and the MFU convention's figure beside them (shown)."""
+    executed = plan.compute["executed_flops_per_rank"]
+    return [
+        _row("compute", "FLOPs executed", executed, probe.flops, plan.layout["pp"] == 1),
+        _row("compute", "FLOPs (MFU convention)", plan.compute["flops_per_rank"], probe.flops, False),
+    ]
+
+
+def _comm_rows(plan: Plan, pp_rank: int, counts: dict[str, object], axes: dict[str, str]) -> list[Row]:
+    """Per (collective, mesh axis): bytes and calls per step, planned vs rehearsed, axes spanning the
+    same ranks merged (``axes``). Scalars (token counts, the grad norm's partial sums) are not planned:
+    rows under 1 MB a step are shown unchecked."""
     planned: dict[tuple[str, str], list[float]] = {}
     for x in plan.pp_rank_collectives[pp_rank]:
-        slot = planned.setdefault((x.op, x.axis), [0.0, 0.0])
+        slot = planned.setdefault((x.op, axes.get(x.axis, x.axis)), [0.0, 0.0])
         slot[0] += x.logical_bytes
         slot[1] += x.calls
     measured: dict[tuple[str, str], list[float]] = {}
-    for op, axes in counts.items():
-        if not isinstance(axes, dict):  # total_bytes
+    for op, by_axis in counts.items():
+        if not isinstance(by_axis, dict):  # total_bytes
             continue
-        for axis, v in axes.items():
-            measured[(op, axis)] = [v["bytes"], v["calls"]]
+        for axis, v in by_axis.items():
+            slot = measured.setdefault((op, axes.get(axis, axis)), [0.0, 0.0])
+            slot[0] += v["bytes"]
+            slot[1] += v["calls"]
     rows = []
     for op, axis in sorted(set(planned) | set(measured)):
         want, got = planned.get((op, axis), [0.0, 0.0]), measured.get((op, axis), [0.0, 0.0])
@@ -409,7 +630,8 @@ def rehearse_rank(cfg: TrainConfig, world_size: int, rank: int, steps: int, plan
         trainer = RehearsalTrainer(cfg, FakeTensorMode(allow_non_fake_inputs=True))
         peak, counts, probe = _run_steps(trainer, steps)
         pp_rank = pp_rank_of(plan, rank)
-        rows = _memory_rows(plan, pp_rank, peak, probe, trainer) + _comm_rows(plan, pp_rank, counts)
+        rows = _memory_rows(plan, pp_rank, peak, probe, trainer) + _compute_rows(plan, probe)
+        rows += _comm_rows(plan, pp_rank, counts, probe.axes)
     finally:
         dist.destroy_process_group()
         _forget_meshes()
@@ -473,21 +695,14 @@ def _parse(argv: list[str]) -> _Args:
 def _plan_inputs(args: _Args) -> tuple[TrainConfig, int, list[int], str]:
     """(the composed and validated config, the world size, the ranks to rehearse, the experiment)."""
     from trainer.config import compose_config
+    from trainer.rehearse_pp import default_ranks
 
     experiment = next((a.split("=", 1)[1] for a in args.overrides if a.startswith("+experiment=")), "")
     if args.world is None and not experiment:
         raise ConfigError("name the run: +experiment=NAME (its YAML states the world size) or --world=N.")
     world = args.world if args.world is not None else intended_world_size(experiment)
     cfg = compose_config(*args.overrides, *REHEARSAL_OVERRIDES)
-    p = cfg.parallelism
-    if p.ep > 1:
-        raise ConfigError(
-            f"parallelism.ep={p.ep}: expert parallelism is not rehearsed yet (issue #32); rehearse a "
-            "layout without it, or plan it: python -m trainer.plan."
-        )
-    from trainer.rehearse_pp import default_ranks
-
-    ranks = args.ranks if args.ranks is not None else default_ranks(world, p.pp)
+    ranks = args.ranks if args.ranks is not None else default_ranks(world, cfg.parallelism.pp)
     bad = [r for r in ranks if not 0 <= r < world]
     if bad:
         raise ConfigError(
@@ -496,16 +711,24 @@ def _plan_inputs(args: _Args) -> tuple[TrainConfig, int, list[int], str]:
     return cfg, world, ranks, experiment
 
 
-def _cluster_overrides(world: int) -> list[str]:
-    """The planner's cluster (the default preset) sized to the rehearsed world, so a layout that
-    leaves it open (``parallelism.dp_shard=-1``) is planned at the size rehearsed: whole nodes of the
-    preset's GPUs, or one node of ``world`` GPUs when it is not a multiple of them."""
-    from trainer.planner.cluster import compose_cluster
+def _dims_at(cfg: TrainConfig, world: int) -> ParallelDims:
+    """The layout the run validates at ``world`` ranks (``dp_shard=-1`` resolved as the trainer does),
+    so the plan is of the rehearsed world, not of the cluster preset's."""
+    from models import get_spec
+    from parallelisms.validate import validated_dims
 
-    per_node = compose_cluster([]).gpus_per_node
-    if world % per_node == 0:
-        return [f"cluster.nodes={world // per_node}"]
-    return ["cluster.nodes=1", f"cluster.gpus_per_node={world}"]
+    t = cfg.training
+    return validated_dims(
+        cfg.parallelism,
+        world,
+        spec=get_spec(cfg.model.family),
+        model_args=cfg.model,
+        seq_len=t.seq_len,
+        global_batch_size=t.global_batch_size,
+        micro_batch_size=t.micro_batch_size,
+        compile=t.compile,
+        device_type="cuda",
+    )
 
 
 def render_report(reports: list[RankReport], experiment: str, tolerance: float = TOLERANCE) -> str:
@@ -560,7 +783,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         args = _parse(argv)
         cfg, world, ranks, experiment = _plan_inputs(args)
-        plan = build_plan(cfg, compose_cluster(_cluster_overrides(world)), experiment)
+        plan = build_plan(cfg, compose_cluster([]), experiment, dims=_dims_at(cfg, world))
         reports = []
         for rank in ranks:
             reports.append(rehearse_rank(cfg, world, rank, args.steps, plan))

@@ -28,6 +28,13 @@ One MoE layer, for the T = B*S tokens of a forward (seed article section 8):
 4. combine: each copy is scaled by its routing weight and added back to its token (``index_add``),
    plus the shared experts' output.
 
+Balanced routing (``MoE.balanced_routing``, off unless set): copy j of a forward's T*k token copies
+goes to expert j mod E, whatever the scores -- torchtitan's ``_debug_force_load_balance``, Megatron's
+``--moe-router-force-load-balancing``. The tokens per expert are then known on the host without
+reading a tensor (``balanced_counts``), so the sort, the experts and a dispatcher need no host sync:
+what a rehearsal under ``FakeTensorMode`` (tensors without values) needs, and a way to benchmark a
+layout without the routing's imbalance. The routing weights remain the chosen experts' scores.
+
 Load balancing. Each MoE module records, per forward of a step, the tokens each expert receives
 and the auxiliary loss (``step_records``); the trainer reduces the counts over the data-parallel ranks
 (``parallelisms.expert_parallel.LoadBalancer``) and calls ``update_bias`` before the optimizer step:
@@ -48,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -83,6 +91,7 @@ __all__ = [
     "MoEBlock",
     "MoETransformer",
     "TopKRouter",
+    "balanced_counts",
     "expert_modules",
     "moe_layers",
     "param_counts",
@@ -212,15 +221,22 @@ class TopKRouter(nn.Module):
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)  # (T, G)
         return groups.masked_fill(~keep[:, :, None], float("-inf")).view(T, E)
 
-    def forward(self, x: Tensor, bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-        """``x`` (T, H) -> (weights (T, k) fp32, expert ids (T, k), scores (T, E) fp32)."""
+    def forward(
+        self, x: Tensor, bias: Optional[Tensor] = None, balanced: bool = False
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """``x`` (T, H) -> (weights (T, k) fp32, expert ids (T, k), scores (T, E) fp32); ``balanced``:
+        copy j of the T*k goes to expert j mod E instead of the top-k choice (see the module doc)."""
         logits = self.gate(x).float()  # (T, E)
         scores = logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()
         with torch.no_grad():
-            choice = scores if bias is None else scores + bias  # the bias only steers the choice
-            if self.n_group > 1:
-                choice = self.limit_groups(choice)
-            indices = torch.topk(choice, self.top_k, dim=-1).indices  # (T, k)
+            if balanced:
+                T, E = scores.shape
+                indices = (torch.arange(T * self.top_k, device=x.device) % E).view(T, self.top_k)
+            else:
+                choice = scores if bias is None else scores + bias  # the bias only steers the choice
+                if self.n_group > 1:
+                    choice = self.limit_groups(choice)
+                indices = torch.topk(choice, self.top_k, dim=-1).indices  # (T, k)
         weights = scores.gather(1, indices)  # (T, k)
         if self.route_norm and self.top_k > 1:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -284,13 +300,16 @@ class GroupedExperts(StackedExperts):
             and torch.cuda.get_device_capability(x.device) >= (9, 0)
         )
 
-    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
+    def forward(self, x: Tensor, counts: Tensor, host_counts: Optional[list[int]] = None) -> Tensor:
+        """``host_counts``: the same ``counts`` already on the host (a balanced routing knows them), so
+        that the padded path needs no host sync; None reads them from ``counts`` when needed."""
         w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))  # (E_l, F, H), (E_l, H, F), (E_l, F, H)
         if self.grad_scale != 1.0:
             w1, w2, w3 = (_ScaleGrad.apply(w, self.grad_scale) for w in (w1, w2, w3))
         if self.use_grouped_mm(x):
             return self._grouped(x, counts, w1, w2, w3)
-        return self._padded(x, counts, w1, w2, w3)
+        largest = max(host_counts, default=0) if host_counts is not None else None
+        return self._padded(x, counts, w1, w2, w3, largest)
 
     @staticmethod
     def _grouped(x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor) -> Tensor:
@@ -300,14 +319,22 @@ class GroupedExperts(StackedExperts):
         return torch._grouped_mm(h.contiguous(), w2t, offs=offs)  # (N, H)
 
     @staticmethod
-    def _padded(x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor) -> Tensor:
+    def _padded(
+        x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, largest: Optional[int] = None
+    ) -> Tensor:
         """Batched fallback: scatter the groups into a zero-padded (E_l, C, H) batch (C = largest
-        group), three ``bmm``, gather the rows back. Padding rows stay zero (silu(0) * 0 = 0)."""
+        group, ``largest`` when the caller knows it), three ``bmm``, gather the rows back. Padding
+        rows stay zero (silu(0) * 0 = 0)."""
         n, dim = x.shape
         num_local = counts.numel()
-        capacity = int(counts.max()) if n > 0 else 0  # one host sync per layer
+        if largest is not None:
+            capacity = largest
+        else:
+            capacity = int(counts.max()) if n > 0 else 0  # one host sync per layer
         starts = torch.cumsum(counts, 0) - counts  # (E_l,)
-        expert = torch.repeat_interleave(torch.arange(num_local, device=x.device), counts)  # (N,)
+        expert = torch.repeat_interleave(
+            torch.arange(num_local, device=x.device), counts, output_size=n
+        )  # (N,): n = counts.sum(), given so that no host sync is needed
         pos = torch.arange(n, device=x.device) - starts[expert]  # (N,) row within its group
         batch = x.new_zeros(num_local, capacity, dim).index_put((expert, pos), x)  # (E_l, C, H)
         h = F.silu(torch.bmm(batch, w1.transpose(1, 2))) * torch.bmm(batch, w3.transpose(1, 2))  # (E_l, C, F)
@@ -333,9 +360,20 @@ class AddAuxGrad(torch.autograd.Function):
         return grad, torch.ones(shape, dtype=dtype, device=device)
 
 
-Dispatcher = Callable[
-    [Tensor, Tensor, nn.Module], Tensor
-]  # (rows sorted by expert, counts (E,), experts) -> rows
+# (rows sorted by expert, counts (E,), experts, the counts on the host or None) -> rows
+Dispatcher = Callable[[Tensor, Tensor, nn.Module, Optional[list[int]]], Tensor]
+
+
+def _starts(counts: list[int]) -> list[int]:
+    """Exclusive prefix sums: where each group starts."""
+    return [0, *itertools.accumulate(counts)][:-1]
+
+
+def balanced_counts(copies: int, num_experts: int) -> list[int]:
+    """Token copies per expert under balanced routing (copy j to expert j mod E): ``copies / E``
+    each, the first ``copies mod E`` experts one more."""
+    base, extra = divmod(copies, num_experts)
+    return [base + (e < extra) for e in range(num_experts)]
 
 
 def _recomputing() -> bool:
@@ -370,6 +408,7 @@ class MoE(nn.Module):
         self.step_records: list[Tensor] = []
         self.aux_grad_scale: Optional[float] = None  # None: weight 1 per forward (outside the trainer)
         self.dispatcher: Optional[Dispatcher] = None  # set by expert parallelism
+        self.balanced_routing = False  # True: copy j goes to expert j mod E (module doc)
 
     def init_weights(self, init: ParamInit, prefix: str, std: float, out_std: float) -> None:
         self.router.init_weights(init, f"{prefix}.router", std)
@@ -404,12 +443,20 @@ class MoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         B, S, H = x.shape  # (B, S, H)
         tokens = x.reshape(B * S, H)  # (T, H)
-        weights, indices, scores = self.router(tokens, self.expert_bias)  # (T, k), (T, k), (T, E)
+        weights, indices, scores = self.router(
+            tokens, self.expert_bias, self.balanced_routing
+        )  # (T, k), (T, k), (T, E)
+        host_counts = balanced_counts(indices.numel(), self.num_experts) if self.balanced_routing else None
+        counts = (
+            torch.bincount(indices.reshape(-1), minlength=self.num_experts)
+            if host_counts is None
+            else torch.tensor(host_counts, device=indices.device)
+        )  # (E,) token copies per expert
         training = self.training and torch.is_grad_enabled()
         aux = self._aux_loss(scores, indices, B, S) if training and self.aux_loss_coeff > 0 else None
         if training and not _recomputing():
-            self._record(indices, aux, B * S)
-        out = self._routed(tokens, weights, indices)  # (T, H)
+            self._record(counts, aux, B * S)
+        out = self._routed(tokens, weights, indices, counts, host_counts)  # (T, H)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
         out = out.view(B, S, H)
@@ -418,20 +465,30 @@ class MoE(nn.Module):
             out = AddAuxGrad.apply(out, aux * (self.aux_loss_coeff * weight))
         return out
 
-    def _routed(self, tokens: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
-        """Sort the (token, expert) pairs by expert, run the experts, scatter-add weighted outputs."""
+    def _routed(
+        self,
+        tokens: Tensor,
+        weights: Tensor,
+        indices: Tensor,
+        counts: Tensor,
+        host_counts: Optional[list[int]],
+    ) -> Tensor:
+        """Sort the (token, expert) pairs by expert, run the experts, scatter-add weighted outputs.
+        ``counts`` (E,): copies per expert; ``host_counts``: the same on the host, or None."""
         T, k = indices.shape
         flat = indices.reshape(-1)  # (T*k,) expert of each copy
         order = torch.argsort(flat, stable=True)  # copies grouped by expert, token order inside
-        counts = torch.bincount(flat, minlength=self.num_experts)  # (E,)
         if self.capacity_factor > 0:
-            order, counts = self._drop_over_capacity(flat, order, counts, T)
+            if host_counts is None:
+                order, counts = self._drop_over_capacity(flat, order, counts, T)
+            else:
+                order, counts, host_counts = self._drop_over_capacity_known(order, host_counts, T)
         token = order // k  # (N,) source token of each sorted copy
         rows = tokens[token]  # (N, H)
         if self.dispatcher is not None:
-            out_rows = self.dispatcher(rows, counts, self.experts)  # (N, H)
+            out_rows = self.dispatcher(rows, counts, self.experts, host_counts)  # (N, H)
         else:
-            out_rows = self.experts(rows, counts)  # (N, H)
+            out_rows = self.experts(rows, counts, host_counts)  # (N, H)
         w = weights.reshape(-1)[order].unsqueeze(-1).to(out_rows.dtype)  # (N, 1)
         # Under autocast the experts return bf16 copies of fp32 tokens: the k copies of a token are
         # summed in the tokens' dtype (the residual stream's), as a dense MLP's output joins it.
@@ -449,6 +506,22 @@ class MoE(nn.Module):
         keep = pos < capacity
         return order[keep], counts.clamp(max=capacity)
 
+    def _drop_over_capacity_known(
+        self, order: Tensor, host_counts: list[int], T: int
+    ) -> tuple[Tensor, Tensor, list[int]]:
+        """``_drop_over_capacity`` for counts known on the host: the kept positions of the sorted
+        copies follow from them, with no data-dependent shape."""
+        capacity = math.ceil(self.capacity_factor * T * self.top_k / self.num_experts)
+        kept = [min(c, capacity) for c in host_counts]
+        if kept == host_counts:
+            return order, torch.tensor(kept, device=order.device), kept
+        device, n = order.device, sum(kept)
+        # expert e's copies sit at [S_e, S_e + count_e) of ``order`` and go to [K_e, K_e + kept_e)
+        shift = [s - k for s, k in zip(_starts(host_counts), _starts(kept))]  # S_e - K_e
+        kept_t = torch.tensor(kept, device=device)
+        keep = torch.repeat_interleave(torch.tensor(shift, device=device), kept_t, output_size=n)
+        return order[keep + torch.arange(n, device=device)], kept_t, kept
+
     def _aux_loss(self, scores: Tensor, indices: Tensor, B: int, S: int) -> Tensor:
         """``E / (k T) * sum_e count_e * P_e`` over the forward's tokens ("global") or per sequence
         then averaged ("sequence"); P_e is the mean (normalised) router probability of expert e."""
@@ -464,8 +537,8 @@ class MoE(nn.Module):
         return (f * probs.mean(0)).sum()
 
     @torch.no_grad()
-    def _record(self, indices: Tensor, aux: Optional[Tensor], num_tokens: int) -> None:
-        counts = torch.bincount(indices.reshape(-1), minlength=self.num_experts).float()  # (E,)
+    def _record(self, counts: Tensor, aux: Optional[Tensor], num_tokens: int) -> None:
+        counts = counts.float()  # (E,) token copies per expert
         aux_sum = aux.detach().float() * num_tokens if aux is not None else counts.new_zeros(())
         self.step_records.append(torch.cat([counts, aux_sum.view(1), counts.new_full((1,), num_tokens)]))
 

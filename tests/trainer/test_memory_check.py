@@ -45,11 +45,13 @@ def test_38m_ddp_on_8_cpu_ranks_of_a_24_gib_host_is_stopped_with_fixes(
         overrides = fix.split(" -> ")[0].split(" (")[0].split()
         again = fit.check_memory(compose_config("+experiment=38m_ddp", *overrides), torch.device("cpu"), 8, 8)
         assert again.fits, (fix, again.message)
-    # Two ranks of the same host get 12 GiB each: the default layout of 2 ranks fits.
+    # Two ranks of the same host get 12 GiB each: the default layout of 2 ranks fits. Per rank it needs
+    # about the same (one microbatch's activations), a little more: at the loss's backward the earlier
+    # microbatches' gradients are live (4 accumulation steps instead of 1).
     two = fit.check_memory(
         compose_config("+experiment=38m_ddp", "parallelism.dp_replicate=2"), torch.device("cpu"), 2, 2
     )
-    assert two.fits and two.need_bytes == pytest.approx(result.need_bytes, rel=0.01)
+    assert two.fits and two.need_bytes == pytest.approx(result.need_bytes, rel=0.02)
 
 
 def _trainer_dims(cfg, world_size: int):

@@ -200,12 +200,12 @@ def _tp_counts(c: PlanContext, pp_rank: int) -> dict[str, float]:
         for b in st.blocks:
             kinds = c.table.block_kinds[b]
             count(kinds, fwd_repeat)
-            if not attn.tp_entry_partial:  # the attention's gather_input gets its gradient back complete
-                counts["reduce_scatter" if sp else "all_reduce"] -= 1
             if c.recompute and "rowwise" in kinds and "moe_io" not in kinds:
-                # torch's non-reentrant checkpoint stops recomputing once the last tensor saved for
-                # backward is back (early stop): a dense block's exit (w2 and its reduce-scatter, or
-                # all-reduce) is not re-run. Measured on gloo: 5 of 6 reduce-scatters per block.
+                # torch's checkpoint stops recomputing once the tensors backward reads are back
+                # (early stop): the dense block's last forward collective, on the feed-forward's
+                # row-wise output, is not issued again (measured by the rehearsal at 70B shapes)
+                counts["reduce_scatter" if sp else "all_reduce"] -= 1
+            if not attn.tp_entry_partial:  # the attention's gather_input gets its gradient back complete
                 counts["reduce_scatter" if sp else "all_reduce"] -= 1
         count(c.table.first_kinds if st.first else [], 1)
         count(c.table.last_kinds if st.last else [], 1)  # MTP modules (their blocks) included
@@ -277,7 +277,9 @@ def _partial_grad_reduce(c: PlanContext) -> tuple[int, int]:
 
 
 def _tp_norm_rows(rows: _Rows, c: PlanContext, pp_rank: int, mtp: int) -> None:
-    """TP all-reduces of replicated weights' partial gradients: SP norms, MTP's projection, q/k norms."""
+    """TP all-reduces of replicated weights' partial gradients: SP norms, MTP's projection, q/k norms,
+    as FSDP reduces them (``_partial_grad_reduce``): per microbatch in the dtype the weights compute in
+    without PP, once per step in ``reduce_dtype`` under PP; fp32 per microbatch without FSDP."""
     args = c.cfg.model
     syncs, nbytes = _partial_grad_reduce(c)
     if c.tp_sp[1]:  # SP norms: their weight gradients are partial sums over the sequence shards

@@ -61,6 +61,7 @@ class StageMemory:
     peak_saved: float = 0.0  # live saved bytes at the rank's peak (in-flight microbatches)
     recompute_bytes: float = 0.0  # full AC: one block recomputed in backward (transient)
     sac_cache_bytes: float = 0.0  # op-level AC: matmul outputs cached by torch's checkpoint
+    loss_backward_bytes: float = 0.0  # last stage: the loss's backward, two fp32 (tokens x vocab) gradients
 
 
 @dataclass

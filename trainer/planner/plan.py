@@ -33,10 +33,32 @@ def compute_seconds(c: PlanContext) -> dict[str, float]:
         "pp_bubble": bubble,
         "compute_with_bubble_s": seconds / (1 - bubble),
     }
+    out["executed_flops_per_rank"] = executed_flops(c)
     if c.cfg.optimizer.name == "muon":
         out["ns_flops_per_rank"] = _muon_ns_flops(c)
         out["optimizer_s"] = out["ns_flops_per_rank"] / (c.cluster.peak_tflops * 1e12 * c.cluster.mfu)
     return out
+
+
+def executed_flops(c: PlanContext) -> float:
+    """Matmul and attention FLOPs one rank executes per step (the rehearsal's FlopCounter measure),
+    where ``flops_per_rank`` follows the MFU convention (6N + 12 L H D S per token, x 4/3 with full
+    AC). The differences: a fused attention's backward recomputes the scores (5 matmuls, not 4:
+    10/8 of the convention's backward), and torch's checkpoint stops recomputing once the tensors
+    backward reads are back (early stop), so a dense block's feed-forward output projection is not
+    run again; the head is never recomputed. The attention share is the sequence-dependent part
+    of the family's ``flops_per_token``, so every family's attention counts as its own."""
+    t, args = c.cfg.training, c.cfg.model
+    tokens = t.global_batch_size * t.seq_len / c.dims.world_size
+    matmul = float(c.spec.flops_per_token(args, 0))  # 6 N (forward 2 N, backward 4 N)
+    attention = c.spec.flops_per_token(args, t.seq_len) - matmul  # forward 1/3, backward 2/3
+    out = matmul + attention * (4 + 10) / 12
+    if c.recompute:
+        head = args.vocab_size * args.dim
+        dense = [b for b in range(len(c.table.blocks)) if b not in c.table.moe_layers]
+        skipped = 2.0 * len(dense) * args.dim * c.terms.ffn_hidden_dim  # early stop: the FFN output
+        out += matmul / 3 - 2.0 * head - skipped + attention / 3
+    return out * tokens
 
 
 def _muon_ns_flops(c: PlanContext) -> float:
