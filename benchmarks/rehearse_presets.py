@@ -37,6 +37,12 @@ SUITE: dict[str, list[str]] = {
     "70b_tp_fsdp": ["model.n_layers=1", "training.global_batch_size=8"],
     "llama3_8b_128k_cp": ["model.n_layers=1"],
     "qwen3_30b_a3b_ep": ["model.n_layers=1"],
+    "debug_pp": [],
+    # pipeline presets: one block per virtual stage, the fewest microbatches the schedule allows (one per
+    # pipeline rank); the first rank of the first stage and the last of the last (all four default
+    # ranks: test_rehearse_pp.py and the README)
+    "405b_4d": ["model.n_layers=32", "training.global_batch_size=128", "--ranks=0,1023"],
+    "deepseek_v3_ep_pp": ["model.n_layers=16", "training.global_batch_size=2048", "--ranks=0,2047"],
 }
 
 

@@ -185,13 +185,16 @@ def parallelize_pipeline(
     *,
     micro_batch_size: int,
     local_batch_size: int,
+    seq_len: int,
+    autocast_dtype: Optional[torch.dtype],
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     step_context: Callable[[], AbstractContextManager[object]],
 ) -> Pipeline:
     """Step 1 (pp > 1): split ``model`` (on meta) into this rank's stages, ``parallelize_part``
     each (without DDP wrappers), and build the schedule. ``local_batch_size`` = global batch /
-    dp sequences per step; ``loss_fn(logits, labels)`` is the token-loss sum and
-    ``step_context()`` the context every forward/backward runs in (autocast, loss parallel)."""
+    dp sequences per step; ``seq_len`` the whole sequence (before context parallelism);
+    ``loss_fn(logits, labels)`` is the token-loss sum and ``step_context()`` the context every
+    forward/backward runs in (autocast in ``autocast_dtype``, loss parallel)."""
     from parallelisms.pipeline_parallel import apply_pp
 
     def part_fn(part: nn.Module) -> nn.Module:
@@ -205,6 +208,8 @@ def parallelize_pipeline(
         device=options.device,
         micro_batch_size=micro_batch_size,
         local_batch_size=local_batch_size,
+        seq_len=seq_len,
+        autocast_dtype=autocast_dtype,
         parallelize_part=part_fn,
         loss_fn=loss_fn,
         step_context=step_context,

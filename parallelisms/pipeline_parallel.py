@@ -15,6 +15,14 @@ a whole model (no DDP wrapper: replicated stages average their gradients once pe
 (4) the ``PipelineStage`` objects and the schedule are built, with the caller's loss
 (token-loss sum) times the step's ``loss_scale`` per microbatch and ``scale_grads=False``, so
 gradients equal the non-pipelined trainer's (whose per-step loss is the single-process mean).
+
+What crosses a boundary is known from the config (``StageShapes``): the residual stream of one
+microbatch, (micro_batch, S / cp [/ tp under sequence parallel], dim), in the dtype the parameters
+compute in (FSDP's ``param_dtype``, else the model's; autocast's outputs join the stream in its
+dtype). Every stage is built with these static shapes, so torch runs no shape inference (no extra
+forward/backward, no object exchange between ranks on the first step) and evaluation sends no
+shape headers; a forward hook checks every sent activation against them (a mismatch is an error
+at the sender, never a mis-sized receive).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager as ContextManager
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -33,7 +42,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as _schedules
 
 from models.errors import ConfigError
-from models.spec import ModelSpec, args_of
+from models.spec import ModelSpec, args_of, decoder_args
 from parallelisms.config import ParallelismConfig
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.pipeline_split import (
@@ -50,6 +59,7 @@ from parallelisms.pipeline_split import (
 __all__ = [
     "SCHEDULES",
     "Pipeline",
+    "StageShapes",
     "apply_pp",
     "num_microbatches",
     "stage_module_names",
@@ -95,7 +105,98 @@ def _build_part(model: nn.Module, spec: ModelSpec, names: list[str]) -> nn.Modul
     return part
 
 
-_WIRE_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # send/recv header codes
+@dataclass(frozen=True)
+class StageShapes:
+    """What enters and leaves the stages, per microbatch, computed from the config on every rank
+    (nothing is exchanged): token ids (micro_batch, S / cp) into the first stage; between stages the
+    residual stream (micro_batch, S / cp / sp, dim) -- a plain tensor, sequence-sharded over tp under
+    sequence parallel (``sp`` = tp then, else 1); logits (micro_batch, S / cp, vocab) out of the last
+    stage (a vocab-sharded DTensor of that global shape under loss parallel: consumed by the loss on
+    its own rank, never sent)."""
+
+    micro_batch: int
+    seq_len: int  # this rank's share of a sequence: seq_len / cp
+    sp: int  # sequence-parallel degree of the residual stream: tp under sequence parallel, else 1
+    dim: int
+    vocab_size: int
+    stream_dtype: torch.dtype  # the parameters' compute dtype (FSDP param_dtype, else the model's)
+    logits_dtype: torch.dtype  # the head's output: autocast's dtype, else the stream's
+
+    def boundary(self, rows: int, tokens: int) -> tuple[int, int, int]:
+        """The residual stream's shape for ``rows`` sequences of ``tokens`` tokens (this rank's share
+        of each: S / cp); evaluation batches have their own rows and lengths."""
+        return (rows, tokens // self.sp, self.dim)
+
+    def activation(self) -> Tensor:
+        """One microbatch's boundary activation (meta)."""
+        shape = self.boundary(self.micro_batch, self.seq_len)
+        return torch.empty(shape, dtype=self.stream_dtype, device="meta", requires_grad=True)
+
+    def stage_args(self, stage: int, num_stages: int) -> tuple[Tensor, Tensor]:
+        """(input, output) meta tensors of virtual stage ``stage``: ``PipelineStage``'s static shapes."""
+        if stage == 0:
+            inputs = torch.empty((self.micro_batch, self.seq_len), dtype=torch.long, device="meta")
+        else:
+            inputs = self.activation()
+        if stage == num_stages - 1:
+            shape = (self.micro_batch, self.seq_len, self.vocab_size)
+            outputs = torch.empty(shape, dtype=self.logits_dtype, device="meta", requires_grad=True)
+        else:
+            outputs = self.activation()
+        return inputs, outputs
+
+
+def stage_shapes(
+    model: nn.Module,
+    dims: ParallelDims,
+    cfg: ParallelismConfig,
+    *,
+    micro_batch: int,
+    seq_len: int,
+    autocast_dtype: Optional[torch.dtype],
+) -> StageShapes:
+    """The ``StageShapes`` of ``model`` (on meta, before parallelisation) under this layout: FSDP
+    casts every unit's parameters and floating inputs to ``fsdp.param_dtype``; without FSDP the
+    stream keeps the parameters' dtype (autocast's lower-precision outputs are promoted when they
+    are added to it)."""
+    from parallelisms.utils import to_dtype
+
+    args = decoder_args(args_of(model))
+    param_dtype = next(model.parameters()).dtype
+    stream = to_dtype(cfg.fsdp.param_dtype) if dims.fsdp_enabled else param_dtype
+    return StageShapes(
+        micro_batch=micro_batch,
+        seq_len=seq_len // dims.cp,
+        sp=dims.tp if dims.tp > 1 and cfg.sequence_parallel else 1,
+        dim=args.dim,
+        vocab_size=args.vocab_size,
+        stream_dtype=stream,
+        logits_dtype=autocast_dtype if autocast_dtype is not None else stream,
+    )
+
+
+def _check_sent(stage: int, shapes: StageShapes) -> Callable[[nn.Module, tuple[object, ...], object], None]:
+    """A forward hook on a stage whose output goes to the next stage: the activation must have the
+    boundary's shape for the stage's input (token ids into the first stage, the stream into the
+    others) and its dtype, which is what the receiver allocates."""
+
+    def hook(_module: nn.Module, inputs: tuple[object, ...], out: object) -> None:
+        x = inputs[0] if inputs else None
+        if not isinstance(x, Tensor):
+            return  # not the pipeline's call
+        tokens = x.shape[1] if stage == 0 else x.shape[1] * shapes.sp
+        want = shapes.boundary(x.shape[0], tokens)
+        if isinstance(out, Tensor) and tuple(out.shape) == want and out.dtype == shapes.stream_dtype:
+            return
+        got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, Tensor) else type(out).__name__
+        raise RuntimeError(
+            f"pipeline stage {stage} produced {got}, but its static boundary is {want} "
+            f"{shapes.stream_dtype} (parallelisms/pipeline_parallel.py StageShapes): the receiving stage "
+            "would read a wrong buffer. A model that changes the residual stream's shape or dtype needs "
+            "StageShapes updated."
+        )
+
+    return hook
 
 
 class Pipeline:
@@ -117,6 +218,7 @@ class Pipeline:
         schedule: str,
         num_stages: int,
         n_microbatches: int,
+        shapes: StageShapes,
         device: torch.device,
         loss_fn: LossFn,
         step_context: Callable[[], ContextManager],
@@ -128,6 +230,7 @@ class Pipeline:
         self.schedule_name = _canonical_schedule(schedule)
         self.num_stages = num_stages
         self.n_microbatches = n_microbatches
+        self.shapes = shapes
         self.loss_fn = loss_fn
         self.step_context = step_context
         self.grad_sync_group = grad_sync_group
@@ -140,12 +243,17 @@ class Pipeline:
             s: r for r in range(pp) for s in stage_ids_of_rank(r, pp, num_stages // pp, style)
         }
         self.stage_ids = stage_ids
-        # Shapes are inferred by torch on the first step (one extra forward/backward), which
-        # covers DTensors under TP and any autocast dtype.
-        self.stages = [
-            PipelineStage(part, s, num_stages, device, group=self._group)
-            for part, s in zip(model_parts, stage_ids)
-        ]
+        # Static shapes (StageShapes): torch infers none on the first step and exchanges none.
+        self.stages = []
+        for part, s in zip(model_parts, stage_ids):
+            inputs, outputs = shapes.stage_args(s, num_stages)
+            if s < num_stages - 1:
+                part.register_forward_hook(_check_sent(s, shapes))
+            self.stages.append(
+                PipelineStage(
+                    part, s, num_stages, device, input_args=inputs, output_args=outputs, group=self._group
+                )
+            )
         self.has_first_stage = 0 in stage_ids
         self.has_last_stage = num_stages - 1 in stage_ids
         cls = SCHEDULES[self.schedule_name]
@@ -209,7 +317,6 @@ class Pipeline:
                 _all_reduce_mean_grads(part, self.grad_sync_group)
         loss = torch.zeros((), device=self.device)
         if self.has_last_stage:
-            # The first step's metadata inference also calls the loss: keep the last M sums.
             loss = torch.stack(self._micro_sums[-self.n_microbatches :]).sum().float()
         self._micro_sums.clear()
         dist.all_reduce(loss, group=self._group)  # only the last stage's rank contributes
@@ -245,7 +352,9 @@ class Pipeline:
                 elif self.stage_to_rank[s - 1] == self.pp_rank:
                     x = h
                 else:
-                    x = self._recv(self.stage_to_rank[s - 1])
+                    x = self._recv(
+                        self.stage_to_rank[s - 1], self.shapes.boundary(labels.shape[0], labels.shape[1])
+                    )
                 out = part_of[s](x, **model_kwargs)
                 if s == self.num_stages - 1:
                     loss = loss_fn(out, labels).float()
@@ -257,18 +366,13 @@ class Pipeline:
         return loss
 
     def _send(self, t: Tensor, peer: int) -> None:
-        t = t.detach().contiguous()
-        header = torch.tensor(
-            [_WIRE_DTYPES.index(t.dtype), t.dim(), *t.shape] + [0] * (6 - t.dim()), dtype=torch.long
-        )
-        dist.send(header.to(self.device), group=self._group, group_dst=peer)
-        dist.send(t, group=self._group, group_dst=peer)
+        dist.send(t.detach().contiguous(), group=self._group, group_dst=peer)
 
-    def _recv(self, peer: int) -> Tensor:
-        header = torch.zeros(8, dtype=torch.long, device=self.device)
-        dist.recv(header, group=self._group, group_src=peer)
-        dtype_code, ndim, *shape = header.tolist()
-        t = torch.empty(shape[:ndim], dtype=_WIRE_DTYPES[dtype_code], device=self.device)
+    def _recv(self, peer: int, shape: tuple[int, int, int]) -> Tensor:
+        """The activation of ``shape`` from ``peer`` in the stream's dtype: both follow from the config
+        and the batch every pp rank holds (``StageShapes``; the sender's forward hook checked them),
+        so no header travels."""
+        t = torch.empty(shape, dtype=self.shapes.stream_dtype, device=self.device)
         dist.recv(t, group=self._group, group_src=peer)
         return t
 
@@ -306,6 +410,8 @@ def apply_pp(
     device: torch.device,
     micro_batch_size: int,
     local_batch_size: int,
+    seq_len: int,
+    autocast_dtype: Optional[torch.dtype],
     parallelize_part: Callable[[nn.Module], nn.Module],
     loss_fn: LossFn,
     step_context: Callable[[], ContextManager],
@@ -315,7 +421,9 @@ def apply_pp(
     ``validated_dims`` (parallelisms/validate.py) has validated the options. ``parallelize_part`` gets each
     stage's module on meta and returns it materialised, initialised and sharded (TP / FSDP)
     like a whole model. Under pure replication (DDP layout) the Pipeline averages gradients
-    over ``dp_replicate`` itself, once per step.
+    over ``dp_replicate`` itself, once per step. ``seq_len`` (the whole sequence, before context
+    parallelism) and ``autocast_dtype`` (the step context's, None without autocast) give the stages'
+    static shapes (``StageShapes``).
     """
     pp_mesh = dims.get_mesh("pp")
     schedule = _canonical_schedule(cfg.pp_schedule)
@@ -324,6 +432,17 @@ def apply_pp(
     names = stage_names(spec, args_of(model), cfg, num_stages)
     style = "v" if schedule_kind(schedule) == "v" else "loop"
     stage_ids = stage_ids_of_rank(pp_mesh.get_local_rank(), dims.pp, v, style)
+    n_microbatches = num_microbatches(
+        cfg, local_batch_size=local_batch_size, micro_batch_size=micro_batch_size
+    )
+    shapes = stage_shapes(
+        model,
+        dims,
+        cfg,
+        micro_batch=local_batch_size // n_microbatches,
+        seq_len=seq_len,
+        autocast_dtype=autocast_dtype,
+    )
     parts = [parallelize_part(_build_part(model, spec, names[s])) for s in stage_ids]
     return Pipeline(
         parts,
@@ -331,9 +450,8 @@ def apply_pp(
         pp_mesh,
         schedule=schedule,
         num_stages=num_stages,
-        n_microbatches=num_microbatches(
-            cfg, local_batch_size=local_batch_size, micro_batch_size=micro_batch_size
-        ),
+        n_microbatches=n_microbatches,
+        shapes=shapes,
         device=device,
         loss_fn=loss_fn,
         step_context=step_context,

@@ -81,7 +81,8 @@ REPLACED = (
     "optimizer: optimizer.implementation=auto traces the CPU's foreach AdamW (the GPU's is fused); its "
     "temporaries are in the peak",
     "evaluation: validation and tasks are not rehearsed",
-    "pipeline parallelism: not rehearsed yet (refused with exit 2)",
+    "pipeline: torch's first-step vote on static shapes (one int32 send/recv per boundary and a "
+    "host read) is answered 'static' on each rank, as every rank computes it (trainer/rehearse_pp.py)",
     "MoE routing: balanced, copy j of a forward's token copies to expert j mod E (tokens x top_k / "
     "num_experts each, as torchtitan's and Megatron's forced load balance): the token counts, the "
     "expert-parallel all_to_all splits and the experts' group sizes follow on the host, with no "
@@ -162,6 +163,10 @@ class RehearsalTrainer(Trainer):
         with self._fake_materialisation():
             full_shapes = super()._build_model()
         self._balance_routing()
+        if self.pipeline is not None:
+            from trainer.rehearse_pp import answer_schedule_vote
+
+            answer_schedule_vote(self.pipeline)
         return full_shapes
 
     def _balance_routing(self) -> None:
@@ -517,6 +522,17 @@ def _mem_tracker(base: type[MemTracker]) -> MemTracker:
                 self.reset_mod_stats()
             super()._pre_fw_hook(module, inputs)
 
+        # Pipeline schedules run forwards of later microbatches (and, interleaved, of other stages)
+        # before the backward of earlier ones: a module whose statistics were restarted meanwhile
+        # has none to update in its backward (the device-wide figures are kept either way).
+        def _pre_bw_hook(self, module: nn.Module, args: object) -> None:
+            if module in self.memory_tracking:
+                super()._pre_bw_hook(module, args)
+
+        def _post_bw_hook(self, module: nn.Module, args: object) -> None:
+            if module in self.memory_tracking:
+                super()._post_bw_hook(module, args)
+
         def _update_peak_stats(self, peak_state: object) -> None:
             for dev, snap in self._curr_mem_snap.items():
                 if self._peak_mem.get(dev, 0) < snap[_TOTAL]:
@@ -542,11 +558,14 @@ def _memory_rows(
     params = _local_bytes(trainer.parameters)
     gathered = stage.buffers.get("fsdp_unsharded_params", 0.0)
     other_buffers = sum(v for k, v in stage.buffers.items() if k != "fsdp_unsharded_params")
+    # Under PP the stages' receive buffers and kept outputs are live when a forward returns and are
+    # booked as activations; the plan holds them as buffers: they join the saved bytes (like for like)
+    pipeline = sum(v for k, v in stage.buffers.items() if k.startswith("pp_"))
     return [
         _row("memory", "params", stage.params_bytes, params),
         _row("memory", "grads", stage.grads_bytes, probe.grads),
         _row("memory", "optimizer", stage.optimizer_bytes, probe.optimizer),
-        _row("memory", "activations saved (end of forward)", stage.peak_saved, probe.saved),
+        _row("memory", "activations saved (end of forward)", stage.peak_saved + pipeline, probe.saved),
         _row("memory", "peak: total", stage.total_bytes, peak.get("Total", 0.0), False),
         _row(
             "memory",
@@ -708,19 +727,14 @@ def _parse(argv: list[str]) -> _Args:
 def _plan_inputs(args: _Args) -> tuple[TrainConfig, int, list[int], str]:
     """(the composed and validated config, the world size, the ranks to rehearse, the experiment)."""
     from trainer.config import compose_config
+    from trainer.rehearse_pp import default_ranks
 
     experiment = next((a.split("=", 1)[1] for a in args.overrides if a.startswith("+experiment=")), "")
     if args.world is None and not experiment:
         raise ConfigError("name the run: +experiment=NAME (its YAML states the world size) or --world=N.")
     world = args.world if args.world is not None else intended_world_size(experiment)
     cfg = compose_config(*args.overrides, *REHEARSAL_OVERRIDES)
-    p = cfg.parallelism
-    if p.pp > 1:
-        raise ConfigError(
-            f"parallelism.pp={p.pp}: pipeline parallelism is not rehearsed yet (issue #32); rehearse a "
-            "layout without it, or plan it: python -m trainer.plan."
-        )
-    ranks = args.ranks if args.ranks is not None else sorted({0, world - 1})
+    ranks = args.ranks if args.ranks is not None else default_ranks(world, cfg.parallelism.pp)
     bad = [r for r in ranks if not 0 <= r < world]
     if bad:
         raise ConfigError(
@@ -771,6 +785,20 @@ def render_report(reports: list[RankReport], experiment: str, tolerance: float =
     return "\n".join(lines)
 
 
+def _failure_line(e: BaseException) -> str:
+    """``Type: first line`` of an error, and of its root cause when a wrapper hides it (torch's
+    pipeline schedules re-raise a stage's error as a RuntimeError whose first line is blank)."""
+
+    def line(x: BaseException) -> str:
+        text = next((ln.strip() for ln in str(x).splitlines() if ln.strip()), "")
+        return f"{type(x).__name__}: {text}"
+
+    root = e
+    while root.__cause__ is not None:
+        root = root.__cause__
+    return line(e) if root is e else f"{line(e)} (caused by {line(root)})"
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """``python -m trainer.rehearse +experiment=NAME [key=value ...] [--ranks=R,...] [--steps=N]
     [--world=N] [--json] [--report-only]``: rehearse the run at its intended world size as each rank
@@ -797,9 +825,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"config error{where}: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # the run's own code failed at this rank: name it, not DTensor's traceback
-        first = (str(e).splitlines() or [""])[0]
+        first = _failure_line(e)
         print(
-            f"rehearsal failed at rank {rank}: {type(e).__name__}: {first}; the real run fails there too "
+            f"rehearsal failed at rank {rank}: {first}; the real run fails there too "
             f"(rerun with --ranks={rank} under python -X dev for the traceback).",
             file=sys.stderr,
         )

@@ -316,6 +316,8 @@ class Trainer:
                 options,
                 micro_batch_size=t.micro_batch_size,
                 local_batch_size=self.local_batch_size,
+                seq_len=t.seq_len,
+                autocast_dtype=self.step_context.autocast_dtype,
                 loss_fn=token_loss_sum,
                 step_context=self.step_context,
             )

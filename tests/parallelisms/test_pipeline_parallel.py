@@ -127,6 +127,8 @@ def _train(cfg: TrainConfig, world_size: int, name: str) -> dict:
             options,
             micro_batch_size=t.micro_batch_size,
             local_batch_size=local_batch,
+            seq_len=t.seq_len,
+            autocast_dtype=None,
             loss_fn=token_loss_sum,
             step_context=StepContext(loss_parallel=dims.tp > 1 and p.loss_parallel),
         )

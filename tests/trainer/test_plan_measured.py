@@ -59,6 +59,17 @@ LAYOUTS: dict[str, tuple[int, tuple[str, ...]]] = {
     "hsdp": (4, ("parallelism.dp_replicate=2", "parallelism.dp_shard=2")),
     "tp_sp": (2, ("parallelism.tp=2", "parallelism.dp_shard=1")),
     "tp_no_sp": (2, ("parallelism.tp=2", "parallelism.dp_shard=1", "parallelism.sequence_parallel=false")),
+    # full AC: torch's checkpoint does not recompute a block's exit (w2's reduce-scatter / all-reduce)
+    "tp_sp_ac": (2, ("parallelism.tp=2", "parallelism.dp_shard=1", "training.activation_checkpoint=full")),
+    "tp_no_sp_ac": (
+        2,
+        (
+            "parallelism.tp=2",
+            "parallelism.dp_shard=1",
+            "parallelism.sequence_parallel=false",
+            "training.activation_checkpoint=full",
+        ),
+    ),
     "pp": (2, ("parallelism.pp=2", "parallelism.dp_shard=1")),
     "pp_fsdp": (4, ("parallelism.pp=2", "parallelism.dp_shard=2")),
     "pp_interleaved": (

@@ -16,6 +16,7 @@ import pytest
 
 from benchmarks.rehearse_presets import SUITE, presets
 from trainer import rehearse
+from trainer.rehearse_pp import default_ranks
 
 # Terms the planner gets to the byte (or the call): preset -> {row: absolute tolerance on the ratio}
 EXACT: dict[str, dict[str, float]] = {
@@ -39,18 +40,18 @@ EXACT: dict[str, dict[str, float]] = {
         "activations saved (end of forward)": 0.01,
     },
 }
-# Measured disagreements not settled yet (README): preset -> {row: (low, high) ratio}
-KNOWN: dict[str, dict[str, tuple[float, float]]] = {}
-# Presets the rehearsal refuses for now (pipeline parallelism): exit 2, saying so
-NOT_YET = {
-    "debug_pp",
-    "405b_4d",
-    "deepseek_v3_ep_pp",
+# Measured disagreements not settled yet (README): preset -> {row (or row@rank): (low, high) ratio}
+KNOWN: dict[str, dict[str, tuple[float, float]]] = {
+    # with the pipeline's buffers (exact on 1F1B's first stages): interleaved 1F1B under full AC (the
+    # planner counts a stage's received input both as a receive buffer and as its first block's
+    # checkpointed input), and the last stage's logits
+    "405b_4d": {"activations saved (end of forward)": (0.85, 0.93)},
+    "deepseek_v3_ep_pp": {"activations saved (end of forward)@2047": (0.7, 0.8)},
 }
 
 
 def test_every_preset_is_rehearsed_in_the_suite() -> None:
-    assert set(presets()) == set(SUITE) | NOT_YET
+    assert set(presets()) == set(SUITE)
 
 
 @pytest.mark.parametrize("preset", sorted(SUITE))
@@ -60,30 +61,28 @@ def test_preset_rehearses_and_agrees_with_the_plan(preset: str, capsys: pytest.C
     assert rc == 0, out[-2000:]
     report: dict[str, Any] = json.loads(out)
     world = rehearse.intended_world_size(preset)
-    assert [r["rank"] for r in report["ranks"]] == sorted({0, world - 1})
+    asked = [a.split("=", 1)[1] for a in SUITE[preset] if a.startswith("--ranks=")]
+    pp = rehearse._plan_inputs(rehearse._parse([f"+experiment={preset}", *SUITE[preset]]))[0].parallelism.pp
+    ranks = [int(r) for r in asked[0].split(",")] if asked else default_ranks(world, pp)
+    assert [r["rank"] for r in report["ranks"]] == ranks
     known, exact = KNOWN.get(preset, {}), EXACT.get(preset, {})
     for rank in report["ranks"]:
         assert rank["world_size"] == world
         rows = {r["what"]: r for r in rank["rows"]}
         for what, tol in exact.items():
             assert abs(rows[what]["ratio"] - 1) <= tol, (preset, rank["rank"], rows[what])
-        # what every rehearsal measures: model states, saved activations, FLOPs, the collectives
+        # what every rehearsal measures: model states, saved activations, FLOPs (checked without PP,
+        # whose stages differ), the collectives
         for what in ("params", "grads", "optimizer", "activations saved (end of forward)", "FLOPs executed"):
-            assert rows[what]["checked"] and rows[what]["rehearsed"] > 0, what
+            assert rows[what]["checked"] == (what != "FLOPs executed" or pp == 1), what
+            assert rows[what]["rehearsed"] > 0, what
         assert any(r["kind"] == "comm" and r["checked"] for r in rank["rows"]) or world == 1
         for r in rank["rows"]:
             if not r["checked"]:
                 continue
-            if r["what"] in known:
-                low, high = known[r["what"]]
+            bounds = known.get(f"{r['what']}@{rank['rank']}", known.get(r["what"]))
+            if bounds is not None:
+                low, high = bounds
                 assert low <= r["ratio"] <= high, (preset, rank["rank"], r)
             else:
                 assert abs(r["ratio"] - 1) <= rehearse.TOLERANCE, (preset, rank["rank"], r)
-
-
-@pytest.mark.parametrize("preset", sorted(NOT_YET))
-def test_presets_not_rehearsed_yet_are_refused_naming_why(
-    preset: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    assert rehearse.main([f"+experiment={preset}"]) == 2
-    assert "not rehearsed yet" in capsys.readouterr().err

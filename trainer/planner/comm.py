@@ -180,7 +180,8 @@ def _tp_counts(c: PlanContext, pp_rank: int) -> dict[str, float]:
     its modules (``parallelisms/tensor_parallel.py``): a region entry (``gather_input``, the head's
     input) is all-gather fwd / reduce-scatter bwd under SP, all-reduce bwd without; a region exit
     (``rowwise``, ``embedding``) reduce-scatter fwd / all-gather bwd, or all-reduce fwd; the MoE's
-    ``moe_io`` gathers on entry and slices on exit (SP only). Recomputed blocks repeat forwards."""
+    ``moe_io`` gathers on entry and slices on exit (SP only). Recomputed blocks repeat forwards, but
+    for a dense block's exit projection."""
     sp = c.tp_sp[1]
     counts = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0}
     fwd_repeat = 2 if c.recompute else 1
@@ -264,12 +265,26 @@ def _tp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
     _tp_norm_rows(rows, c, pp_rank, mtp)
 
 
+def _partial_grad_reduce(c: PlanContext) -> tuple[int, int]:
+    """(calls per step of each replicated weight, bytes per number) of the all-reduce that completes
+    a tp-partial gradient (SP norms, q/k norms, MTP's projection). Under FSDP it is FSDP2's, when it
+    reduces the unit's gradients (it redistributes them to the parameter's tp placement first): every
+    microbatch in the parameters' dtype without PP; once per step under PP, where the schedule
+    accumulates the gradients in ``reduce_dtype`` and reduces after the last microbatch. Without FSDP,
+    every microbatch in fp32."""
+    if not c.dims.fsdp_enabled:
+        return c.accum, 4
+    if c.dims.pp > 1:
+        return 1, c.sync_bytes
+    return c.accum, c.param_gather_bytes
+
+
 def _tp_norm_rows(rows: _Rows, c: PlanContext, pp_rank: int, mtp: int) -> None:
     """TP all-reduces of replicated weights' partial gradients: SP norms, MTP's projection, q/k norms,
-    in the dtype the weights compute in (FSDP's param_dtype: the partial gradients are reduced over tp
-    before FSDP casts them for its own reduce; fp32 otherwise)."""
+    as FSDP reduces them (``_partial_grad_reduce``): per microbatch in the dtype the weights compute in
+    without PP, once per step in ``reduce_dtype`` under PP; fp32 per microbatch without FSDP."""
     args = c.cfg.model
-    wb = c.param_gather_bytes if c.dims.fsdp_enabled else 4
+    syncs, nbytes = _partial_grad_reduce(c)
     if c.tp_sp[1]:  # SP norms: their weight gradients are partial sums over the sequence shards
         norms = [n for st in c.ranks[pp_rank] for b in st.blocks for n in c.table.blocks[b].norms]
         norms += [n for st in c.ranks[pp_rank] if st.last for n in c.table.last.norms]
@@ -278,8 +293,8 @@ def _tp_norm_rows(rows: _Rows, c: PlanContext, pp_rank: int, mtp: int) -> None:
             "all_reduce",
             "tp",
             ("tp",),
-            len(norms) * c.accum,
-            wb * sum(norms) / max(len(norms), 1),
+            len(norms) * syncs,
+            nbytes * sum(norms) / max(len(norms), 1),
             "backward",
             "backward_s",
         )
@@ -289,8 +304,8 @@ def _tp_norm_rows(rows: _Rows, c: PlanContext, pp_rank: int, mtp: int) -> None:
                 "all_reduce",
                 "tp",
                 ("tp",),
-                mtp * c.accum,
-                wb * 2 * args.dim * args.dim,
+                mtp * syncs,
+                nbytes * 2 * args.dim * args.dim,
                 "backward",
                 "backward_s",
             )
@@ -302,8 +317,8 @@ def _tp_norm_rows(rows: _Rows, c: PlanContext, pp_rank: int, mtp: int) -> None:
             "all_reduce",
             "tp",
             ("tp",),
-            len(head_norms) * c.accum,
-            wb * sum(head_norms) / len(head_norms),
+            len(head_norms) * syncs,
+            nbytes * sum(head_norms) / len(head_norms),
             "backward",
             "backward_s",
         )
@@ -369,9 +384,12 @@ def _cp_ep_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
 
 def _pp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
     """Stage boundaries: per microbatch, activations forward and their gradients backward, to and
-    from each neighbouring stage held by another rank."""
+    from each neighbouring stage held by another rank. They are the residual stream, in its dtype:
+    FSDP's param_dtype, else fp32 also under bf16 autocast (``pipeline_parallel.StageShapes``)."""
+    from trainer.planner.memory import dtype_policy
+
     dims = c.dims
-    size = c.micro_tokens * c.cfg.model.dim * c.act_bytes / (dims.tp if c.tp_sp[1] else 1)
+    size = c.micro_tokens * c.cfg.model.dim * dtype_policy(c).stream / (dims.tp if c.tp_sp[1] else 1)
     n_stages = dims.pp * c.stages_per_rank
     mine = {st.index for st in c.ranks[pp_rank]}
     links = sum((s > 0 and s - 1 not in mine) + (s < n_stages - 1 and s + 1 not in mine) for s in mine)
