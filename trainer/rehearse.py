@@ -75,7 +75,8 @@ REPLACED = (
     "checkpoint: one save after the steps is planned by DCP (local, global and final plans; the other ranks' "
     "local plans derived from this rank's DTensors), its files sized from the plans, nothing written; the "
     "Checkpointer is built without its disk check and async group, nothing is loaded; the data loader's "
-    "state is the map-style loader's counters",
+    "state is the map-style loader's counters; not with pipeline parallelism or ZeRO-1 (other ranks save "
+    "other entries)",
     "operations: preemption agreement, comm watchdog, profiler, metrics logger not built",
     "compile: training.compile=false (eager); CUDA-only branches (compile, async TP, ring CP, CUDA streams, "
     "NCCL reduce ops) are not traced",
@@ -623,12 +624,13 @@ def _comm_rows(plan: Plan, pp_rank: int, counts: dict[str, object], axes: dict[s
 def _checkpoint_rows(plan: Plan, rank: int, trainer: Trainer) -> list[Row]:
     """One save of the rehearsed state (``Checkpointer.save_state``) planned by DCP for this rank
     (``trainer/checkpoint/footprint.py``), next to the planner's checkpoint term for the same rank."""
+    from parallelisms.sharded_optimizer import ShardedOptimizer
     from trainer.checkpoint.checkpointer import completed_marker, peer_path
     from trainer.checkpoint.footprint import save_footprint
     from trainer.checkpoint.storage import CheckpointWriter, step_dir
 
-    if plan.checkpoint is None:
-        return []
+    if plan.checkpoint is None or trainer.dims.pp > 1 or isinstance(trainer.optimizer, ShardedOptimizer):
+        return []  # other stages' entries, other owners' optimizer state: not derivable here (REPLACED)
     ckpt, step = trainer.checkpointer, trainer.state.step
     marker = ckpt.marker(step, model_only=False)
     got = save_footprint(
@@ -637,6 +639,7 @@ def _checkpoint_rows(plan: Plan, rank: int, trainer: Trainer) -> list[Row]:
         world_size=trainer.world_size,
         writer=CheckpointWriter(f"{step_dir(ckpt.folder, step)}.tmp-{'0' * 12}", step),
         peer_path=peer_path,
+        coordinates=trainer.dims.coordinates,
         marker=lambda files: completed_marker(marker, files, {n: f"{0:08x}" for n in files}),
     )
     return [

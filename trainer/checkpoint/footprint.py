@@ -12,16 +12,17 @@ entry a ``torch.save`` of the object, and on the coordinator the pickled ``.meta
 
 The global step needs every rank's local plan, which a rank never has: under a real process group DCP
 gathers them; here they are derived from this rank's own (:func:`peer_plan`). A DTensor entry becomes
-the chunk the peer holds, computed from the DTensor's mesh and placements at the peer's mesh coordinate
-(DCP's own ``compute_local_shape_and_global_offset`` at another coordinate); a plain tensor or another
-object is the same entry on every rank, except where the caller names it per rank (``peer_path``: the
-checkpoint's ``rng.rank<R>``). The plans, write results and metadata pass through ``pickle`` as the
-gather and scatter of a real save send them, so the ``.metadata`` pickle has the real one's size.
+the chunk the peer holds, computed from the DTensor's mesh and placements at the peer's coordinate on
+that mesh's named dims (what DCP's ``compute_local_shape_and_global_offset`` computes at this rank's);
+a plain tensor or another object is the same entry on every rank, except where the caller names it
+per rank (``peer_path``: the checkpoint's ``rng.rank<R>``). The plans, write results and metadata pass
+through ``pickle`` as the gather and scatter of a real save send them, so the ``.metadata`` pickle has
+the real one's size.
 
 Nothing touches the disk (``prepare_local_plan``, which only creates the folder and checks for an
 existing ``.metadata`` under collectives, is not called). Fake tensors have no storage: a tensor's
-bytes come from its chunk's shape and dtype (:func:`saved_tensor_bytes`). Pipeline stages hold other
-parameters than this rank: a peer outside a DTensor's mesh is refused (``ValueError``).
+bytes come from its chunk's shape and dtype (:func:`saved_tensor_bytes`). The ranks of other pipeline
+stages hold other parameters than this rank: a layout with pp > 1 is refused (``ValueError``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import functools
 import io
 import math
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, TypeVar
 
@@ -119,44 +120,19 @@ def marker_bytes(marker: dict[str, object]) -> int:
 # -- the other ranks' local plans ---------------------------------------------------------------------
 
 
-class _Coordinates:
-    """Mesh coordinates of every rank of the meshes seen (a fake process group has the whole mesh)."""
-
-    def __init__(self) -> None:
-        self._of: dict[int, dict[int, tuple[int, ...]]] = {}
-
-    def of(self, mesh: DeviceMesh, rank: int) -> Optional[tuple[int, ...]]:
-        table = self._of.get(id(mesh))
-        if table is None:
-            ranks = mesh.mesh
-            table = {int(r): tuple(int(i) for i in idx) for idx, r in _enumerate(ranks)}
-            self._of[id(mesh)] = table
-        return table.get(rank)
-
-
-def _enumerate(ranks: torch.Tensor) -> list[tuple[tuple[int, ...], int]]:
-    flat = ranks.flatten().tolist()
-    shape = tuple(ranks.shape)
-    out = []
-    for i, r in enumerate(flat):
-        idx, rest = [], i
-        for n in reversed(shape):
-            idx.append(rest % n)
-            rest //= n
-        out.append((tuple(reversed(idx)), int(r)))
-    return out
+Coordinates = Callable[[int], Mapping[str, int]]  # a rank's index on every named mesh dim and view
 
 
 @dataclass
 class _Derivation:
     """What deriving peers' plans from this rank's needs: this rank, the flattened state dict and its
-    object paths, the per-rank naming and a memo of chunk computations."""
+    object paths, the per-rank naming, every rank's mesh coordinates and a memo of chunks."""
 
     rank: int
     state_dict: dict[str, object]
     paths: dict[str, ObjectPath]
     peer_path: PeerPath
-    coordinates: _Coordinates = field(default_factory=_Coordinates)
+    coordinates: Coordinates
     chunks: dict[tuple[object, ...], tuple[torch.Size, torch.Size]] = field(default_factory=dict)
 
     def key_of(self, key: str, peer: int) -> tuple[str, ObjectPath]:
@@ -164,14 +140,20 @@ class _Derivation:
         peer_path = self.peer_path(path, peer)
         return (key if peer_path == path else ".".join(str(p) for p in peer_path)), peer_path
 
+    def coordinate(self, mesh: DeviceMesh, peer: int) -> tuple[int, ...]:
+        """``peer``'s coordinate on the mesh dims of ``mesh`` (its own copy of that submesh: a DTensor on
+        a submesh, say FSDP's dp_shard_cp alone under tp > 1, has a counterpart on every tp rank)."""
+        names = mesh.mesh_dim_names
+        if names is None:
+            raise ValueError(f"a DTensor on an unnamed mesh {mesh}: its chunks on other ranks are unknown")
+        mine, theirs = self.coordinates(self.rank), self.coordinates(peer)
+        if tuple(mine[n] for n in names) != tuple(mesh.get_coordinate() or ()):
+            raise ValueError(f"the coordinates given disagree with the mesh {mesh} on rank {self.rank}")
+        return tuple(theirs[n] for n in names)
+
     def chunk_of(self, t: DTensor, peer: int) -> tuple[torch.Size, torch.Size]:
         mesh = t.device_mesh
-        coordinate = self.coordinates.of(mesh, peer)
-        if coordinate is None:
-            raise ValueError(
-                f"rank {peer} is outside the mesh {mesh} of a tensor rank {self.rank} saves (a pipeline "
-                "stage's submesh): its state is not derivable from this rank's"
-            )
+        coordinate = self.coordinate(mesh, peer)
         key = (tuple(t.shape), tuple(mesh.shape), coordinate, tuple(t.placements))
         if key not in self.chunks:
             sizes, offsets = _compute_local_shape_and_global_offset(
@@ -190,7 +172,8 @@ def peer_plan(plan: SavePlan, peer: int, how: _Derivation) -> SavePlan:
         obj = how.state_dict[item.index.fqn]
         if isinstance(obj, DTensor):
             assert item.tensor_data is not None  # a DTensor entry is a tensor write
-            sizes, offsets = how.chunk_of(obj, peer)
+            # fresh objects per entry, as create_local_plan makes them (the plan's pickle shares none)
+            sizes, offsets = (torch.Size(list(x)) for x in how.chunk_of(obj, peer))
             item = WriteItem(
                 index=MetadataIndex(key, offsets),
                 type=item.type,
@@ -215,12 +198,14 @@ def peer_plan(plan: SavePlan, peer: int, how: _Derivation) -> SavePlan:
 
 @dataclass
 class SaveFootprint:
-    """What one rank writes in one save: its files of the committed checkpoint and its DCP entries."""
+    """What one rank writes in one save: its files of the committed checkpoint and its DCP entries, and
+    every rank's files as the same plans lay them out."""
 
     rank: int
     world_size: int
     files: dict[str, int]  # name -> bytes (data files; on the coordinator also .metadata and the marker)
     entries: int  # DCP write items this rank writes after de-duplication
+    checkpoint: dict[str, int]  # every file of the committed checkpoint (all ranks'), name -> bytes
 
     @property
     def bytes(self) -> int:
@@ -273,21 +258,31 @@ def save_footprint(
     world_size: int,
     writer: FileSystemWriter,
     peer_path: PeerPath,
+    coordinates: Coordinates,
     marker: Optional[Callable[[dict[str, int]], dict[str, object]]] = None,
 ) -> SaveFootprint:
     """What ``dcp.save(state, storage_writer=writer)`` writes on ``rank`` of ``world_size`` (see the module
     docstring). ``peer_path(path, peer)``: the object path ``peer`` saves in place of this rank's
-    ``path``. ``marker(files)``: the completion marker the coordinator writes once the files (name ->
-    bytes) are on disk, counted on rank 0 (None: no marker)."""
+    ``path``; ``coordinates(rank)``: a rank's index on every named mesh dim and view
+    (``ParallelDims.coordinates``), which places its chunk of a DTensor. ``marker(files)``: the
+    completion marker the coordinator writes once the files (name -> bytes) are on disk, counted on
+    rank 0 (None: no marker)."""
     if writer.serialization_format != SerializationFormat.TORCH_SAVE:
         raise ValueError(f"the writer's {writer.serialization_format}: only torch.save files are sized")
+    stage = coordinates(rank).get("pp", 0)
+    other = next((q for q in range(world_size) if coordinates(q).get("pp", 0) != stage), None)
+    if other is not None:
+        raise ValueError(
+            f"rank {other} is in another pipeline stage than rank {rank}: it saves other parameters, which "
+            "this rank's state does not show"
+        )
     state_dict = _stateful_to_state_dict(state)
     planner = DefaultSavePlanner()
     planner.set_up_planner(state_dict, storage_meta=writer.storage_meta(), is_coordinator=rank == 0)
     writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
     local = planner.create_local_plan()
     flat = planner.state_dict
-    how = _Derivation(rank, flat, dict(planner.mappings), peer_path)
+    how = _Derivation(rank, flat, dict(planner.mappings), peer_path, coordinates)
     plans = [local if q == rank else peer_plan(local, q, how) for q in range(world_size)]
     global_plans, metadata = planner.create_global_plan([_as_sent(p) for p in plans])
     global_plans = [_as_sent(p) for p in writer.prepare_global_plan(global_plans)]  # scattered
@@ -308,12 +303,13 @@ def save_footprint(
         written, results = _writes(final if q == rank else p, writer, objects, memo)
         storage.update(_as_sent(results))  # gathered to the coordinator
         every.update(written)
-    files = {name: every[name] for name in _writes(final, writer, objects, memo)[0]}
-    if rank == 0:
-        metadata = dataclasses.replace(
-            metadata, version=CURRENT_DCP_VERSION, storage_data=storage, storage_meta=writer.storage_meta()
-        )
-        files[METADATA] = every[METADATA] = len(pickle.dumps(metadata))
-        if marker is not None:
-            files[MARKER] = marker_bytes(marker(every))
-    return SaveFootprint(rank, world_size, files, len(final.items))
+    metadata = dataclasses.replace(
+        metadata, version=CURRENT_DCP_VERSION, storage_data=storage, storage_meta=writer.storage_meta()
+    )
+    every[METADATA] = len(pickle.dumps(metadata))
+    if marker is not None:
+        every[MARKER] = marker_bytes(marker(dict(every)))
+    mine = _writes(final, writer, objects, memo)[0]
+    if rank == 0:  # the coordinator writes DCP's .metadata; the commit, the marker
+        mine.update({n: 0 for n in (METADATA, MARKER) if n in every})
+    return SaveFootprint(rank, world_size, {n: every[n] for n in mine}, len(final.items), every)

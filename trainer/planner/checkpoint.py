@@ -528,8 +528,17 @@ def _metadata_bytes(plan: Assignment, pp_rank_of: Callable[[int], int], folder: 
 
     from trainer.checkpoint.checkpointer import peer_path
 
+    world = len(plan.rank_entries)
+    per_stage = world // len(plan.stages)
+
+    def last_holder(e: SavedEntry, rank: int) -> int:
+        if e.scope == "rank":
+            return rank
+        return world - 1 if e.scope == "run" else (pp_rank_of(rank) + 1) * per_stage - 1
+
     def pickled(ranks: range) -> int:
         md: dict[str, Union[TensorStorageMetadata, BytesStorageMetadata]] = {}
+        tops: dict[str, str] = {}  # a plan's paths share their first name
         tensors: dict[str, TensorStorageMetadata] = {}
         planner_data: dict[str, tuple[str, ...]] = {}
         storage: dict[MetadataIndex, _StorageInfo] = {}
@@ -542,7 +551,10 @@ def _metadata_bytes(plan: Assignment, pp_rank_of: Callable[[int], int], folder: 
                 path = tuple(str(p) for p in peer_path(e.path, rank)) if e.scope == "rank" else e.path
                 key = ".".join(path) if e.scope == "rank" else e.key
                 if key not in md:
-                    planner_data[key] = tuple(_fresh(p) for p in path)
+                    # the metadata names an entry as its first writer's plan does, the merged flatten
+                    # mapping as the last holder's: one object (pickled once) only when they coincide
+                    named = key if last_holder(e, rank) == rank else _fresh(key)
+                    planner_data[named] = (tops.setdefault(path[0], _fresh(path[0])), *map(_fresh, path[1:]))
                     if e.dtype is None:
                         md[key] = BytesStorageMetadata()
                     else:
@@ -561,7 +573,6 @@ def _metadata_bytes(plan: Assignment, pp_rank_of: Callable[[int], int], folder: 
         meta_of_run = StorageMeta(checkpoint_id=Path(folder), save_id=str(uuid.uuid4()))
         return len(pickle.dumps(Metadata(md, planner_data, storage, meta_of_run, CURRENT_DCP_VERSION)))
 
-    world = len(plan.rank_entries)
     every = math.ceil(plan.unique / METADATA_SAMPLE)
     if every <= 1 or world < 4:
         return pickled(range(world))
