@@ -2,9 +2,10 @@
 (``trainer/planner/checkpoint.py``), as DCP's own planning finds it without writing
 (``trainer/checkpoint/footprint.py``, what the rehearsal reports) and as a real save writes it.
 
-A real 2-rank gloo save of the tiny model (FSDP, and DDP, whose replicated tensors DCP de-duplicates)
-is measured file by file against both; rehearsed 7b_hsdp and 70b_tp_fsdp ranks check that DCP's global
-plan over the derived local plans gives every one of the 32 ranks the data file the planner gives it.
+A real 2-rank gloo save of the tiny model (FSDP, with and without tied embeddings, and DDP, whose
+replicated tensors DCP de-duplicates) is measured file by file against both; rehearsed 7b_hsdp and
+70b_tp_fsdp ranks check that DCP's global plan over the derived local plans gives every one of the 32
+ranks the data file the planner gives it.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from tests.configs import tiny_config
 from tests.dist import run_distributed
 
 TOLERANCE = 0.05
-LAYOUTS = {
+LAYOUTS = {  # FSDP; FSDP with the head tied to the embedding (one tensor, two names); DDP (replicated)
     "fsdp": ("parallelism.dp_shard=2",),
+    "tied": ("parallelism.dp_shard=2", "model.tie_embeddings=true"),
     "ddp": ("parallelism.dp_replicate=2", "parallelism.dp_shard=1"),
 }
 RUN = ("checkpoint.enable=true", "training.steps=1", "model.n_layers=2", "training.eval_freq=0")

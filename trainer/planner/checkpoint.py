@@ -171,7 +171,8 @@ def saved_entries(cfg: TrainConfig) -> SavedState:
     cost = muon_cost if cfg.optimizer.name == "muon" else (lambda p, g: p.numel() * p.element_size())
     costs = [(names[id(p)], cost(p, g)) for g in optimizer.param_groups for p in g["params"]]
     _initialised(optimizer)
-    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    # every name of a parameter (a tied head's weight is saved under both of its names)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
     rng: dict[str, torch.Tensor] = {"cpu": torch.get_rng_state()}
     if cfg.training.device == "cuda":
         rng["cuda"] = torch.zeros(16, dtype=torch.uint8)  # torch.cuda.get_rng_state()'s size
@@ -245,7 +246,7 @@ def _holdings(c: PlanContext, saved: SavedState) -> dict[str, _Holding]:
     names = dims.mesh_dim_names
     fsdp = dims.flat_views["dp_shard_cp"]
     out: dict[str, _Holding] = {}
-    for name, param in model.named_parameters():
+    for name, param in model.named_parameters(remove_duplicate=False):  # tied weights under each name
         module_name, _, leaf = name.rpartition(".")
         splits: list[_Split] = []
         tp_dim = _tp_dim(model.get_submodule(module_name), kinds.get(module_name), leaf, param.dim())
