@@ -617,9 +617,9 @@ class Checkpointer:
         self._write_and_commit(step, tmp, state, marker)
         logger.info(f"checkpoint step {step} saved in {time.perf_counter() - start:.2f}s")
 
-    def save_state(self) -> dict[str, Any]:
+    def save_state(self) -> dict[str, object]:
         """What a save writes: the Stateful objects of ``states`` and this rank's RNG state."""
-        state = dict(self.states)
+        state: dict[str, object] = dict(self.states)
         state["rng"] = {_rng_key(self.rank): _rng_state(self.device)}
         return state
 

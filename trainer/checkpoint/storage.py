@@ -92,7 +92,7 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def json_text(obj: dict[str, Any]) -> str:
+def json_text(obj: dict[str, object]) -> str:
     """``obj`` as the JSON text ``write_json_durable`` writes."""
     return json.dumps(obj, indent=1, sort_keys=True)
 
