@@ -75,8 +75,8 @@ REPLACED = (
     "checkpoint: one save after the steps is planned by DCP (local, global and final plans; the other ranks' "
     "local plans derived from this rank's DTensors), its files sized from the plans, nothing written; the "
     "Checkpointer is built without its disk check and async group, nothing is loaded; the data loader's "
-    "state is the map-style loader's counters; not with pipeline parallelism or ZeRO-1 (other ranks save "
-    "other entries)",
+    "state is the map-style loader's counters; not with pipeline parallelism, ZeRO-1 or Muon over "
+    "dp_replicate (other ranks save other entries)",
     "operations: preemption agreement, comm watchdog, profiler, metrics logger not built",
     "compile: training.compile=false (eager); CUDA-only branches (compile, async TP, ring CP, CUDA streams, "
     "NCCL reduce ops) are not traced",
@@ -629,8 +629,12 @@ def _checkpoint_rows(plan: Plan, rank: int, trainer: Trainer) -> list[Row]:
     from trainer.checkpoint.footprint import save_footprint
     from trainer.checkpoint.storage import CheckpointWriter, step_dir
 
-    if plan.checkpoint is None or trainer.dims.pp > 1 or isinstance(trainer.optimizer, ShardedOptimizer):
-        return []  # other stages' entries, other owners' optimizer state: not derivable here (REPLACED)
+    # ZeRO-1 keeps a parameter's optimizer state on its owner, Muon a replicated piece's momentum on
+    # its primary: the other ranks' plans hold other optimizer entries than this rank's
+    zero1 = isinstance(trainer.optimizer, ShardedOptimizer)
+    per_rank_state = zero1 or (trainer.cfg.optimizer.name == "muon" and trainer.dims.dp_replicate > 1)
+    if plan.checkpoint is None or trainer.dims.pp > 1 or per_rank_state:
+        return []  # other stages' entries, other ranks' optimizer state: not derivable here (REPLACED)
     ckpt, step = trainer.checkpointer, trainer.state.step
     marker = ckpt.marker(step, model_only=False)
     got = save_footprint(

@@ -20,8 +20,9 @@ them. The layout then decides who holds what, in closed form:
 An entry several ranks hold is written once: DCP's coordinator keeps it in the plan of the holder with
 the least planned storage so far (``torch/distributed/checkpoint/_dedup_save_plans.py``; the storage of
 a tensor entry counts the whole tensor's bytes, any other entry 1), visiting the ranks' plans in rank
-order and each plan's entries in state-dict order; ties go to the lowest rank. The planner runs that
-rule on its own table. On disk every tensor chunk is a ``torch.save`` archive, every other entry the
+order and each plan's entries in state-dict order; ties go to the first holder in the iteration order
+of DCP's set of plan indices. The planner runs that rule on its own table (visiting only the entries a
+rank is the first holder of). On disk every tensor chunk is a ``torch.save`` archive, every other entry the
 ``torch.save`` of the object (``trainer.checkpoint.footprint``); a rank writes ``thread_count`` files
 (``FileSystemWriter``'s default: one), rank 0 also DCP's pickled ``.metadata`` (built here from the
 planned entries and pickled) and the completion marker ``checkpoint.json``.
@@ -143,9 +144,10 @@ class SavedState:
     costs: list[tuple[str, int]]  # the parameters in the optimizer's order, with ZeRO-1's owner cost
 
 
-def saved_entries(cfg: TrainConfig) -> SavedState:
-    """The flattened entries one save of ``cfg``'s run writes, unsharded, in DCP's order: the real model,
-    optimizer and schedule built on the meta device, read through torch's state-dict functions."""
+def saved_entries(cfg: TrainConfig, model: Optional[nn.Module] = None) -> SavedState:
+    """The flattened entries one save of ``cfg``'s run writes, unsharded, in DCP's order: the real model
+    (``model``: already built on the meta device), optimizer and schedule on the meta device, read
+    through torch's state-dict functions."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -159,8 +161,9 @@ def saved_entries(cfg: TrainConfig) -> SavedState:
     from trainer.planner.params import _no_weight_init
 
     spec = get_spec(cfg.model.family)
-    with torch.device("meta"), _no_weight_init():
-        model = spec.build(cfg.model)
+    if model is None:
+        with torch.device("meta"), _no_weight_init():
+            model = spec.build(cfg.model)
     # The implementation switches (foreach, fused) depend on the device; they are saved as small
     # objects of one size whatever their values, so the CPU's optimizer stands for any device's.
     optimizer = build_optimizer(
@@ -459,22 +462,29 @@ def _assign(c: PlanContext, saved: SavedState) -> Assignment:
     kinds: list[Kind] = []
     stages = _stage_plans(c, saved.entries, _holdings(c, saved), frees, kinds)
 
+    world = dims.world_size
+    coordinates = [dims.coordinates(rank) for rank in range(world)]
+    reads = [tuple(a for split in splits for a in split.axes) for _, _, splits in kinds]
+    memo: dict[tuple[int, tuple[int, ...]], Chunk] = {}  # a chunk follows from the coordinates it reads
+
     def chunks_of(rank: int) -> list[Chunk]:
-        coords = dims.coordinates(rank)
+        coords = coordinates[rank]
         out = []
-        for shape, dtype, splits in kinds:
-            local, at = _chunk(shape, splits, coords, sizes)
-            out.append((local, at, saved_tensor_bytes(math.prod(local), dtype)))
+        for i, (shape, dtype, splits) in enumerate(kinds):
+            key = (i, tuple(coords[a] for a in reads[i]))
+            if key not in memo:
+                local, at = _chunk(shape, splits, coords, sizes)
+                memo[key] = (local, at, saved_tensor_bytes(math.prod(local), dtype))
+            out.append(memo[key])
         return out
 
-    world = dims.world_size
     load = [0] * world
     won: list[list[Written]] = [[] for _ in range(world)]
     rank_bytes, rank_entries, unique = [0] * world, [0] * world, 0
     visits: dict[tuple[int, tuple[bool, ...]], list[tuple[int, _Row]]] = {}
     order: dict[tuple[int, int], tuple[int, ...]] = {}
     for rank in range(world):
-        coords = dims.coordinates(rank)
+        coords = coordinates[rank]
         nonzero = {a for a in names if coords[a]}
         first = tuple(not (f & nonzero) for f in frees)  # this rank is the lowest holder of such entries
         plans = stages[coords["pp"]]
@@ -594,7 +604,7 @@ def checkpoint_plan(c: PlanContext) -> CheckpointPlan:
     from trainer.checkpoint.storage import CheckpointWriter, step_dir
 
     cfg, dims = c.cfg, c.dims
-    plan = _assign(c, saved_entries(cfg))
+    plan = _assign(c, saved_entries(cfg, c.table.model))
     step = cfg.training.steps
     folder = f"{step_dir(os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder), step)}.tmp-{'0' * 12}"
     writer = CheckpointWriter(folder, step)  # its layout: thread_count files per rank, or one per entry
