@@ -27,7 +27,10 @@ The model, in units of bytes (decimal GB = 1e9 in the formulas, GiB in the verdi
 - communication with the alpha-beta ring model: a collective over n ranks moves, per rank,
   ``2 (n-1)/n x size`` (all-reduce) or ``(n-1)/n x size`` (all-gather, reduce-scatter; size
   = the full tensor) and takes ``steps x alpha + bytes / bus_bandwidth``; a group that spans
-  nodes runs at the inter-node bandwidth.
+  nodes runs at the inter-node bandwidth;
+- one checkpoint save (``trainer/planner/checkpoint.py``): the bytes and files each rank writes, its
+  entries split by the layout and de-duplicated where DCP's coordinator puts them, each a
+  ``torch.save`` on disk, plus rank 0's ``.metadata`` and marker.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ What the rehearsal replaces or does not trace (``REPLACED``) is printed with eve
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import json
 import math
@@ -71,7 +72,11 @@ REPLACED = (
     "(block-causal documents start at stand-in BOS/EOS ids: fake ids have no values)",
     "weights: the deterministic init_weights is skipped (fake tensors have no values)",
     "guards: the non-finite check (a host sync) is answered 'finite'",
-    "checkpoint: not built, no save traced (DCP's planner is not run yet)",
+    "checkpoint: one save after the steps is planned by DCP (local, global and final plans; the other ranks' "
+    "local plans derived from this rank's DTensors), its files sized from the plans, nothing written; the "
+    "Checkpointer is built without its disk check and async group, nothing is loaded; the data loader's "
+    "state is the map-style loader's counters; not with pipeline parallelism, ZeRO-1 or Muon over "
+    "dp_replicate (other ranks save other entries)",
     "operations: preemption agreement, comm watchdog, profiler, metrics logger not built",
     "compile: training.compile=false (eager); CUDA-only branches (compile, async TP, ring CP, CUDA streams, "
     "NCCL reduce ops) are not traced",
@@ -122,6 +127,13 @@ class SyntheticLoader:
 
     def pop_metrics(self) -> dict[str, float]:
         return {}
+
+    def state_dict(self) -> dict[str, Union[int, bool]]:
+        """What the map-style loader saves (``trainer/data/loader.py``: its counters; REPLACED)."""
+        return {"samples_seen": 0, "global_batch_size": 0, "seed": 0, "shuffle": True, "num_windows": 0}
+
+    def load_state_dict(self, state_dict: dict[str, Union[int, bool]]) -> None:
+        pass
 
 
 @dataclass(frozen=True)
@@ -207,7 +219,12 @@ class RehearsalTrainer(Trainer):
             self.optimizer.sync_with_all_gather = self.backend == "nccl"
 
     def _build_checkpointer(self, full_shapes: dict[str, torch.Size]) -> None:
-        pass  # not rehearsed yet (REPLACED)
+        """The run's ``Checkpointer`` without what needs peers (the disk check's broadcast, the async
+        save's gloo group) and without a load; ``_checkpoint_rows`` plans its save (REPLACED)."""
+        quiet = dataclasses.replace(
+            self.cfg.checkpoint, enable=False, async_mode="disabled", create_seed=False, last_save_in_hf=False
+        )
+        self.checkpointer = self._make_checkpointer(quiet, full_shapes)
 
     def _build_metrics(self) -> None:
         with self.fake:
@@ -232,7 +249,7 @@ class RehearsalTrainer(Trainer):
 class Row(TypedDict):
     """One term of a rank's report; ``checked`` terms fail the rehearsal outside ``1 +- TOLERANCE``."""
 
-    kind: str  # memory | comm
+    kind: str  # memory | comm | checkpoint
     what: str
     planned: float
     rehearsed: float
@@ -623,6 +640,40 @@ def _comm_rows(plan: Plan, pp_rank: int, counts: dict[str, object], axes: dict[s
     return rows
 
 
+def _checkpoint_rows(plan: Plan, rank: int, trainer: Trainer) -> list[Row]:
+    """One save of the rehearsed state (``Checkpointer.save_state``) planned by DCP for this rank
+    (``trainer/checkpoint/footprint.py``), next to the planner's checkpoint term for the same rank."""
+    from parallelisms.sharded_optimizer import ShardedOptimizer
+    from trainer.checkpoint.checkpointer import completed_marker, peer_path
+    from trainer.checkpoint.footprint import save_footprint
+    from trainer.checkpoint.storage import CheckpointWriter, step_dir
+
+    # ZeRO-1 keeps a parameter's optimizer state on its owner, Muon a replicated piece's momentum on
+    # its primary: the other ranks' plans hold other optimizer entries than this rank's
+    zero1 = isinstance(trainer.optimizer, ShardedOptimizer)
+    per_rank_state = zero1 or (trainer.cfg.optimizer.name == "muon" and trainer.dims.dp_replicate > 1)
+    if plan.checkpoint is None or trainer.dims.pp > 1 or per_rank_state:
+        return []  # other stages' entries, other ranks' optimizer state: not derivable here (REPLACED)
+    ckpt, step = trainer.checkpointer, trainer.state.step
+    marker = ckpt.marker(step, model_only=False)
+    got = save_footprint(
+        ckpt.save_state(),
+        rank=rank,
+        world_size=trainer.world_size,
+        writer=CheckpointWriter(f"{step_dir(ckpt.folder, step)}.tmp-{'0' * 12}", step),
+        peer_path=peer_path,
+        coordinates=trainer.dims.coordinates,
+        marker=lambda files: completed_marker(marker, files, {n: f"{0:08x}" for n in files}),
+    )
+    return [
+        _row("checkpoint", "checkpoint bytes", plan.checkpoint.rank_bytes[rank], float(got.bytes)),
+        _row("checkpoint", "checkpoint files", plan.checkpoint.rank_files[rank], float(len(got.files))),
+        _row(
+            "checkpoint", "checkpoint entries", plan.checkpoint.rank_entries[rank], float(got.entries), False
+        ),
+    ]
+
+
 def _forget_meshes() -> None:
     """Clear DTensor's sharding-propagation caches: their entries hold the meshes (and through them
     the destroyed process groups) of the rank rehearsed before; an equal mesh of the next rank would
@@ -664,6 +715,7 @@ def rehearse_rank(
         pp_rank = pp_rank_of(plan, rank)
         rows = _memory_rows(plan, pp_rank, peak, probe, trainer) + _compute_rows(plan, probe)
         rows += _comm_rows(plan, pp_rank, counts, probe.axes)
+        rows += _checkpoint_rows(plan, rank, trainer)
     finally:
         dist.destroy_process_group()
         _forget_meshes()

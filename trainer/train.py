@@ -23,7 +23,7 @@ from parallelisms.utils import clip_grad_norm_, copy_full_into
 from parallelisms.validate import validated_dims
 from trainer.checkpoint.checkpointer import Checkpointer, describe_layout, model_info
 from trainer.checkpoint.seed import seed_parallelism, validate_checkpoint_config
-from trainer.config import TrainConfig, to_yaml
+from trainer.config import CheckpointConfig, TrainConfig, to_yaml
 from trainer.data import DataLoader, build_dataloader
 from trainer.data.tokenizer import build_tokenizer, check_vocab_size
 from trainer.eval.config import validation_sources
@@ -355,9 +355,17 @@ class Trainer:
         install_test_nan_hook(self.model, self.rank, lambda: self.state.step + 1)
 
     def _build_checkpointer(self, full_shapes: dict[str, torch.Size]) -> None:
+        self.checkpointer = self._make_checkpointer(self.cfg.checkpoint, full_shapes)
+        self.checkpointer.load()
+        if self.ft is not None:  # healing payload; the torchft step from a resumed checkpoint
+            self.ft.attach(self)
+
+    def _make_checkpointer(self, ckpt: CheckpointConfig, full_shapes: dict[str, torch.Size]) -> Checkpointer:
+        """The run's ``Checkpointer`` under the checkpoint options ``ckpt`` (a rehearsal builds it with
+        the options that need peers off, ``trainer/rehearse.py``)."""
         cfg = self.cfg
-        self.checkpointer = Checkpointer(
-            cfg.checkpoint,
+        return Checkpointer(
+            ckpt,
             dump_folder=self.cfg.job.dump_folder,
             model_parts=self.model_parts,
             optimizer=self.optimizer,
@@ -371,9 +379,6 @@ class Trainer:
             hf_target=(self.spec, cfg.model),
             shared_folder=self.ft is not None,
         )
-        self.checkpointer.load()
-        if self.ft is not None:  # healing payload; the torchft step from a resumed checkpoint
-            self.ft.attach(self)
 
     def _build_metrics(self) -> None:
         cfg, t = self.cfg, self.cfg.training

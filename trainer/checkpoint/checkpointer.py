@@ -109,11 +109,14 @@ __all__ = [
     "OptimizerState",
     "TrainProgress",
     "complete_steps",
+    "completed_marker",
     "crash_point",
     "describe_layout",
     "load_full_state",
+    "marker_of",
     "model_info",
     "one_module",
+    "peer_path",
     "read_marker",
     "verify_files",
 ]
@@ -228,6 +231,42 @@ class TrainProgress:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.train_state.step = int(state_dict["step"])
         self.train_state.tokens_seen = int(state_dict["tokens_seen"])
+
+
+def _rng_key(rank: int) -> str:
+    return f"rank{rank}"
+
+
+def peer_path(path: tuple[object, ...], peer: int) -> tuple[object, ...]:
+    """The object path in the saved state that rank ``peer`` writes in place of ``path``: the RNG entry
+    is per rank (``rng.rank<R>.*``); every other entry has the same path on every rank. (A save's
+    footprint, ``trainer.checkpoint.footprint``, derives the other ranks' entries with it.)"""
+    if len(path) >= 2 and path[0] == "rng":
+        return ("rng", _rng_key(peer), *path[2:])
+    return path
+
+
+def marker_of(
+    info: dict[str, object], *, step: int, tokens_seen: int, world_size: int, model_only: bool
+) -> dict[str, object]:
+    """The completion marker of a save of ``step`` before its files are known: ``info`` (``model_info``)
+    and the run's position."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "tokens_seen": tokens_seen,
+        "model_only": model_only,
+        "world_size": world_size,
+        "time": time.time(),
+        **info,
+    }
+
+
+def completed_marker(
+    marker: dict[str, object], files: dict[str, int], crcs: dict[str, str]
+) -> dict[str, object]:
+    """The marker rank 0 writes last: ``marker`` plus the size and CRC32 of every file of the checkpoint."""
+    return {**marker, "crc32": crcs, "files": files}
 
 
 def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
@@ -476,16 +515,15 @@ class Checkpointer:
             raise outcome[0]
 
     # -- saving -------------------------------------------------------------------------
-    def _marker(self, step: int, model_only: bool) -> dict[str, Any]:
-        return {
-            "format_version": FORMAT_VERSION,
-            "step": step,
-            "tokens_seen": self.train_state.tokens_seen,
-            "model_only": model_only,
-            "world_size": self.world_size,
-            "time": time.time(),
-            **self.info,
-        }
+    def marker(self, step: int, model_only: bool) -> dict[str, Any]:
+        """The completion marker of a save of ``step`` before its files are known (``completed_marker``)."""
+        return marker_of(
+            self.info,
+            step=step,
+            tokens_seen=self.train_state.tokens_seen,
+            world_size=self.world_size,
+            model_only=model_only,
+        )
 
     def _commit(self, step: int, tmp: str, marker: dict[str, Any]) -> None:
         """Rank 0, after every rank's data and DCP's .metadata are on disk: marker, rename, purge."""
@@ -497,9 +535,8 @@ class Checkpointer:
                     crcs.update(json.load(f))
                 os.remove(os.path.join(tmp, name))
         crcs[".metadata"] = file_crc32(os.path.join(tmp, ".metadata"))
-        marker["crc32"] = crcs
-        marker["files"] = {n: os.path.getsize(os.path.join(tmp, n)) for n in sorted(os.listdir(tmp))}
-        write_json_durable(os.path.join(tmp, MARKER), marker)
+        files = {n: os.path.getsize(os.path.join(tmp, n)) for n in sorted(os.listdir(tmp))}
+        write_json_durable(os.path.join(tmp, MARKER), completed_marker(marker, files, crcs))
         final = step_dir(self.folder, step)
         trash = None
         if os.path.exists(final):  # resumed from an older step: replace the stale one
@@ -564,9 +601,8 @@ class Checkpointer:
         self.wait()
         self._last_saved_step = step
         tmp = self._begin(step)
-        marker = self._marker(step, model_only=False)
-        state = dict(self.states)
-        state["rng"] = {f"rank{self.rank}": _rng_state(self.device)}
+        marker = self.marker(step, model_only=False)
+        state = self.save_state()
         self._warn_if_short(step)
         start = time.perf_counter()
         if self.async_mode and not final:
@@ -580,6 +616,12 @@ class Checkpointer:
             return
         self._write_and_commit(step, tmp, state, marker)
         logger.info(f"checkpoint step {step} saved in {time.perf_counter() - start:.2f}s")
+
+    def save_state(self) -> dict[str, object]:
+        """What a save writes: the Stateful objects of ``states`` and this rank's RNG state."""
+        state: dict[str, object] = dict(self.states)
+        state["rng"] = {_rng_key(self.rank): _rng_state(self.device)}
+        return state
 
     def _write_and_commit(self, step: int, tmp: str, state: dict[str, Any], marker: dict[str, Any]) -> None:
         """A synchronous save of ``state`` into ``tmp``, committed as ``step-N``; visible once this
@@ -619,7 +661,7 @@ class Checkpointer:
         return its path."""
         check_seed_folder(self.folder)
         tmp = self._begin(0)
-        self._write_and_commit(0, tmp, {"model": self.states["model"]}, self._marker(0, model_only=True))
+        self._write_and_commit(0, tmp, {"model": self.states["model"]}, self.marker(0, model_only=True))
         logger.info(f"seed checkpoint written to {step_dir(self.folder, 0)}")
         return step_dir(self.folder, 0)
 

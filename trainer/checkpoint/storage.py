@@ -92,10 +92,15 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def json_text(obj: dict[str, object]) -> str:
+    """``obj`` as the JSON text ``write_json_durable`` writes."""
+    return json.dumps(obj, indent=1, sort_keys=True)
+
+
 def write_json_durable(path: str, obj: dict[str, Any]) -> None:
     """Write ``obj`` as JSON and fsync it before returning."""
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
+        f.write(json_text(obj))
         f.flush()
         os.fsync(f.fileno())
 

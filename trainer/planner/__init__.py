@@ -6,6 +6,7 @@
 * :mod:`~trainer.planner.context`: the shared types (``Plan``, ``Collective``) and ``PlanContext``;
 * :mod:`~trainer.planner.memory`: activations, model states and buffers per pipeline rank;
 * :mod:`~trainer.planner.comm`: the collectives of one step on one rank;
+* :mod:`~trainer.planner.checkpoint`: one checkpoint save, bytes and files per rank;
 * :mod:`~trainer.planner.plan`: ``build_plan`` and its verdict;
 * :mod:`~trainer.planner.report`: the tables the command prints;
 * :mod:`~trainer.planner.recommend`: ``--recommend``, a layout for the model on the cluster;

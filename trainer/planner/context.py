@@ -65,6 +65,28 @@ class StageMemory:
 
 
 @dataclass
+class CheckpointPlan:
+    """One checkpoint save (``trainer/planner/checkpoint.py``): what each rank writes, by global rank."""
+
+    rank_bytes: list[float]  # its files' bytes (rank 0: with DCP's .metadata and the marker)
+    rank_files: list[int]  # files in the committed step folder (rank 0: + .metadata, checkpoint.json)
+    rank_entries: list[int]  # DCP entries (tensor chunks, objects) it writes after de-duplication
+    metadata_bytes: float  # rank 0's .metadata
+    marker_bytes: float  # rank 0's checkpoint.json
+    entries: int  # distinct DCP entries of the whole checkpoint
+    files_per_rank: int  # data files each rank writes (FileSystemWriter's thread_count; 0: one per entry)
+
+    @property
+    def total_bytes(self) -> float:
+        return sum(self.rank_bytes)
+
+    def ranks_of(self, pp_rank: int, pp: int) -> range:
+        """The global ranks of pipeline rank ``pp_rank`` (pp is the outermost mesh dim)."""
+        n = len(self.rank_bytes) // pp
+        return range(pp_rank * n, (pp_rank + 1) * n)
+
+
+@dataclass
 class Plan:
     experiment: str
     model: str
@@ -78,6 +100,7 @@ class Plan:
     compute: dict[str, float]
     pp_rank_collectives: list[list[Collective]] = field(default_factory=list)  # per pp rank
     verdict: dict[str, Any] = field(default_factory=dict)
+    checkpoint: Optional[CheckpointPlan] = None  # one save per rank (None: not planned, the launch check)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)

@@ -112,7 +112,7 @@ def _need(
     from trainer.planner.plan import plan_of
 
     c = build_context(cfg, dataclasses.replace(budget.cluster, workspace_gib=0.0), dims)
-    worst = max(plan_of(c).stages, key=lambda s: s.total_bytes)
+    worst = max(plan_of(c, checkpoint=False).stages, key=lambda s: s.total_bytes)
     return worst.total_bytes + budget.overhead_bytes, worst, c.dims
 
 

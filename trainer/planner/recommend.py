@@ -122,7 +122,7 @@ def recommend(cfg: TrainConfig, cluster: ClusterConfig) -> tuple[Optional[Candid
     for step, label, layout in _layouts(world, cluster.gpus_per_node):
         for ac in ("none", "full"):
             try:
-                plan = build_plan(_variant(cfg, layout, ac), cluster)
+                plan = build_plan(_variant(cfg, layout, ac), cluster, checkpoint=False)  # layouts only
             except ConfigError as e:
                 tried.append(Candidate(label, step, ac, None, f"not valid here: {e}"))
                 break

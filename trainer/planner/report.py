@@ -52,6 +52,34 @@ def _comm_table(plan: Plan) -> list[str]:
     return lines
 
 
+def _checkpoint_table(plan: Plan) -> list[str]:
+    ck = plan.checkpoint
+    if ck is None:
+        return []
+    layout = f"{ck.files_per_rank} file(s)" if ck.files_per_rank else "one file per entry"
+    lines = [
+        "",
+        f"checkpoint: one save (DCP; {layout} per rank, rank 0 also .metadata and checkpoint.json)",
+        f"{'pp rank':>7} {'ranks':>6} {'min':>9} {'max':>9} {'files':>6}   (GB per rank; files per rank)",
+    ]
+    pp = plan.layout["pp"]
+    for r in range(pp) if pp <= 6 else [*range(3), -1, *range(pp - 2, pp)]:
+        if r < 0:
+            lines.append(f"{'...':>7}")
+            continue
+        ranks = ck.ranks_of(r, pp)
+        data = [ck.rank_bytes[i] for i in ranks]
+        counts = sorted({ck.rank_files[i] for i in ranks})
+        shown = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+        lines.append(f"{r:>7} {len(ranks):>6} {_gb(min(data))} {_gb(max(data))} {shown:>6}")
+    lines.append(
+        f"rank 0 writes {ck.rank_bytes[0] / GB:.2f} GB in {ck.rank_files[0]} files (.metadata "
+        f"{ck.metadata_bytes / 1e6:.2f} MB, checkpoint.json {ck.marker_bytes / 1e3:.1f} KB); the checkpoint: "
+        f"{ck.total_bytes / GB:.2f} GB in {sum(ck.rank_files)} files, {ck.entries:,} entries"
+    )
+    return lines
+
+
 def render(plan: Plan) -> str:
     """The plan as a readable report (GB = 1e9 bytes; the verdict in GiB)."""
     lay, comp, cl, v = plan.layout, plan.compute, plan.cluster, plan.verdict
@@ -91,6 +119,7 @@ def render(plan: Plan) -> str:
             if "optimizer_s" in comp
             else ""
         ),
+        *_checkpoint_table(plan),
         f"verdict: {v['memory']}",
         f"         {v['communication']}; predicted step {v['step_s'] * 1e3:.0f} ms, {v['tokens_per_s']:,.0f} "
         "tokens/s",
