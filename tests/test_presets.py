@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from models import get_spec
-from parallelisms.validate import validated_dims
 from tests.configs import CONFIG_DIR, make_config
 from tests.models.test_llama import PUBLISHED
+from trainer.planner.context import dims_of
 from trainer.rehearse import intended_world_size
 
 EXPERIMENTS = sorted(
@@ -23,19 +23,9 @@ EXPERIMENTS = sorted(
 def test_experiment_composes_and_validates(name: str) -> None:
     cfg = make_config(f"+experiment={name}")
     world = intended_world_size(name)
-    p, t = cfg.parallelism, cfg.training
+    t = cfg.training
     spec = get_spec(cfg.model.family)
-    dims = validated_dims(
-        p,
-        world,
-        spec=spec,
-        model_args=cfg.model,
-        seq_len=t.seq_len,
-        global_batch_size=t.global_batch_size,
-        micro_batch_size=t.micro_batch_size,
-        compile=t.compile,
-        device_type="cuda",
-    )
+    dims = dims_of(cfg, world)
     assert dims.grad_accum_steps(t.global_batch_size, t.micro_batch_size) >= 1
     assert dims.dp * dims.cp * dims.tp * dims.pp == world
     with torch.device("meta"):

@@ -798,21 +798,9 @@ def _plan_inputs(args: _Args) -> tuple[TrainConfig, int, list[int], str]:
 def _dims_at(cfg: TrainConfig, world: int) -> ParallelDims:
     """The layout the run validates at ``world`` ranks (``dp_shard=-1`` resolved as the trainer does),
     so the plan is of the rehearsed world, not of the cluster preset's."""
-    from models import get_spec
-    from parallelisms.validate import validated_dims
+    from trainer.planner.context import dims_of
 
-    t = cfg.training
-    return validated_dims(
-        cfg.parallelism,
-        world,
-        spec=get_spec(cfg.model.family),
-        model_args=cfg.model,
-        seq_len=t.seq_len,
-        global_batch_size=t.global_batch_size,
-        micro_batch_size=t.micro_batch_size,
-        compile=t.compile,
-        device_type="cuda",
-    )
+    return dims_of(cfg, world)
 
 
 def render_report(reports: list[RankReport], experiment: str, tolerance: float = TOLERANCE) -> str:

@@ -56,21 +56,9 @@ def test_38m_ddp_on_8_cpu_ranks_of_a_24_gib_host_is_stopped_with_fixes(
 
 def _trainer_dims(cfg, world_size: int):
     """The layout as ``Trainer._validate_and_load_data`` validates it."""
-    from models import get_spec
-    from parallelisms.validate import validated_dims
+    from trainer.planner.context import dims_of
 
-    t = cfg.training
-    return validated_dims(
-        cfg.parallelism,
-        world_size,
-        spec=get_spec(cfg.model.family),
-        model_args=cfg.model,
-        seq_len=t.seq_len,
-        global_batch_size=t.global_batch_size,
-        micro_batch_size=t.micro_batch_size,
-        compile=t.compile,
-        device_type="cpu",
-    )
+    return dims_of(cfg, world_size, "cpu")
 
 
 def test_the_check_plans_the_trainers_validated_layout(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -209,6 +209,23 @@ class PlanContext:
         return out
 
 
+def dims_of(cfg: TrainConfig, world_size: int, device_type: str = "cuda") -> ParallelDims:
+    """The layout ``cfg`` validates to at ``world_size`` ranks on ``device_type`` (``dp_shard=-1``
+    resolved), every layout check included: what a launch of that size gets."""
+    t = cfg.training
+    return validated_dims(
+        cfg.parallelism,
+        world_size,
+        spec=get_spec(cfg.model.family),
+        model_args=cfg.model,
+        seq_len=t.seq_len,
+        global_batch_size=t.global_batch_size,
+        micro_batch_size=t.micro_batch_size,
+        compile=t.compile,
+        device_type=device_type,
+    )
+
+
 def world_size_of(cfg: TrainConfig, cluster: ClusterConfig) -> int:
     p = cfg.parallelism
     others = p.dp_replicate * p.cp * p.tp * p.pp
@@ -264,17 +281,7 @@ def build_context(
 
     spec, t, p = get_spec(cfg.model.family), cfg.training, cfg.parallelism
     if dims is None:
-        dims = validated_dims(
-            p,
-            world_size_of(cfg, cluster),
-            spec=spec,
-            model_args=cfg.model,
-            seq_len=t.seq_len,
-            global_batch_size=t.global_batch_size,
-            micro_batch_size=t.micro_batch_size,
-            compile=t.compile,
-            device_type="cpu" if cluster.backend == "gloo" else "cuda",
-        )
+        dims = dims_of(cfg, world_size_of(cfg, cluster), "cpu" if cluster.backend == "gloo" else "cuda")
     local_batch = dims.local_batch_size(t.global_batch_size)
     if dims.pp > 1:
         accum = num_microbatches(p, local_batch_size=local_batch, micro_batch_size=t.micro_batch_size)
