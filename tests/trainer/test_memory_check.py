@@ -70,18 +70,17 @@ def test_the_check_plans_the_trainers_validated_layout(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(fit, "host_memory_bytes", lambda: 24 * GIB)
     monkeypatch.setattr(fit, "process_rss_bytes", lambda: 0.5 * GIB)
+    cpu = torch.device("cpu")
+    two = compose_config("+experiment=38m_ddp", "parallelism.dp_replicate=2")
+    eight = compose_config("+experiment=38m_ddp")
+    two_dims, eight_dims = _trainer_dims(two, 2), _trainer_dims(eight, 8)  # the trainer's, validated
     validations: list[int] = []
     validate = context.validated_dims
     monkeypatch.setattr(context, "validated_dims", lambda *a, **k: validations.append(1) or validate(*a, **k))
-    cpu = torch.device("cpu")
-    two = compose_config("+experiment=38m_ddp", "parallelism.dp_replicate=2")
     fits = fit.check_memory(two, cpu, 2, 2)
     assert fits.fits and validations == [1]
-    assert fit.check_memory(two, cpu, 2, 2, dims=_trainer_dims(two, 2)) == fits and validations == [1]
-    eight = compose_config("+experiment=38m_ddp")
-    assert fit.check_memory(eight, cpu, 8, 8, dims=_trainer_dims(eight, 8)) == fit.check_memory(
-        eight, cpu, 8, 8
-    )
+    assert fit.check_memory(two, cpu, 2, 2, dims=two_dims) == fits and validations == [1]
+    assert fit.check_memory(eight, cpu, 8, 8, dims=eight_dims) == fit.check_memory(eight, cpu, 8, 8)
     resolved = compose_config("+experiment=38m_ddp", "parallelism.dp_shard=-1")
     result = fit.check_memory(resolved, cpu, 8, 8, dims=_trainer_dims(resolved, 8))
     assert not result.fits and "(FSDP)" in result.message and "(ZeRO-1)" in result.message
