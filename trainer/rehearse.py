@@ -75,8 +75,9 @@ REPLACED = (
     "checkpoint: one save after the steps is planned by DCP (local, global and final plans; the other ranks' "
     "local plans derived from this rank's DTensors), its files sized from the plans, nothing written; the "
     "Checkpointer is built without its disk check and async group, nothing is loaded; the data loader's "
-    "state is the map-style loader's counters; not with pipeline parallelism, ZeRO-1 or Muon over "
-    "dp_replicate (other ranks save other entries)",
+    "state is the map-style loader's counters; under pipeline parallelism the other stages' plans hold "
+    "only the entries every stage saves, and the rows count the data files (rank 0's .metadata lists "
+    "every stage's entries); not with ZeRO-1 or Muon over dp_replicate (other ranks save other entries)",
     "operations: preemption agreement, comm watchdog, profiler, metrics logger not built",
     "compile: training.compile=false (eager); CUDA-only branches (compile, async TP, ring CP, CUDA streams, "
     "NCCL reduce ops) are not traced",
@@ -642,9 +643,10 @@ def _comm_rows(plan: Plan, pp_rank: int, counts: dict[str, object], axes: dict[s
 
 def _checkpoint_rows(plan: Plan, rank: int, trainer: Trainer) -> list[Row]:
     """One save of the rehearsed state (``Checkpointer.save_state``) planned by DCP for this rank
-    (``trainer/checkpoint/footprint.py``), next to the planner's checkpoint term for the same rank."""
+    (``trainer/checkpoint/footprint.py``), next to the planner's checkpoint term for the same rank.
+    Under pipeline parallelism the data files only (rank 0's ``.metadata`` lists every stage's entries)."""
     from parallelisms.sharded_optimizer import ShardedOptimizer
-    from trainer.checkpoint.checkpointer import completed_marker, peer_path
+    from trainer.checkpoint.checkpointer import completed_marker, every_stage, peer_path
     from trainer.checkpoint.footprint import save_footprint
     from trainer.checkpoint.storage import CheckpointWriter, step_dir
 
@@ -652,8 +654,8 @@ def _checkpoint_rows(plan: Plan, rank: int, trainer: Trainer) -> list[Row]:
     # its primary: the other ranks' plans hold other optimizer entries than this rank's
     zero1 = isinstance(trainer.optimizer, ShardedOptimizer)
     per_rank_state = zero1 or (trainer.cfg.optimizer.name == "muon" and trainer.dims.dp_replicate > 1)
-    if plan.checkpoint is None or trainer.dims.pp > 1 or per_rank_state:
-        return []  # other stages' entries, other ranks' optimizer state: not derivable here (REPLACED)
+    if plan.checkpoint is None or per_rank_state:
+        return []  # other ranks' optimizer state: not derivable here (REPLACED)
     ckpt, step = trainer.checkpointer, trainer.state.step
     marker = ckpt.marker(step, model_only=False)
     got = save_footprint(
@@ -663,14 +665,17 @@ def _checkpoint_rows(plan: Plan, rank: int, trainer: Trainer) -> list[Row]:
         writer=CheckpointWriter(f"{step_dir(ckpt.folder, step)}.tmp-{'0' * 12}", step),
         peer_path=peer_path,
         coordinates=trainer.dims.coordinates,
+        every_stage=every_stage,
         marker=lambda files: completed_marker(marker, files, {n: f"{0:08x}" for n in files}),
     )
+    ck = plan.checkpoint
+    planned, files = ck.rank_bytes[rank], ck.rank_files[rank]
+    if not got.complete and rank == 0:  # the data files only
+        planned, files = planned - ck.metadata_bytes - ck.marker_bytes, files - 2
     return [
-        _row("checkpoint", "checkpoint bytes", plan.checkpoint.rank_bytes[rank], float(got.bytes)),
-        _row("checkpoint", "checkpoint files", plan.checkpoint.rank_files[rank], float(len(got.files))),
-        _row(
-            "checkpoint", "checkpoint entries", plan.checkpoint.rank_entries[rank], float(got.entries), False
-        ),
+        _row("checkpoint", "checkpoint bytes", planned, float(got.bytes)),
+        _row("checkpoint", "checkpoint files", files, float(len(got.files))),
+        _row("checkpoint", "checkpoint entries", ck.rank_entries[rank], float(got.entries), False),
     ]
 
 

@@ -6,7 +6,7 @@ A real 2-rank gloo save of the tiny model (FSDP, with and without tied embedding
 replicated tensors DCP de-duplicates) is measured file by file against both (ZeRO-1, whose owners save
 their own optimizer state, against the plan); rehearsed 7b_hsdp and
 70b_tp_fsdp ranks check that DCP's global plan over the derived local plans gives every one of the 32
-ranks the data file the planner gives it.
+ranks the data file the planner gives it, a rehearsed debug_pp rank (pipeline stages) its stage's.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def _rehearsed_save(cfg, world: int, rank: int):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from trainer.checkpoint.checkpointer import completed_marker, peer_path
+    from trainer.checkpoint.checkpointer import completed_marker, every_stage, peer_path
     from trainer.checkpoint.footprint import save_footprint
     from trainer.checkpoint.storage import CheckpointWriter, step_dir
     from trainer.rehearse import RehearsalTrainer, _forget_meshes
@@ -138,6 +138,7 @@ def _rehearsed_save(cfg, world: int, rank: int):
             writer=CheckpointWriter(f"{step_dir(ckpt.folder, step)}.tmp-{'0' * 12}", step),
             peer_path=peer_path,
             coordinates=trainer.dims.coordinates,
+            every_stage=every_stage,
             marker=lambda files: completed_marker(marker, files, {n: f"{0:08x}" for n in files}),
         )
     finally:
@@ -177,3 +178,26 @@ def test_every_rank_writes_the_file_the_plan_gives_it(experiment: str, layers: i
         f"checkpoint.json {plan.marker_bytes:,.0f}"
     )
     assert got.bytes == pytest.approx(plan.rank_bytes[0], rel=0.001)
+
+
+def test_a_pipeline_stage_writes_the_files_the_plan_gives_it() -> None:
+    """debug_pp (pp 2 x dp_shard 2): rank 0 knows its own stage's entries and, of the other stage's plans,
+    the entries every stage saves (schedule, loader, train state, RNG); its stage's two data files are
+    the planner's, byte for byte. The .metadata, which lists the other stage's entries too, is not sized."""
+    from trainer.config import compose_config
+    from trainer.planner.cluster import compose_cluster
+    from trainer.planner.plan import build_plan
+    from trainer.rehearse import REHEARSAL_OVERRIDES, _dims_at
+
+    world = 4
+    cfg = compose_config("+experiment=debug_pp", *REHEARSAL_OVERRIDES)
+    plan = build_plan(cfg, compose_cluster([]), "debug_pp", dims=_dims_at(cfg, world), rank=0).checkpoint
+    assert plan is not None
+    got = _rehearsed_save(cfg, world, 0)
+    assert not got.complete and sorted(got.checkpoint) == ["__0_0.distcp", "__1_0.distcp"]
+    rank0_data = plan.rank_bytes[0] - plan.metadata_bytes - plan.marker_bytes
+    assert [got.checkpoint["__0_0.distcp"], got.checkpoint["__1_0.distcp"]] == [
+        rank0_data,
+        plan.rank_bytes[1],
+    ]
+    assert got.files == {"__0_0.distcp": rank0_data}

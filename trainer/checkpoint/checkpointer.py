@@ -112,6 +112,7 @@ __all__ = [
     "completed_marker",
     "crash_point",
     "describe_layout",
+    "every_stage",
     "load_full_state",
     "marker_of",
     "model_info",
@@ -244,6 +245,12 @@ def peer_path(path: tuple[object, ...], peer: int) -> tuple[object, ...]:
     if len(path) >= 2 and path[0] == "rng":
         return ("rng", _rng_key(peer), *path[2:])
     return path
+
+
+def every_stage(path: tuple[object, ...]) -> bool:
+    """Whether every pipeline stage saves the entry at ``path`` of the saved state: all but the model's
+    and the optimizer's, which are a stage's own parameters (``trainer.checkpoint.footprint``)."""
+    return not path or path[0] not in ("model", "optimizer")
 
 
 def marker_of(

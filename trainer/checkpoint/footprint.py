@@ -21,8 +21,15 @@ the real one's size.
 
 Nothing touches the disk (``prepare_local_plan``, which only creates the folder and checks for an
 existing ``.metadata`` under collectives, is not called). Fake tensors have no storage: a tensor's
-bytes come from its chunk's shape and dtype (:func:`saved_tensor_bytes`). The ranks of other pipeline
-stages hold other parameters than this rank: a layout with pp > 1 is refused (``ValueError``).
+bytes come from its chunk's shape and dtype (:func:`saved_tensor_bytes`).
+
+Pipeline stages save other parameters than this rank's: another stage's local plan is known only by
+the entries every stage saves (the schedule, loader and train state, the RNG). DCP visits the plans in
+rank order and places an entry when it first meets it, so this rank's stage is placed exactly, given
+the other stages' loads when it is visited, which are those entries; the first stage's own entries,
+placed before the shared ones in rank 0's plan, are unknown on another stage (the shared entries,
+a few kB, may fall on other ranks than in the real save). The coordinator's ``.metadata`` lists every
+stage's entries: under pp > 1 only this rank's data files are sized (``complete=False``).
 """
 
 from __future__ import annotations
@@ -71,6 +78,7 @@ METADATA = ".metadata"  # the coordinator's file (FileSystemWriter's name for it
 
 ObjectPath = tuple[object, ...]  # DCP's flatten mapping: a flattened key's path in the nested state dict
 PeerPath = Callable[[ObjectPath, int], ObjectPath]
+EveryStage = Callable[[ObjectPath], bool]  # the entries every pipeline stage saves
 T = TypeVar("T")
 
 
@@ -163,11 +171,16 @@ class _Derivation:
         return self.chunks[key]
 
 
-def peer_plan(plan: SavePlan, peer: int, how: _Derivation) -> SavePlan:
-    """The local plan ``create_local_plan`` makes on ``peer``, derived from this rank's ``plan``."""
+def peer_plan(
+    plan: SavePlan, peer: int, how: _Derivation, every_stage: Optional[EveryStage] = None
+) -> SavePlan:
+    """The local plan ``create_local_plan`` makes on ``peer``, derived from this rank's ``plan``; for a
+    peer of another pipeline stage (``every_stage`` given), only the entries every stage saves."""
     items: list[WriteItem] = []
     mappings: dict[str, ObjectPath] = {}
     for item in plan.items:
+        if every_stage is not None and not every_stage(how.paths.get(item.index.fqn, (item.index.fqn,))):
+            continue
         key, path = how.key_of(item.index.fqn, peer)
         obj = how.state_dict[item.index.fqn]
         if isinstance(obj, DTensor):
@@ -188,8 +201,9 @@ def peer_plan(plan: SavePlan, peer: int, how: _Derivation) -> SavePlan:
         items.append(item)
     if isinstance(plan.planner_data, dict):
         for k in plan.planner_data:
-            key, path = how.key_of(k, peer)
-            mappings[key] = path
+            if every_stage is None or every_stage(how.paths.get(k, (k,))):
+                key, path = how.key_of(k, peer)
+                mappings[key] = path
     return dataclasses.replace(plan, items=items, planner_data=mappings or plan.planner_data)
 
 
@@ -206,6 +220,9 @@ class SaveFootprint:
     files: dict[str, int]  # name -> bytes (data files; on the coordinator also .metadata and the marker)
     entries: int  # DCP write items this rank writes after de-duplication
     checkpoint: dict[str, int]  # every file of the committed checkpoint (all ranks'), name -> bytes
+    # False under pipeline parallelism: the other stages' entries are unknown here, so neither their
+    # data files nor the coordinator's .metadata and marker (which list every stage's) are sized
+    complete: bool = True
 
     @property
     def bytes(self) -> int:
@@ -259,22 +276,27 @@ def save_footprint(
     writer: FileSystemWriter,
     peer_path: PeerPath,
     coordinates: Coordinates,
+    every_stage: Optional[EveryStage] = None,
     marker: Optional[Callable[[dict[str, int]], dict[str, object]]] = None,
 ) -> SaveFootprint:
     """What ``dcp.save(state, storage_writer=writer)`` writes on ``rank`` of ``world_size`` (see the module
     docstring). ``peer_path(path, peer)``: the object path ``peer`` saves in place of this rank's
     ``path``; ``coordinates(rank)``: a rank's index on every named mesh dim and view
-    (``ParallelDims.coordinates``), which places its chunk of a DTensor. ``marker(files)``: the
-    completion marker the coordinator writes once the files (name -> bytes) are on disk, counted on
-    rank 0 (None: no marker)."""
+    (``ParallelDims.coordinates``), which places its chunk of a DTensor. ``every_stage(path)``: whether
+    every pipeline stage saves the entry at ``path`` (the others are a stage's own): needed with
+    pp > 1, where another stage's plan is known only by those entries (the footprint is then
+    ``complete=False``: its files are this rank's data files). ``marker(files)``: the completion marker
+    the coordinator writes once the files (name -> bytes) are on disk, counted on rank 0 (None: no
+    marker)."""
     if writer.serialization_format != SerializationFormat.TORCH_SAVE:
         raise ValueError(f"the writer's {writer.serialization_format}: only torch.save files are sized")
     stage = coordinates(rank).get("pp", 0)
-    other = next((q for q in range(world_size) if coordinates(q).get("pp", 0) != stage), None)
-    if other is not None:
+    elsewhere = {q for q in range(world_size) if coordinates(q).get("pp", 0) != stage}
+    if elsewhere and every_stage is None:
         raise ValueError(
-            f"rank {other} is in another pipeline stage than rank {rank}: it saves other parameters, which "
-            "this rank's state does not show"
+            f"rank {min(elsewhere)} is in another pipeline stage than rank {rank}: it saves other "
+            "parameters, which this rank's state does not show; say which entries every stage saves "
+            "(every_stage)"
         )
     state_dict = _stateful_to_state_dict(state)
     planner = DefaultSavePlanner()
@@ -283,7 +305,10 @@ def save_footprint(
     local = planner.create_local_plan()
     flat = planner.state_dict
     how = _Derivation(rank, flat, dict(planner.mappings), peer_path, coordinates)
-    plans = [local if q == rank else peer_plan(local, q, how) for q in range(world_size)]
+    plans = [
+        local if q == rank else peer_plan(local, q, how, every_stage if q in elsewhere else None)
+        for q in range(world_size)
+    ]
     global_plans, metadata = planner.create_global_plan([_as_sent(p) for p in plans])
     global_plans = [_as_sent(p) for p in writer.prepare_global_plan(global_plans)]  # scattered
     final = planner.finish_plan(global_plans[rank])
@@ -303,13 +328,22 @@ def save_footprint(
         written, results = _writes(final if q == rank else p, writer, objects, memo)
         storage.update(_as_sent(results))  # gathered to the coordinator
         every.update(written)
+    mine = _writes(final, writer, objects, memo)[0]
+    if elsewhere:  # the other stages' data files, .metadata and marker: not known here
+        every = {
+            n: every[n]
+            for q in range(world_size)
+            if q not in elsewhere
+            for n in every
+            if n.startswith(f"__{q}_")
+        }
+        return SaveFootprint(rank, world_size, {n: every[n] for n in mine}, len(final.items), every, False)
     metadata = dataclasses.replace(
         metadata, version=CURRENT_DCP_VERSION, storage_data=storage, storage_meta=writer.storage_meta()
     )
     every[METADATA] = len(pickle.dumps(metadata))
     if marker is not None:
         every[MARKER] = marker_bytes(marker(dict(every)))
-    mine = _writes(final, writer, objects, memo)[0]
     if rank == 0:  # the coordinator writes DCP's .metadata; the commit, the marker
         mine.update({n: 0 for n in (METADATA, MARKER) if n in every})
     return SaveFootprint(rank, world_size, {n: every[n] for n in mine}, len(final.items), every)
