@@ -231,6 +231,9 @@ PRODUCT = ("trainer", "models", "parallelisms", "benchmarks")
 ALLOWED_DESERIALIZATION = {
     ("trainer/checkpoint/reader.py", "pickle.Unpickler"): "the base of the allow-list unpickler of DCP "
     ".metadata (find_class resolves only metadata_globals())",
+    ("trainer/checkpoint/footprint.py", "pickle.loads"): "the rehearsal's round trip of save plans it has "
+    "just built in this process (pickle.loads(pickle.dumps(obj)), as a peer receives them): no file, no "
+    "peer's bytes",
 }
 _UNSAFE_ATTRS = {
     ("pickle", "load"),
