@@ -1,10 +1,10 @@
 """What one checkpoint save writes on each rank, found by DCP's own save planning, without writing it.
 
 ``save_footprint`` takes the state one save writes (``Checkpointer.save_state``) and runs the steps of
-``dcp.save`` (``torch/distributed/checkpoint/state_dict_saver.py``) up to the writes, on this rank:
+``dcp.save`` (``torch.distributed.checkpoint.state_dict_saver``) up to the writes, on this rank:
 the Stateful objects' state dicts, ``DefaultSavePlanner.set_up_planner`` + ``create_local_plan``, the
 coordinator's ``create_global_plan`` (its de-duplication of entries that several ranks hold: each goes
-to the holder with the least planned storage so far, ``_dedup_save_plans.py``) with the writer's
+to the holder with the least planned storage so far, ``_dedup_save_plans``) with the writer's
 ``prepare_global_plan``, and ``finish_plan``. What the writes would put on disk follows from the final
 plans as ``FileSystemWriter`` lays them out: one file per bucket of its ``thread_count`` (``single_file_
 per_rank``, the default) or one per entry, each tensor entry a ``torch.save`` of the chunk, each other

@@ -18,7 +18,7 @@ them. The layout then decides who holds what, in closed form:
   (``parallelisms.sharded_optimizer.assign_owners``, the optimizer's own assignment).
 
 An entry several ranks hold is written once: DCP's coordinator keeps it in the plan of the holder with
-the least planned storage so far (``torch/distributed/checkpoint/_dedup_save_plans.py``; the storage of
+the least planned storage so far (``torch.distributed.checkpoint._dedup_save_plans``; the storage of
 a tensor entry counts the whole tensor's bytes, any other entry 1), visiting the ranks' plans in rank
 order and each plan's entries in state-dict order; ties go to the first holder in the iteration order
 of DCP's set of plan indices. The planner runs that rule on its own table (visiting only the entries a

@@ -465,24 +465,18 @@ def _muon_optimizer_bytes(c: PlanContext, pp_rank: int, local: float, held: floa
     average 1/replicas of the held pieces; AdamW's two moments (8 B) for the rest, sharded like the
     parameters (ZeRO-1: everything on its owner, 1/dp_replicate on average). For ``c.rank``: its
     own primaries and owned parameters (``trainer/planner/owners.py``)."""
-    from trainer.planner.owners import muon_rank, zero1_optimizer_bytes
+    from trainer.planner.owners import muon_rank, replica_of, zero1_optimizer_bytes
 
     dims = c.dims
     muon, replicas = muon_held(c, pp_rank)
     rank = planned_rank(c, pp_rank)
     if dims.ddp_enabled and c.cfg.parallelism.ddp.sharded_optimizer:
         if rank is not None:
-            return zero1_optimizer_bytes(c, pp_rank, _replica(c, rank))
+            return zero1_optimizer_bytes(c, pp_rank, replica_of(c, rank))
         muon_all = c.group(pp_rank).muon_local(dims.tp, dims.ep)
         return (4 * muon_all + ADAM_BYTES * (local - muon_all)) / dims.dp_replicate
     momentum = muon / replicas if rank is None else muon_rank(c, rank).momentum
     return 4 * momentum + ADAM_BYTES * (held - muon)
-
-
-def _replica(c: PlanContext, rank: int) -> int:
-    """The dp_replicate coordinate of a global rank (mesh order pp, dp_replicate, dp_shard, cp, tp)."""
-    d = c.dims
-    return rank // (d.dp_shard * d.cp * d.tp) % d.dp_replicate
 
 
 def loss_backward_bytes(c: PlanContext, pp_rank: int) -> float:
@@ -510,13 +504,13 @@ def stage_memory_of(c: PlanContext, pp_rank: int) -> StageMemory:
         held = (local - experts) / (dims.dp_shard * dims.cp) + experts / (dims.dp_shard * dims.cp // dims.ep)
     params_b, grads_b, opt_b = 4 * held, 4 * held, ADAM_BYTES * held
     if dims.ddp_enabled and p.ddp.sharded_optimizer:
-        from trainer.planner.owners import zero1_optimizer_bytes
+        from trainer.planner.owners import replica_of, zero1_optimizer_bytes
 
         rank = planned_rank(c, pp_rank)
         opt_b = (
             ADAM_BYTES * local / dims.dp_replicate
             if rank is None
-            else zero1_optimizer_bytes(c, pp_rank, _replica(c, rank))
+            else zero1_optimizer_bytes(c, pp_rank, replica_of(c, rank))
         )
     if c.cfg.optimizer.name == "muon":
         opt_b = _muon_optimizer_bytes(c, pp_rank, local, held)

@@ -214,12 +214,16 @@ def muon_ns_flops(c: PlanContext, rank: int) -> float:
     steps = c.cfg.optimizer.muon.ns_steps
     d = c.dims
     if d.ddp_enabled and c.cfg.parallelism.ddp.sharded_optimizer:
-        from trainer.planner.memory import _replica
-
         pp_rank = rank // (d.world_size // d.pp)
-        replica = _replica(c, rank)
+        replica = replica_of(c, rank)
         owned = [p for p, muon, owner in _zero1(c, pp_rank) if muon and owner == replica]
         return float(
             steps * sum((p.shape[0] if p.ndim == 3 else 1) * ns_step_flops(*p.shape[-2:]) for p in owned)
         )
     return float(steps * sum(ns_step_flops(u.rows, u.cols) for u in _muon_units(c) if u.owner == rank))
+
+
+def replica_of(c: PlanContext, rank: int) -> int:
+    """The dp_replicate coordinate of a global rank (mesh order pp, dp_replicate, dp_shard, cp, tp)."""
+    d = c.dims
+    return rank // (d.dp_shard * d.cp * d.tp) % d.dp_replicate
