@@ -30,7 +30,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Optional, Protocol, TypedDict, Union
+from typing import TYPE_CHECKING, Optional, TypedDict, Union
 
 import torch
 import torch.distributed as dist
@@ -40,20 +40,26 @@ from models.errors import ConfigError
 from parallelisms.parallel_dims import DP_REPLICATE_CP, ParallelDims
 from trainer.config import CONFIG_DIR
 from trainer.data.windows import Batch
+from trainer.rehearse_trace import (
+    flop_counter,
+    forget_meshes,
+    fused_attention_stand_in,
+    gathered_units_tagged,
+    mem_tracker,
+    propagation_marked,
+)
 from trainer.step import StepBatch, StepState
 from trainer.train import Trainer
 
 if TYPE_CHECKING:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.utils.hooks import RemovableHandle
 
     from trainer.config import TrainConfig
     from trainer.planner.context import Plan
 
 __all__ = ["REPLACED", "TOLERANCE", "RankReport", "intended_world_size", "main", "rehearse_rank"]
 
-_TOTAL = "Total"  # MemTracker's key of a device's total in its snapshots
 TOLERANCE = 0.05  # a term whose rehearsed / planned ratio leaves [0.95, 1.05] fails the rehearsal
 
 # Overrides every rehearsal adds: trace eager on the CPU; the planner's launch check is what we compare
@@ -320,43 +326,6 @@ class _StateProbe:
         self.optimizer = _local_bytes(v for s in opt for v in s.values() if isinstance(v, torch.Tensor))
 
 
-def _flop_counter() -> _Counting:
-    """FLOPs of the ops this rank runs, by torch's ``flop_counter`` formulas: DTensor ops are let
-    through to their local ops (torch's ``FlopCounterMode`` would count a DTensor matmul at its global
-    shape), and the CPU attention kernels count as the fused kernels they stand for."""
-    from torch.distributed.tensor import DTensor
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop
-
-    aten = torch.ops.aten
-    formulas = {
-        **flop_registry,
-        aten._scaled_dot_product_flash_attention_for_cpu: sdpa_flop,
-        aten._scaled_dot_product_flash_attention_for_cpu_backward: sdpa_backward_flop,
-    }
-
-    class LocalFlops(TorchDispatchMode):
-        total = 0.0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            if any(issubclass(t, DTensor) for t in types):
-                return NotImplemented
-            out = func(*args, **(kwargs or {}))
-            formula = formulas.get(func._overloadpacket)
-            if formula is not None and not _PROPAGATING[0]:
-                self.total += formula(*args, **(kwargs or {}), out_val=out)
-            return out
-
-    return LocalFlops()
-
-
-class _Counting(Protocol):
-    total: float
-
-    def __enter__(self) -> object: ...
-    def __exit__(self, *exc: object) -> None: ...
-
-
 def _row(kind: str, what: str, planned: float, rehearsed: float, checked: bool = True) -> Row:
     ratio = rehearsed / planned if planned else (1.0 if not rehearsed else math.inf)
     return Row(kind=kind, what=what, planned=planned, rehearsed=rehearsed, ratio=ratio, checked=checked)
@@ -378,15 +347,15 @@ def _run_steps(
     ledger = CommLedger(
         axis_names_of_groups(dims.mesh, (*dims.mesh_dim_names, *dims.flat_views, DP_REPLICATE_CP))
     )
-    tracker = _mem_tracker(MemTracker)
+    tracker = mem_tracker(MemTracker)
     tracker.track_external(*trainer.model_parts, trainer.optimizer)
     probe.tracker = tracker
     trainer.probe = probe
     parts = trainer.model_parts if trainer.pipeline is not None else []
     handles = [part.register_forward_hook(probe.forward_done) for part in parts]
-    handles += _gathered_units_tagged(tracker, trainer.model_parts)
-    flops = _flop_counter()
-    with _propagation_marked(), _fused_attention_stand_in(), trainer.fake, tracker, flops:
+    handles += gathered_units_tagged(tracker, trainer.model_parts)
+    flops = flop_counter()
+    with propagation_marked(), fused_attention_stand_in(), trainer.fake, tracker, flops:
         for _ in range(steps):
             with ledger:
                 trainer.train_step()
@@ -401,21 +370,6 @@ def _run_steps(
         {str(getattr(k, "value", k)): float(v) for k, v in next(iter(peak.values())).items()} if peak else {}
     )
     return by_category, counts, probe
-
-
-def _gathered_units_tagged(tracker: MemTracker, parts: list[nn.Module]) -> list[RemovableHandle]:
-    """``MemTracker`` books a module's parameters in its pre-forward hook, which runs before FSDP2's
-    gather (a module's own hooks follow the global ones): a unit's gathered parameters are booked when
-    a submodule of the unit runs, never those of a unit without submodules -- the stacked experts
-    under expert parallelism, an FSDP unit of their own -- which it would count as activations. A
-    pre-forward hook after FSDP's books them as parameters."""
-    from torch.distributed.fsdp import FSDPModule
-
-    def book(module: nn.Module, args: object) -> None:
-        tracker._track_module_params_and_buffers(module, install_grad_hooks=False)
-
-    leaves = (m for part in parts for m in part.modules() if next(m.children(), None) is None)
-    return [m.register_forward_pre_hook(book) for m in leaves if isinstance(m, FSDPModule)]
 
 
 # The planner's names of the axes, first: axes that span the same ranks are one group of collectives
@@ -442,127 +396,6 @@ def _canonical_axes(dims: ParallelDims) -> dict[str, str]:
     if spanning is not None:
         canonical["world"] = spanning
     return canonical
-
-
-@contextlib.contextmanager
-def _fused_attention_stand_in() -> Iterator[None]:
-    """Masked attention (block-causal documents, context parallel's gathered keys) as the GPU runs it:
-    FlexAttention with a block mask saves q, k, v, the output and the log-sum-exp, FLOPs of a fused
-    kernel; the CPU path builds a dense (Sq, Sk) additive mask and SDPA's math path over it, S x S
-    memory that would swamp the report at long context. Under the rehearsal the masked calls run
-    SDPA's fused CPU kernel (``is_causal``: same shapes, FLOPs and saved tensors; fake tensors carry no
-    values, so the mask's pattern changes nothing measured) and the dense mask is not built. Unlike
-    query and value head sizes (MLA), which the CPU runs on SDPA's math path (S x S probabilities
-    saved), run the memory-efficient kernel the GPU picks. Causal attention of equal head sizes without
-    a mask is traced as it is (the GPU runs SDPA on it too)."""
-    import models.attention as attention
-    import parallelisms.context_parallel as context_parallel
-
-    real_attend, real_additive = attention.attend, attention.MaskSpec.additive
-
-    def attend(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        mask: Optional[attention.Mask],
-        *,
-        flex: Optional[object] = None,
-    ) -> torch.Tensor:
-        unlike = q.size(-1) != v.size(-1)  # MLA: the CPU has no fused kernel for unlike head sizes
-        if mask is None and not unlike:
-            return real_attend(q, k, v, None)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        if unlike:  # the memory-efficient kernel takes them (its meta and backward run on fake tensors)
-            efficient = torch.ops.aten._scaled_dot_product_efficient_attention
-            out = efficient(q, k, v, None, True, is_causal=True)[0]
-        else:
-            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return out.transpose(1, 2)
-
-    def additive(spec: attention.MaskSpec, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(0, dtype=dtype, device=spec.q_index.device)  # a BlockMask's few bytes
-
-    attention.attend = context_parallel.attend = attend  # type: ignore[assignment]
-    attention.MaskSpec.additive = additive  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        attention.attend = context_parallel.attend = real_attend
-        attention.MaskSpec.additive = real_additive  # type: ignore[method-assign]
-
-
-_PROPAGATING = [0]  # > 0 while DTensor's sharding propagation runs an op on global-shape fake tensors
-
-
-@contextlib.contextmanager
-def _propagation_marked() -> Iterator[None]:
-    """Mark DTensor's sharding propagation (``ShardingPropagator._propagate_tensor_meta_non_cached``):
-    it runs each op once more on fake tensors of the *global* shapes, in the active fake mode (the
-    rehearsal's), to learn the output's metadata. Those are neither allocations nor FLOPs of the run:
-    the memory tracker and the FLOP counter skip them."""
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator
-
-    original = ShardingPropagator._propagate_tensor_meta_non_cached
-
-    def propagate(prop: ShardingPropagator, op_schema: object) -> object:
-        _PROPAGATING[0] += 1
-        try:
-            return original(prop, op_schema)  # type: ignore[arg-type]
-        finally:
-            _PROPAGATING[0] -= 1
-
-    ShardingPropagator._propagate_tensor_meta_non_cached = propagate  # type: ignore[assignment,method-assign]
-    try:
-        yield
-    finally:
-        ShardingPropagator._propagate_tensor_meta_non_cached = original  # type: ignore[method-assign]
-
-
-def _mem_tracker(base: type[MemTracker]) -> MemTracker:
-    """torch's ``MemTracker`` with three changes for a rehearsal:
-
-    - what DTensor's sharding propagation allocates is not counted (``_propagation_marked``: global-
-      shape metadata, never allocated by the run; it put the whole unsharded model into the optimizer
-      step's peak);
-    - only the device-wide peak is updated per op (the per-module peaks, which the rehearsal does not
-      read, cost a walk over every tracked module per op: quadratic in the depth of the model);
-    - the model may be called again within a step (gradient accumulation; torch's tracker refuses a
-      second top-level forward): the per-module statistics restart, the device-wide ones are kept."""
-
-    class RehearsalMemTracker(base):  # type: ignore[misc,valid-type]
-        def _pre_fw_hook(self, module: nn.Module, inputs: tuple[object, ...]) -> None:
-            tracker = self._mod_tracker
-            if (
-                module in self.memory_tracking
-                and not tracker.is_bw
-                and set(tracker.parents) <= {"Global"} | {tracker.get_known_fqn(module)}
-            ):
-                self.reset_mod_stats()
-            super()._pre_fw_hook(module, inputs)
-
-        # Pipeline schedules run forwards of later microbatches (and, interleaved, of other stages)
-        # before the backward of earlier ones: a module whose statistics were restarted meanwhile
-        # has none to update in its backward (the device-wide figures are kept either way).
-        def _pre_bw_hook(self, module: nn.Module, args: object) -> None:
-            if module in self.memory_tracking:
-                super()._pre_bw_hook(module, args)
-
-        def _post_bw_hook(self, module: nn.Module, args: object) -> None:
-            if module in self.memory_tracking:
-                super()._post_bw_hook(module, args)
-
-        def _update_peak_stats(self, peak_state: object) -> None:
-            for dev, snap in self._curr_mem_snap.items():
-                if self._peak_mem.get(dev, 0) < snap[_TOTAL]:
-                    self._peak_mem[dev] = snap[_TOTAL]
-                    self._peak_mem_snap[dev] = dict(snap)
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            if _PROPAGATING[0]:
-                return func(*args, **(kwargs or {}))
-            return super().__torch_dispatch__(func, types, args, kwargs)
-
-    return RehearsalMemTracker()
 
 
 def _memory_rows(
@@ -679,18 +512,6 @@ def _checkpoint_rows(plan: Plan, rank: int, trainer: Trainer) -> list[Row]:
     ]
 
 
-def _forget_meshes() -> None:
-    """Clear DTensor's sharding-propagation caches: their entries hold the meshes (and through them
-    the destroyed process groups) of the rank rehearsed before; an equal mesh of the next rank would
-    otherwise be answered with the old one's groups."""
-    from torch.distributed.tensor._redistribute import _gen_transform_infos, clear_redistribute_planner_cache
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-    _clear_sharding_prop_cache()  # the Python and the C++ fast path's
-    clear_redistribute_planner_cache()
-    _gen_transform_infos.cache_clear()
-
-
 def rehearse_rank(
     cfg: TrainConfig,
     world_size: int,
@@ -723,7 +544,7 @@ def rehearse_rank(
         rows += _checkpoint_rows(plan, rank, trainer)
     finally:
         dist.destroy_process_group()
-        _forget_meshes()
+        forget_meshes()
         for k, v in saved_env.items():
             if v is None:
                 os.environ.pop(k, None)
