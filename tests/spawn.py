@@ -6,8 +6,9 @@ Every wait is bounded, so a broken run fails the test instead of hanging the sui
   processes' exit sentinels together: a rank that dies without reporting (SIGKILL, a
   segfault, ``os._exit``) is noticed the moment it exits, with its exit code or signal name;
 * once one rank has failed, the others get ``FAILURE_GRACE_S`` to report their own error
-  (usually a collective that lost its peer); the rest are killed, as a group with any
-  children they started, and named as collateral;
+  (usually a collective that lost its peer); the rest print every thread's stack (SIGUSR1 to
+  faulthandler) and are killed, as a group with any children they started, and named as
+  collateral;
 * ``timeout`` bounds the whole run, and the gloo process group gets the same timeout, so a
   collective stuck inside a rank errors out even if the parent itself was killed.
 
@@ -35,6 +36,7 @@ import torch.multiprocessing as mp
 
 FAILURE_GRACE_S = 5.0  # after the first failure: time the other ranks get to report theirs
 EXIT_GRACE_S = 30.0  # after every rank reported: time each gets to tear down and exit
+STACK_DUMP_S = 1.0  # before a still-running rank is killed: time it gets to print its stacks
 
 
 class DistributedError(RuntimeError):
@@ -78,6 +80,9 @@ def _worker(
     # A rank that aborts or segfaults (SIGABRT/SIGSEGV inside a kernel or gloo) prints its Python
     # stack to stderr before it dies, so the test's output says where.
     faulthandler.enable(all_threads=True)
+    # A rank still running when another failed gets SIGUSR1 before it is killed: it prints every
+    # thread's Python stack, so a hang says where each rank was (not only the one that timed out).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -103,6 +108,20 @@ def _worker(
             dist.destroy_process_group()
 
 
+def _dump_stacks(procs: list[mp.Process]) -> None:
+    """Ask ranks that are still running to print their stacks (SIGUSR1, see ``_worker``), and give
+    them a moment to write before they are killed."""
+    signalled = False
+    for proc in procs:
+        try:
+            os.kill(proc.pid, signal.SIGUSR1)
+            signalled = True
+        except (ProcessLookupError, PermissionError):
+            continue
+    if signalled:
+        time.sleep(STACK_DUMP_S)
+
+
 def _kill(proc: mp.Process) -> None:
     """SIGKILL a worker and everything in its process group."""
     try:
@@ -125,6 +144,7 @@ def run_distributed(
     port = free_port()
     conns: list[Connection] = []
     procs: list[mp.Process] = []
+    pending: set[int] = set()
     try:
         for r in range(world_size):
             recv, send = ctx.Pipe(duplex=False)
@@ -135,6 +155,7 @@ def run_distributed(
             procs.append(p)
         results, failures, pending = _collect(conns, procs, timeout)
     finally:
+        _dump_stacks([procs[r] for r in sorted(pending) if procs[r].is_alive()])
         for p in procs:
             if p.is_alive():
                 _kill(p)
@@ -145,10 +166,14 @@ def run_distributed(
     if failures or pending:
         outcomes = dict(failures)  # root causes, in the order they were seen
         cause = "after " + ", ".join(f"rank {r}" for r in failures) + " failed" if failures else None
-        late = f"no result within the {timeout:.0f} s timeout, killed by the harness (hung, or too slow)"
+        late = (
+            f"no result within the {timeout:.0f} s timeout, killed by the harness (hung, or too slow; "
+            "its threads' stacks are on stderr)"
+        )
         for r in sorted(pending):
             outcomes[r] = (
-                f"no result, killed by the harness {cause} (probably waiting in a collective)"
+                f"no result, killed by the harness {cause} (probably waiting in a collective; "
+                "its threads' stacks are on stderr)"
                 if cause
                 else late
             )
