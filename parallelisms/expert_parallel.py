@@ -223,8 +223,8 @@ class LoadBalancer:
         # Weight of one forward's aux term per token: with FSDP/DDP averaging over dp_cp, the
         # summed objective is coeff * (token-weighted mean of the aux losses over the step).
         self.aux_grad_scale = dims.dp_cp / tokens_per_step
-        # Forwards of each MoE layer per step (microbatches); a pipeline schedule's first step
-        # adds a shape-inference forward, whose statistics are left out.
+        # Forwards of each MoE layer per step (microbatches); any forward beyond them (none today:
+        # pipeline stages are built with static shapes, no shape-inference pass) is left out.
         self.forwards_per_step = forwards_per_step
         self._reduced: Optional[Tensor] = None
 

@@ -425,8 +425,9 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def step_stats(self, skip: int = 0) -> Tensor:
-        """(E + 2,) sums over this step's forwards but the first ``skip`` (e.g. a pipeline schedule's
-        one-time shape-inference pass): [tokens per expert..., sum of aux * tokens, tokens]."""
+        """(E + 2,) sums over this step's forwards but the first ``skip`` (forwards beyond the step's
+        microbatches, which are not part of its objective): [tokens per expert..., sum of aux * tokens,
+        tokens]."""
         records = self.step_records[skip:]
         if not records:
             return self.expert_bias.new_zeros(self.num_experts + 2, dtype=torch.float32)

@@ -152,8 +152,8 @@ def test_moe_layout_matches_single_process(layout: str, results: dict) -> None:
         f"{norm_rel:.1e}"
     )
     assert loss_rel < RTOL and norm_rel < RTOL, (layout, got, ref)
-    # Tokens per expert are all-reduced to the same global counts in every layout (step 1 under
-    # pp excludes the schedule's shape-inference forward).
+    # Tokens per expert are all-reduced to the same global counts in every layout (pp included: its
+    # stages have static shapes, so no extra forward runs on step 1).
     for record in ("first", "last"):
         want = results[config][record]["moe_tokens_per_expert"]
         assert results[layout][record]["moe_tokens_per_expert"] == want, (layout, record)
