@@ -73,6 +73,7 @@ def _rogue(answers: list[tuple[str, bytes]]) -> tuple[ThreadingHTTPServer, str]:
             source, body = next(served)
             self.send_response(200)
             self.send_header("X-Meshwright-From", source)
+            self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
 
@@ -104,9 +105,11 @@ def test_rogue_heal_answers_are_refused(tmp_path) -> None:
         def do_GET(self) -> None:
             nonce = self.path.rsplit("nonce=", 1)[1]
             self.send_response(200)
+            body = _tagged(evil, SECRET, int(self.source), 9, nonce)
             self.send_header("X-Meshwright-From", self.source)
+            self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            self.wfile.write(_tagged(evil, SECRET, int(self.source), 9, nonce))
+            self.wfile.write(body)
 
     server, url = _rogue(
         [("0", evil), ("0", _tagged(evil, secrets.token_bytes(32), 0, 9, "0" * 32)), ("0", evil + b"\0" * 32)]

@@ -9,7 +9,9 @@ launchers (``FT_GROUPS=N ./launch.sh``, ``FT=1 sbatch slurm/train.sbatch``; both
 1. ``begin_step``: a *synchronous* quorum (``use_async_quorum=False``: torchft's asynchronous quorum
    reads ``state_dict`` from its own thread, which races FSDP's backward). A group that is behind
    (restarted, or new) heals here, before its forward pass, from a live peer over HTTP: model,
-   optimizer, LR schedule, step, tokens seen (= the data position) and RNG.
+   optimizer, LR schedule, step, tokens seen (= the data position) and RNG; the transfer is
+   authenticated with the job's secret and loaded weights-only, and a quorum member outside the
+   job is refused (trainer/resilience/trust.py).
 2. Data: the position is the number of samples *committed* so far, ``tokens_seen / seq_len``. A
    step with ``n`` participating groups trains samples ``[pos, pos + n*b)``; the participant of
    quorum rank ``r`` reads ``[pos + r*b, pos + (r+1)*b)`` (``b`` = global batch / dp_replicate, split

@@ -20,6 +20,11 @@ lighthouse on the first node). For each of its groups it runs a restart loop:
   quorums until it is killed (the lighthouse wants more than half of the heartbeating groups); the
   others retry their quorum meanwhile (trainer/resilience/fault_tolerance.py).
 
+Trust (trainer/resilience/trust.py): the lighthouse binds the host of ``--lighthouse`` (not every
+interface); each group gets the job's secret file (``--secret-file``; ``--new-secret`` writes a
+fresh one, mode 600, removed at exit) in ``$MESHWRIGHT_FT_SECRET_FILE`` and this node's address
+(``--address``) in ``$MESHWRIGHT_FT_ADDRESS``, which its heal and manager servers bind.
+
 The supervisor reads the run folder and the fault-tolerance settings from the same overrides the
 trainer gets (Hydra composition, the trainer's own config code).
 """

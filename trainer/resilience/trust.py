@@ -65,6 +65,8 @@ SECRET_BYTES = 32
 TAG_BYTES = hashlib.sha256().digest_size
 REPLICA_PREFIX = "replica_group_"
 _TAG_HEADER = "X-Meshwright-Tag"
+_CHUNK_BYTES = 1 << 22
+_MAX_BYTES = 1 << 40  # what a heal answer may announce (1 TiB: a rank's state is far smaller)
 _FROM_HEADER = "X-Meshwright-From"
 _PATH = re.compile(r"^/heal/(\d+)\?group=(\d+)&nonce=([0-9a-f]{32})$")
 _METADATA = re.compile(r"^http://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):(\d+)/heal/$")
@@ -213,20 +215,62 @@ def _to_cpu(value: object) -> object:
 
 
 class _MacWriter:
-    """A write-only stream that feeds an HMAC and the socket, counting the bytes."""
+    """A write-only stream that feeds an HMAC and the socket (either optional), counting the bytes."""
 
-    def __init__(self, out: io.BufferedIOBase, mac: hmac.HMAC) -> None:
+    def __init__(self, out: Optional[io.BufferedIOBase], mac: Optional[hmac.HMAC]) -> None:
         self.out, self.mac, self.bytes = out, mac, 0
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
         view = memoryview(data).cast("B")
-        self.mac.update(view)
-        self.out.write(view)
+        if self.mac is not None:
+            self.mac.update(view)
+        if self.out is not None:
+            self.out.write(view)
         self.bytes += len(view)
         return len(view)
 
     def flush(self) -> None:
-        self.out.flush()
+        if self.out is not None:
+            self.out.flush()
+
+
+class _BufferReader(io.RawIOBase):
+    """A seekable reader over a buffer, for ``torch.load`` without copying the buffer into a BytesIO."""
+
+    def __init__(self, buffer: bytearray) -> None:
+        self._view = memoryview(buffer)
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = min(max(base + offset, 0), len(self._view))
+        return self._pos
+
+    def readinto(self, buffer: bytearray | memoryview) -> int:  # type: ignore[override]
+        n = min(len(buffer), len(self._view) - self._pos)
+        buffer[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def close(self) -> None:
+        self._view.release()
+        super().close()
+
+
+def _saved_size(state: object) -> int:
+    """Bytes ``torch.save(state)`` writes (a dry run that keeps nothing: the storages are not copied)."""
+    counter = _MacWriter(None, None)
+    torch.save(state, cast(IO[bytes], counter))
+    return counter.bytes
 
 
 class _Server(ThreadingHTTPServer):
@@ -257,6 +301,7 @@ class AuthenticatedTransport(CheckpointTransport[State]):
         self._cond = threading.Condition()
         self._step = -1
         self._state: Optional[object] = None
+        self._size = 0
         self._allowed = False
         self._readers = 0
         self._nonces: set[str] = set()
@@ -330,14 +375,17 @@ class AuthenticatedTransport(CheckpointTransport[State]):
                 self._cond.wait(left)
             self._readers += 1
             state = self._state
-        writer = _MacWriter(handler.wfile, _response_mac(self._secret, step, self._group_id, nonce))
+            size = self._size
+        mac = _response_mac(self._secret, step, self._group_id, nonce)
+        writer = _MacWriter(handler.wfile, mac)
         try:
             handler.send_response(200)
             handler.send_header("Content-Type", "application/octet-stream")
             handler.send_header(_FROM_HEADER, str(self._group_id))
+            handler.send_header("Content-Length", str(size + TAG_BYTES))
             handler.end_headers()
             torch.save(state, cast(IO[bytes], writer))
-            handler.wfile.write(writer.mac.digest())
+            handler.wfile.write(mac.digest())
         finally:
             with self._cond:
                 self.served_bytes += writer.bytes
@@ -347,8 +395,9 @@ class AuthenticatedTransport(CheckpointTransport[State]):
     def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: State, timeout: timedelta) -> None:
         """Serve ``state_dict`` (its tensors on the CPU) for ``step`` until :meth:`disallow_checkpoint`."""
         state = _to_cpu(state_dict)
+        size = _saved_size(state)  # the answers' Content-Length: the receiver reads into one buffer
         with self._cond:
-            self._state, self._step, self._allowed = state, step, True
+            self._state, self._step, self._size, self._allowed = state, step, size, True
             self._cond.notify_all()
 
     def disallow_checkpoint(self) -> None:
@@ -378,27 +427,50 @@ class AuthenticatedTransport(CheckpointTransport[State]):
         try:
             with urllib.request.urlopen(request, timeout=timeout.total_seconds()) as response:
                 source = response.headers.get(_FROM_HEADER, "")
-                body = response.read()
+                origin = f"{metadata} (quorum rank {src_rank}, claims replica group {source or '?'})"
+                if (
+                    not source.isdigit()
+                    or not 0 <= int(source) < self._num_groups
+                    or int(source) == self._group_id
+                ):
+                    raise UntrustedPeerError(
+                        f"{me}: refusing the heal answer of {origin}: not another replica group of this job"
+                    )
+                length = response.headers.get("Content-Length", "")
+                if not length.isdigit() or not TAG_BYTES <= int(length) <= _MAX_BYTES:
+                    raise UntrustedPeerError(
+                        f"{me}: refusing the heal answer of {origin}: Content-Length {length[:30]!r} is "
+                        f"not a size in [{TAG_BYTES}, {_MAX_BYTES}]"
+                    )
+                # One buffer; the payload is hashed chunk by chunk as it arrives, the tag is its last bytes.
+                mac = _response_mac(self._secret, step, int(source), nonce)
+                body = bytearray(int(length))
+                received = 0
+                with memoryview(body) as view:
+                    while received < len(body):
+                        got = response.readinto(view[received : received + _CHUNK_BYTES])
+                        if not got:
+                            break
+                        mac.update(view[received : min(received + got, len(body) - TAG_BYTES)])
+                        received += got
+                if received < len(body):
+                    raise UntrustedPeerError(
+                        f"{me}: the heal answer of {origin} ended after {received} of {len(body)} bytes"
+                    )
         except urllib.error.HTTPError as e:
             detail = e.read(300).decode("utf-8", "replace").strip()
             raise RuntimeError(
                 f"{me}: heal from {metadata} (quorum rank {src_rank}) failed: {e.code} {detail}"
             ) from None
-        origin = f"{metadata} (quorum rank {src_rank}, claims replica group {source or '?'})"
-        if not source.isdigit() or not 0 <= int(source) < self._num_groups or int(source) == self._group_id:
-            raise UntrustedPeerError(
-                f"{me}: refusing the heal answer of {origin}: not another replica group of this job"
-            )
-        payload, tag = body[:-TAG_BYTES], body[-TAG_BYTES:]
-        mac = _response_mac(self._secret, step, int(source), nonce)
-        mac.update(payload)
-        if len(body) < TAG_BYTES or not hmac.compare_digest(tag, mac.digest()):
+        if len(body) < TAG_BYTES or not hmac.compare_digest(bytes(body[-TAG_BYTES:]), mac.digest()):
             raise UntrustedPeerError(
                 f"{me}: refusing the heal answer of {origin}: wrong or missing authentication tag (not "
                 f"signed with the job's secret for step {step}); nothing of its {len(body)} bytes was loaded"
             )
+        del body[-TAG_BYTES:]
         try:
-            state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+            with _BufferReader(body) as reader:
+                state = torch.load(cast(IO[bytes], reader), map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as e:
             found = re.search(r"GLOBAL (\S+)", str(e))
             what = f"'{found.group(1)}'" if found else "a value"
