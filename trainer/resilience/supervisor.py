@@ -109,9 +109,8 @@ class Supervisor:
         self.groups = [Group(g) for g in args.group_ids]
         from trainer.resilience.trust import SECRET_ENV, new_secret, read_secret
 
-        self.secret_file = os.path.abspath(
-            args.secret_file or os.environ.get(SECRET_ENV) or os.path.join(self.dump_folder, "ft_secret")
-        )
+        given = args.secret_file or (None if args.new_secret else os.environ.get(SECRET_ENV))
+        self.secret_file = os.path.abspath(given or os.path.join(self.dump_folder, "ft_secret"))
         if args.new_secret:
             new_secret(self.secret_file)
         read_secret(self.secret_file)  # a ConfigError (exit 2) before anything starts
@@ -369,7 +368,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument(
         "--secret-file",
         default=None,
-        help="the job's secret (mode 600): default $MESHWRIGHT_FT_SECRET_FILE, else <dump_folder>/ft_secret",
+        help="the job's secret (mode 600): default $MESHWRIGHT_FT_SECRET_FILE (not with --new-secret), "
+        "else <dump_folder>/ft_secret",
     )
     parser.add_argument(
         "--new-secret",
