@@ -302,3 +302,76 @@ def test_secret_file(tmp_path, monkeypatch) -> None:
     monkeypatch.delenv(SECRET_ENV)
     with pytest.raises(ConfigError, match=SECRET_ENV):
         check_environment(cfg)
+
+
+def test_rogue_torchft_manager_cannot_heal_a_group(tmp_path) -> None:
+    """The realistic attack: a stock torchft Manager (its default HTTPTransport) joins as
+    ``replica_group_0`` (a self-declared name passes the membership check) at step 100, serving a
+    pickle whose ``__reduce__`` creates a file. Replica group 1 (ours, step 0) is told to heal from it:
+    the answer is refused naming the source, the file never appears, nothing is loaded, and the
+    refusal is what ``Manager.errored()`` reports (the trainer stops on it)."""
+    from torch.distributed import TCPStore
+    from torchft import Manager
+    from torchft._torchft import LighthouseServer
+    from torchft.process_group import ProcessGroupGloo
+
+    from trainer.resilience.fault_tolerance import make_manager
+
+    marker = str(tmp_path / "pwned")
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=100)
+    stores = [TCPStore("localhost", 0, is_master=True, wait_for_workers=False) for _ in range(2)]
+    common = dict(
+        min_replica_size=2,
+        quorum_timeout=timedelta(seconds=20),
+        connect_timeout=TIMEOUT,
+        rank=0,
+        world_size=1,
+        lighthouse_addr=lighthouse.address(),
+        heartbeat_interval=timedelta(milliseconds=100),
+        store_addr="localhost",
+    )
+    ours = make_manager(
+        pg=ProcessGroupGloo(timeout=TIMEOUT),
+        group_id=1,
+        num_groups=2,
+        secret=SECRET,
+        timeout=TIMEOUT,
+        store_port=stores[1].port,
+        **common,  # type: ignore[arg-type]
+    )
+    rogue = Manager(
+        pg=ProcessGroupGloo(timeout=TIMEOUT),
+        load_state_dict=None,
+        state_dict=None,
+        use_async_quorum=False,
+        timeout=TIMEOUT,
+        replica_id="replica_group_0",
+        init_sync=False,
+        store_port=stores[0].port,
+        **common,  # type: ignore[arg-type]
+    )
+    loaded: list[object] = []
+    ours.register_state_dict_fn("meshwright", loaded.append, lambda: {"w": torch.zeros(2)})
+    rogue.register_state_dict_fn("meshwright", lambda sd: None, lambda: {"w": _Evil(marker)})
+    rogue.load_state_dict({"step": 100, "batches_committed": 0})
+    thread = threading.Thread(target=rogue.start_quorum, daemon=True)
+    thread.start()
+    try:
+        t0 = time.perf_counter()
+        ours.start_quorum()
+        print(f"quorum + refused heal: {time.perf_counter() - t0:.2f}s")
+        error = ours.errored()
+        assert error is not None
+        refusal = error.original_exception
+        print(refusal)
+        assert isinstance(refusal, UntrustedPeerError), refusal
+        # torchft's transport announces its own address (http://<host>:<port>/checkpoint/): refused
+        # before any request is sent to it, naming it.
+        assert "refusing to heal from quorum rank 0: it announced 'http://" in str(refusal)
+        assert "/checkpoint/', not a meshwright heal address" in str(refusal)
+        assert not os.path.exists(marker) and loaded == []
+    finally:
+        thread.join(timeout=30)
+        for manager in (ours, rogue):
+            manager.shutdown(wait=False)
+        lighthouse.shutdown()
