@@ -69,7 +69,7 @@ _CHUNK_BYTES = 1 << 22
 _MAX_BYTES = 1 << 40  # what a heal answer may announce (1 TiB: a rank's state is far smaller)
 _FROM_HEADER = "X-Meshwright-From"
 _PATH = re.compile(r"^/heal/(\d+)\?group=(\d+)&nonce=([0-9a-f]{32})$")
-_METADATA = re.compile(r"^http://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):(\d+)/heal/$")
+_METADATA = re.compile(r"^http://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._\-]+):(\d+)/heal/$")
 _FIX = (
     "start the groups with FT_GROUPS=N ./launch.sh or FT=1 sbatch slurm/train.sbatch (they create the "
     "job's secret), or create one with `python -m trainer.resilience.trust new-secret PATH` and export "
