@@ -55,10 +55,13 @@ fi
 # Fault tolerance (README "Fault tolerance"): a torchft lighthouse and FT_GROUPS replica groups of
 # NPROC ranks each, every group its own torchrun, supervised by trainer/resilience/supervisor.py
 # (restart loop with a fresh torchrun per incarnation, hang watchdog). FT_LIGHTHOUSE_PORT (29510)
-# and FT_ARGS (supervisor options, e.g. "--max-restarts 5") tune it.
+# and FT_ARGS (supervisor options, e.g. "--max-restarts 5") tune it. One machine: the lighthouse and
+# the groups' servers listen on localhost only; the supervisor writes the job's secret (mode 600,
+# README "What fault tolerance trusts") and removes it at exit.
 if [[ -n "${FT_GROUPS:-}" ]]; then
   exec python -m trainer.resilience.supervisor --groups "$FT_GROUPS" --nproc "$NPROC" --start-lighthouse \
-    --lighthouse "http://localhost:${FT_LIGHTHOUSE_PORT:-29510}" ${FT_ARGS:-} -- "$@"
+    --lighthouse "http://localhost:${FT_LIGHTHOUSE_PORT:-29510}" --address localhost --new-secret \
+    ${FT_ARGS:-} -- "$@"
 fi
 
 if [[ "$NNODES" -gt 1 ]]; then

@@ -9,7 +9,9 @@ launchers (``FT_GROUPS=N ./launch.sh``, ``FT=1 sbatch slurm/train.sbatch``; both
 1. ``begin_step``: a *synchronous* quorum (``use_async_quorum=False``: torchft's asynchronous quorum
    reads ``state_dict`` from its own thread, which races FSDP's backward). A group that is behind
    (restarted, or new) heals here, before its forward pass, from a live peer over HTTP: model,
-   optimizer, LR schedule, step, tokens seen (= the data position) and RNG.
+   optimizer, LR schedule, step, tokens seen (= the data position) and RNG; the transfer is
+   authenticated with the job's secret and loaded weights-only, and a quorum member outside the
+   job is refused (trainer/resilience/trust.py).
 2. Data: the position is the number of samples *committed* so far, ``tokens_seen / seq_len``. A
    step with ``n`` participating groups trains samples ``[pos, pos + n*b)``; the participant of
    quorum rank ``r`` reads ``[pos + r*b, pos + (r+1)*b)`` (``b`` = global batch / dp_replicate, split
@@ -33,11 +35,13 @@ restarts it, like a crashed one, with a fresh torchrun (new rendezvous store and
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import signal
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -49,6 +53,10 @@ from parallelisms.config import ParallelismConfig
 from parallelisms.fault_tolerance import ManagedReducer, allreduce_gradients
 
 if TYPE_CHECKING:
+    from torchft import Manager
+    from torchft._torchft import ManagerServer
+    from torchft.process_group import ProcessGroup
+
     from trainer.config import TrainConfig
     from trainer.step import StepState
 
@@ -106,6 +114,115 @@ def check_environment(cfg: TrainConfig) -> None:
         raise ConfigError(
             f"parallelism.fault_tolerance.enable=true needs torchft ({e}); pip install 'meshwright[ft]'."
         ) from e
+    from trainer.resilience.trust import read_secret
+
+    read_secret()
+
+
+@contextlib.contextmanager
+def _manager_server_bound_to(host: str) -> Iterator[None]:
+    """torchft 0.2.0's ``Manager`` starts its gRPC ``ManagerServer`` on ``[::]:<port>`` (every interface),
+    with no way to say otherwise: while the Manager is built, its module's ``ManagerServer`` is a
+    wrapper that binds ``host`` instead (the same port; restored on exit; main thread, before any
+    other torchft call of this process)."""
+    import torchft.manager as torchft_manager
+
+    original = torchft_manager.ManagerServer
+
+    def bound(
+        *,
+        replica_id: str,
+        lighthouse_addr: str,
+        hostname: str,
+        bind: str,
+        store_addr: str,
+        world_size: int,
+        heartbeat_interval: timedelta,
+        connect_timeout: timedelta,
+        quorum_retries: int,
+    ) -> ManagerServer:
+        port = bind.rsplit(":", 1)[1]
+        return original(
+            replica_id=replica_id,
+            lighthouse_addr=lighthouse_addr,
+            hostname=hostname,
+            bind=f"{'[' + host + ']' if ':' in host else host}:{port}",
+            store_addr=store_addr,
+            world_size=world_size,
+            heartbeat_interval=heartbeat_interval,
+            connect_timeout=connect_timeout,
+            quorum_retries=quorum_retries,
+        )
+
+    torchft_manager.ManagerServer = bound
+    try:
+        yield
+    finally:
+        torchft_manager.ManagerServer = original
+
+
+def make_manager(
+    *,
+    pg: ProcessGroup,
+    group_id: int,
+    num_groups: int,
+    secret: bytes,
+    timeout: timedelta,
+    quorum_timeout: timedelta,
+    connect_timeout: timedelta,
+    heartbeat_interval: timedelta,
+    min_replica_size: int,
+    rank: int,
+    world_size: int,
+    lighthouse_addr: str,
+    store_addr: Optional[str] = None,
+    store_port: Optional[int] = None,
+) -> Manager:
+    """torchft's ``Manager`` for one rank of replica group ``group_id`` of ``num_groups``, with the
+    trust rules of trainer/resilience/trust.py: heals through :class:`AuthenticatedTransport` (the job's
+    secret, the node's announced address, weights-only loading), torchft's manager server on that
+    address too, and every quorum checked against the job's groups (:class:`MemberCheckingClient`)."""
+    from torchft import Manager
+
+    from trainer.resilience.trust import (
+        AuthenticatedTransport,
+        MemberCheckingClient,
+        announced_address,
+        replica_id,
+    )
+
+    host = announced_address()
+    transport = AuthenticatedTransport(
+        secret=secret, group_id=group_id, num_groups=num_groups, timeout=timeout, address=host
+    )
+    with _manager_server_bound_to(host):
+        manager = Manager(
+            pg=pg,
+            load_state_dict=None,
+            state_dict=None,
+            use_async_quorum=False,
+            timeout=timeout,
+            replica_id=replica_id(group_id),
+            hostname=host,
+            init_sync=False,
+            checkpoint_transport=transport,
+            quorum_timeout=quorum_timeout,
+            connect_timeout=connect_timeout,
+            heartbeat_interval=heartbeat_interval,
+            min_replica_size=min_replica_size,
+            rank=rank,
+            world_size=world_size,
+            lighthouse_addr=lighthouse_addr,
+            store_addr=store_addr,
+            store_port=store_port,
+        )
+    # torchft 0.2.0 asks its group's manager server for each quorum through this (private) client.
+    manager._client = MemberCheckingClient(manager._client, num_groups, group_id)
+    logger.info(
+        f"replica group {group_id}: heal server {transport.metadata()} (HMAC under the job's secret), "
+        f"torchft manager server on {host}"
+    )
+    return manager
 
 
 def _tree_local(value: Any) -> Any:
@@ -125,8 +242,9 @@ class FaultTolerance:
     def __init__(
         self, cfg: TrainConfig, *, rank: int, world_size: int, device: torch.device, dump_folder: str
     ) -> None:
-        from torchft import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        from trainer.resilience import trust
 
         ft = cfg.parallelism.fault_tolerance
         self.cfg = ft
@@ -136,28 +254,28 @@ class FaultTolerance:
         self.batch_size = group_batch_size(cfg.parallelism, cfg.training.global_batch_size)
         timeout = timedelta(seconds=ft.timeout_s)
         pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
-        store: dict[str, Any] = {}
+        store_addr: Optional[str] = None  # torchrun's store (MASTER_ADDR/MASTER_PORT)
+        store_port: Optional[int] = None
         if "MASTER_ADDR" not in os.environ:  # plain `python trainer/main.py`: a store of our own
             from torch.distributed import TCPStore
 
             self._store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-            store = {"store_addr": "localhost", "store_port": self._store.port}
-        self.manager = Manager(
+            store_addr, store_port = "localhost", self._store.port
+        self.manager = make_manager(
             pg=pg,
-            load_state_dict=None,
-            state_dict=None,
+            group_id=self.group_id,
+            num_groups=cfg.parallelism.dp_replicate,
+            secret=trust.read_secret(),
             min_replica_size=ft.min_replicas,
-            use_async_quorum=False,
             timeout=timeout,
             quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
             connect_timeout=timedelta(seconds=max(ft.timeout_s, 30.0)),
             rank=rank,
             world_size=world_size,
             lighthouse_addr=_lighthouse(ft.lighthouse),
-            replica_id=f"replica_group_{self.group_id}",
             heartbeat_interval=timedelta(milliseconds=ft.heartbeat_ms),
-            init_sync=False,
-            **store,
+            store_addr=store_addr,
+            store_port=store_port,
         )
         self.reducer = ManagedReducer(self.manager)
         self.folder = group_folder(dump_folder, self.group_id)
@@ -279,6 +397,12 @@ class FaultTolerance:
                 self._quorum()
             self._startup_wait_s = 0.0
         self._quorum_s = time.perf_counter() - start
+        from trainer.resilience.trust import UntrustedPeerError
+
+        error = self.manager.errored()
+        refused = getattr(error, "original_exception", None)
+        if isinstance(refused, UntrustedPeerError):  # nothing was loaded: stop with the state we had
+            raise RuntimeError(f"{refused} (this group stops; its supervisor restarts it)") from refused
         if self._healed:
             self._healed = False
             self.last_heal_s = self._quorum_s
@@ -305,6 +429,8 @@ class FaultTolerance:
         heartbeating groups) until the supervisor's hang watchdog has killed it."""
         from concurrent.futures import ThreadPoolExecutor
 
+        from trainer.resilience.trust import UntrustedPeerError
+
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshwright-quorum") as pool:
             for attempt in range(1, self._quorum_attempts + 1):
                 future = pool.submit(self.manager.start_quorum)
@@ -320,6 +446,8 @@ class FaultTolerance:
                     return
                 if attempt == self._quorum_attempts:
                     raise error
+                if isinstance(error, UntrustedPeerError):
+                    logger.error(str(error))
                 logger.warning(
                     f"replica group {self.group_id}: quorum attempt {attempt} failed ({error}); again"
                 )

@@ -20,6 +20,11 @@ lighthouse on the first node). For each of its groups it runs a restart loop:
   quorums until it is killed (the lighthouse wants more than half of the heartbeating groups); the
   others retry their quorum meanwhile (trainer/resilience/fault_tolerance.py).
 
+Trust (trainer/resilience/trust.py): the lighthouse binds the host of ``--lighthouse`` (not every
+interface); each group gets the job's secret file (``--secret-file``; ``--new-secret`` writes a
+fresh one, mode 600, removed at exit) in ``$MESHWRIGHT_FT_SECRET_FILE`` and this node's address
+(``--address``) in ``$MESHWRIGHT_FT_ADDRESS``, which its heal and manager servers bind.
+
 The supervisor reads the run folder and the fault-tolerance settings from the same overrides the
 trainer gets (Hydra composition, the trainer's own config code).
 """
@@ -102,6 +107,13 @@ class Supervisor:
         self.ft = cfg.parallelism.fault_tolerance
         self.dump_folder = cfg.job.dump_folder
         self.groups = [Group(g) for g in args.group_ids]
+        from trainer.resilience.trust import SECRET_ENV, new_secret, read_secret
+
+        given = args.secret_file or (None if args.new_secret else os.environ.get(SECRET_ENV))
+        self.secret_file = os.path.abspath(given or os.path.join(self.dump_folder, "ft_secret"))
+        if args.new_secret:
+            new_secret(self.secret_file)
+        read_secret(self.secret_file)  # a ConfigError (exit 2) before anything starts
         self.lighthouse: Optional[subprocess.Popen] = None
         import torch
 
@@ -125,7 +137,12 @@ class Supervisor:
         binary = shutil.which("torchft_lighthouse")
         if binary is None:
             raise SystemExit("torchft_lighthouse not found on PATH: pip install 'meshwright[ft]'")
-        port = self.args.lighthouse.rsplit(":", 1)[-1]
+        from urllib.parse import urlsplit
+
+        url = urlsplit(self.args.lighthouse)
+        if url.hostname is None or url.port is None:
+            raise SystemExit(f"--lighthouse={self.args.lighthouse}: expected http://host:port")
+        host = f"[{url.hostname}]" if ":" in url.hostname else url.hostname
         # Stragglers that still heartbeat (a hung group) are waited for join_timeout at most, below
         # the trainers' quorum timeout, so a quorum without them forms before anyone gives up.
         join_ms = int(min(self.args.join_timeout_s, 0.5 * self.ft.quorum_timeout_s) * 1000)
@@ -134,7 +151,7 @@ class Supervisor:
             "--min_replicas",
             str(self.ft.min_replicas),
             "--bind",
-            f"[::]:{port}",
+            f"{host}:{url.port}",  # the job's address only (not every interface)
             "--join_timeout_ms",
             str(join_ms),
             "--heartbeat_timeout_ms",
@@ -164,7 +181,10 @@ class Supervisor:
             *self._ft_overrides(group.group_id),
         ]
         # faulthandler: a rank the hang watchdog stops first prints every thread's stack (SIGABRT).
+        from trainer.resilience.trust import ADDRESS_ENV, SECRET_ENV
+
         env = dict(os.environ, TORCHFT_LIGHTHOUSE=self.args.lighthouse, PYTHONFAULTHANDLER="1")
+        env.update({SECRET_ENV: self.secret_file, ADDRESS_ENV: self.args.address})
         if self.gpus >= len(self.groups) * self.args.nproc and "CUDA_VISIBLE_DEVICES" not in os.environ:
             first = self.groups.index(group) * self.args.nproc  # each local group its own GPUs
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + i) for i in range(self.args.nproc))
@@ -313,6 +333,11 @@ class Supervisor:
             if self.lighthouse is not None:
                 os.killpg(self.lighthouse.pid, signal.SIGTERM)
                 self.lighthouse.wait()
+            if self.args.new_secret:  # this supervisor's own secret: gone with its job
+                try:
+                    os.remove(self.secret_file)
+                except FileNotFoundError:
+                    pass
         summary = ", ".join(f"group {g.group_id}: exits [{' '.join(g.history)}]" for g in self.groups)
         self.log(f"done: {summary}")
         if self._code:
@@ -330,7 +355,27 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument(
         "--lighthouse", default="http://localhost:29510", help="lighthouse URL http://host:port"
     )
-    parser.add_argument("--start-lighthouse", action="store_true", help="start torchft_lighthouse here")
+    parser.add_argument(
+        "--start-lighthouse",
+        action="store_true",
+        help="start torchft_lighthouse here, bound to the URL's host",
+    )
+    parser.add_argument(
+        "--address",
+        default="localhost",
+        help="this node's address: the groups' heal and manager servers bind it (not every interface)",
+    )
+    parser.add_argument(
+        "--secret-file",
+        default=None,
+        help="the job's secret (mode 600): default $MESHWRIGHT_FT_SECRET_FILE (not with --new-secret), "
+        "else <dump_folder>/ft_secret",
+    )
+    parser.add_argument(
+        "--new-secret",
+        action="store_true",
+        help="write a fresh secret to --secret-file first (removed at exit)",
+    )
     parser.add_argument("--join-timeout-s", type=float, default=5.0, help="lighthouse: wait for stragglers")
     parser.add_argument("--heartbeat-timeout-ms", type=int, default=1000, help="lighthouse: dead after")
     parser.add_argument("--max-restarts", type=int, default=3, help="restarts per group")
