@@ -93,6 +93,7 @@ class CheckpointConfig:
     folder: str = "checkpoints"  # relative to job.dump_folder
     interval: int = 500  # steps between saves
     keep_latest: int = 0  # 0 = keep all, else >= 2
+    keep_every: int = 0  # with keep_latest: also keep every step that is a multiple of this (0 = off)
     async_mode: str = "disabled"  # disabled | async
     load_step: int = -1  # -1 = newest complete checkpoint
     save_final: bool = True
@@ -289,6 +290,11 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
             f"checkpoint.keep_latest={c.keep_latest}: use 0 (keep all) or >= 2, so that the newest "
             f"complete checkpoint survives while the next one is written."
         )
+    if c.keep_every < 0 or (c.keep_every > 0 and c.keep_every % c.interval != 0):
+        raise ConfigError(
+            f"checkpoint.keep_every={c.keep_every}: use 0 (off) or a multiple of checkpoint.interval="
+            f"{c.interval} (the steps it keeps are saved steps), e.g. checkpoint.keep_every={4 * c.interval}."
+        )
     if c.load_step < -1:
         raise ConfigError(
             f"checkpoint.load_step={c.load_step}: use -1 (newest complete checkpoint) or a step >= 0."
@@ -328,8 +334,20 @@ def validate(cfg: TrainConfig) -> None:
             "mode, under which torch.compile compiles nothing. Measure with training.compile=false (the "
             "collectives and their bytes are the same), or set metrics.comm_ledger=false."
         )
-    validate_optimizer(cfg.optimizer, cfg.lr_scheduler)
+    validate_optimizer(cfg.optimizer, cfg.lr_scheduler, cfg.training.steps)
     _validate_qk_clip(cfg)
+    if get_spec(cfg.model.family).lr_scale(cfg.model) is not None and cfg.optimizer.name != "adamw":
+        raise ConfigError(
+            f"model.mup.enable=true with optimizer.name={cfg.optimizer.name}: µP's per-group learning rates "
+            "are AdamW's (models/mup.py; Muon's orthogonalised update has its own width scaling). Use "
+            "optimizer.name=adamw, or model.mup.enable=false."
+        )
+    if get_spec(cfg.model.family).lr_scale(cfg.model) is not None and cfg.checkpoint.last_save_in_hf:
+        raise ConfigError(
+            "model.mup.enable=true with checkpoint.last_save_in_hf=true: Hugging Face's Llama / Qwen3 have "
+            "no µP multipliers, the exported model would compute other logits. Set "
+            "checkpoint.last_save_in_hf=false."
+        )
     _validate_checkpoint(cfg.checkpoint)
     if cfg.checkpoint.last_save_in_hf and cfg.parallelism.pp > 1:
         raise ConfigError(

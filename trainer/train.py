@@ -348,6 +348,7 @@ class Trainer:
             shard_mesh=shard_mesh,
             adamw_modules=self.spec.first_modules + self.spec.last_modules,
             layout=optimizer_layout(self.dims, p),
+            lr_scale=self.spec.lr_scale(self.cfg.model),  # µP's per-group LRs (model.mup); None: off
         )
         self.lr_scheduler = build_lr_scheduler(self.optimizer, self.cfg.lr_scheduler, self.cfg.training.steps)
         self.state = TrainState()
@@ -356,7 +357,8 @@ class Trainer:
 
     def _build_checkpointer(self, full_shapes: dict[str, torch.Size]) -> None:
         self.checkpointer = self._make_checkpointer(self.cfg.checkpoint, full_shapes)
-        self.checkpointer.load()
+        if self.checkpointer.load():
+            self.lr_scheduler.sync_lr()  # this run's schedule at the restored step (WSD decay_start_step)
         if self.ft is not None:  # healing payload; the torchft step from a resumed checkpoint
             self.ft.attach(self)
 
