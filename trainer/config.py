@@ -26,6 +26,7 @@ from models.spec import ModelArgs, decoder_args
 from parallelisms.config import DDPConfig, FSDPConfig, ParallelismConfig
 from parallelisms.utils import DTYPES
 from trainer.checkpoint.hf import parse_size
+from trainer.data.batch_ramp import BatchStage, validate_batch_ramp
 from trainer.eval.config import EvalConfig, validate_eval
 from trainer.optim import validate_optimizer
 from trainer.optim.config import LRSchedulerConfig, MuonConfig, OptimizerConfig
@@ -163,6 +164,9 @@ class TrainingConfig:
     device: str = "auto"  # auto | cpu | cuda
     eval_freq: int = 0  # steps between evaluations; 0 = never
     eval_steps: int = 4  # validation batches per evaluation
+    # batch-size warmup (trainer/data/batch_ramp.py): stages {global_batch_size, until_step | until_tokens},
+    # then global_batch_size; [] = off
+    batch_ramp: list[BatchStage] = field(default_factory=list)
 
 
 @dataclass
@@ -255,6 +259,29 @@ def _validate_training(t: TrainingConfig, max_seq_len: int) -> None:
         raise ConfigError(f"training.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping).")
 
 
+def _validate_batch_ramp(cfg: TrainConfig) -> None:
+    """``training.batch_ramp``: its stages, and the layouts and features whose per-step sizes are fixed
+    at start-up (refused by name)."""
+    t = cfg.training
+    if not t.batch_ramp:
+        return
+    validate_batch_ramp(t.batch_ramp, t.global_batch_size)
+    refusals = {
+        "parallelism.pp > 1": cfg.parallelism.pp > 1,  # the schedule's microbatch count is fixed
+        # the replica groups' data rule splits one fixed global batch (trainer/resilience/fault_tolerance.py)
+        "parallelism.fault_tolerance.enable=true": cfg.parallelism.fault_tolerance.enable,
+        "data.streaming=true": cfg.data.streaming,  # the streamed loader reads a fixed local batch
+        # the auxiliary-loss and MTP gradient scales are per fixed step size
+        f"model.family={cfg.model.family} (experts)": get_spec(cfg.model.family).has_experts,
+    }
+    for name, on in refusals.items():
+        if on:
+            raise ConfigError(
+                f"training.batch_ramp with {name}: not supported (its per-step sizes are fixed at start-up). "
+                "Set training.batch_ramp=[] or leave that option off."
+            )
+
+
 def _validate_qk_clip(cfg: TrainConfig) -> None:
     tau = cfg.optimizer.qk_clip_tau
     if tau <= 0:
@@ -336,6 +363,7 @@ def validate(cfg: TrainConfig) -> None:
         )
     validate_optimizer(cfg.optimizer, cfg.lr_scheduler, cfg.training.steps)
     _validate_qk_clip(cfg)
+    _validate_batch_ramp(cfg)
     if get_spec(cfg.model.family).lr_scale(cfg.model) is not None and cfg.optimizer.name != "adamw":
         raise ConfigError(
             f"model.mup.enable=true with optimizer.name={cfg.optimizer.name}: µP's per-group learning rates "

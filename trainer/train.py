@@ -25,6 +25,7 @@ from trainer.checkpoint.checkpointer import Checkpointer, describe_layout, model
 from trainer.checkpoint.seed import seed_parallelism, validate_checkpoint_config
 from trainer.config import CheckpointConfig, TrainConfig, to_yaml
 from trainer.data import DataLoader, build_dataloader
+from trainer.data.batch_ramp import BatchRamp, check_ramp_divisible
 from trainer.data.tokenizer import build_tokenizer, check_vocab_size
 from trainer.eval.config import validation_sources
 from trainer.eval.evaluator import TaskEvaluator, TaskResult
@@ -146,6 +147,9 @@ class Trainer:
         # The optimizer registry: does this optimizer run under this layout? (before any process group)
         check_optimizer_layout(cfg.optimizer.name, optimizer_layout(self.dims, self.parallelism))
         self.grad_accum_steps = self.dims.grad_accum_steps(self.batch_size, t.micro_batch_size)
+        # training.batch_ramp: each stage splits into whole micro batches (exit 2 naming the stage)
+        check_ramp_divisible(t.batch_ramp, t.micro_batch_size, self.dims.dp)
+        self.batch_ramp = BatchRamp(t.batch_ramp, self.batch_size, t.seq_len) if t.batch_ramp else None
         if not cfg.checkpoint.create_seed:  # metrics.memory_check: will this layout fit on this host?
             self._check_memory()
         self._load_data()
@@ -166,6 +170,7 @@ class Trainer:
             dp_rank=dp_rank,
             dp_size=self.dims.dp,
             seed=t.seed,
+            ramp=self.batch_ramp,
         )
         self.val_loader: Optional[DataLoader] = None
         if t.eval_freq > 0:
@@ -260,6 +265,16 @@ class Trainer:
     def local_batch_size(self) -> int:
         """Sequences per step on this rank (this group's batch over the data-parallel ranks)."""
         return self.dims.local_batch_size(self.batch_size)
+
+    def _step_tokens(self) -> int:
+        """Tokens of the step just taken: fault tolerance's count, a batch ramp's stage, or the batch's."""
+        if self.ft is not None:
+            return self.ft.step_tokens
+        if self.batch_ramp is not None:
+            tokens = self.train_loader.last_step_samples * self.cfg.training.seq_len
+            self.metrics.tokens_per_step = tokens  # tokens/s at a stage boundary: the new stage's size
+            return tokens
+        return self.tokens_per_step
 
     @property
     def tokens_per_step(self) -> int:
@@ -487,7 +502,10 @@ class Trainer:
         last one and is waited for here. Returns the summed (unscaled) token loss."""
         loss_sum = torch.zeros((), device=self.device)
         no_sync = getattr(self.model, "no_sync", None)
+        # grad_accum_steps, or under training.batch_ramp this step's stage's count
         n = self.grad_accum_steps
+        if self.batch_ramp is not None:
+            n = batch.inputs.size(0) // self.cfg.training.micro_batch_size
         for i, micro in enumerate(batch.chunk(n)):
             last = i == n - 1
             sync = no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
@@ -666,7 +684,7 @@ class Trainer:
                 if s is None:  # fault tolerance: discarded, retried with the next quorum
                     continue
                 step = self.state.step = s.step  # the step taken (a fault-tolerance heal may have moved it)
-                self.state.tokens_seen += self.tokens_per_step if self.ft is None else self.ft.step_tokens
+                self.state.tokens_seen += self._step_tokens()
                 self.profiler.end(step)
                 if self._is_logged(step):
                     self._log_step(s)
