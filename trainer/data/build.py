@@ -89,8 +89,7 @@ def build_dataloader(
     tokenized into memory (``builtin``, ``text``, ``json``, ``parquet``, ``hub``), or
     streamed when ``data.streaming=true``; ``data.sources`` mixes several of one kind.
     Only the training split is shuffled (if ``data.shuffle``). ``pin_memory`` defaults to
-    whether CUDA is available. ``ramp``: the batch-size warmup (``training.batch_ramp``) of the
-    training loader (not with streaming: ``trainer/config.py`` refuses it).
+    whether CUDA is available. ``ramp``: ``training.batch_ramp`` (never with streaming).
     """
     pin = torch.cuda.is_available() if pin_memory is None else pin_memory
     prefetch = int(getattr(cfg, "prefetch", 0))
