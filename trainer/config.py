@@ -27,6 +27,7 @@ from parallelisms.config import DDPConfig, FSDPConfig, ParallelismConfig
 from parallelisms.utils import DTYPES
 from trainer.checkpoint.hf import parse_size
 from trainer.data.batch_ramp import BatchStage, validate_batch_ramp
+from trainer.data.seq_warmup import SeqLenStage, validate_seq_len_warmup
 from trainer.eval.config import EvalConfig, validate_eval
 from trainer.optim import validate_optimizer
 from trainer.optim.config import LRSchedulerConfig, MuonConfig, OptimizerConfig
@@ -167,6 +168,9 @@ class TrainingConfig:
     # batch-size warmup (trainer/data/batch_ramp.py): stages {global_batch_size, until_step | until_tokens},
     # then global_batch_size; [] = off
     batch_ramp: list[BatchStage] = field(default_factory=list)
+    # sequence-length warmup (trainer/data/seq_warmup.py): stages {seq_len, until_step}, each seq_len
+    # dividing seq_len; the final windows are split; [] = off
+    seq_len_warmup: list[SeqLenStage] = field(default_factory=list)
 
 
 @dataclass
@@ -364,6 +368,13 @@ def validate(cfg: TrainConfig) -> None:
     validate_optimizer(cfg.optimizer, cfg.lr_scheduler, cfg.training.steps)
     _validate_qk_clip(cfg)
     _validate_batch_ramp(cfg)
+    if cfg.training.seq_len_warmup:
+        validate_seq_len_warmup(cfg.training.seq_len_warmup, cfg.training.seq_len)
+        if cfg.parallelism.pp > 1:
+            raise ConfigError(
+                f"training.seq_len_warmup with parallelism.pp={cfg.parallelism.pp}: not supported (the "
+                "pipeline's microbatch shapes are fixed at start-up). Set training.seq_len_warmup=[]."
+            )
     if get_spec(cfg.model.family).lr_scale(cfg.model) is not None and cfg.optimizer.name != "adamw":
         raise ConfigError(
             f"model.mup.enable=true with optimizer.name={cfg.optimizer.name}: µP's per-group learning rates "

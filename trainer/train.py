@@ -26,6 +26,7 @@ from trainer.checkpoint.seed import seed_parallelism, validate_checkpoint_config
 from trainer.config import CheckpointConfig, TrainConfig, to_yaml
 from trainer.data import DataLoader, build_dataloader
 from trainer.data.batch_ramp import BatchRamp, check_ramp_divisible
+from trainer.data.seq_warmup import SeqLenWarmup, split_positions, split_rows, validate_seq_len_warmup
 from trainer.data.tokenizer import build_tokenizer, check_vocab_size
 from trainer.eval.config import validation_sources
 from trainer.eval.evaluator import TaskEvaluator, TaskResult
@@ -150,6 +151,13 @@ class Trainer:
         # training.batch_ramp: each stage splits into whole micro batches (exit 2 naming the stage)
         check_ramp_divisible(t.batch_ramp, t.micro_batch_size, self.dims.dp)
         self.batch_ramp = BatchRamp(t.batch_ramp, self.batch_size, t.seq_len) if t.batch_ramp else None
+        # training.seq_len_warmup: each stage's length also splits over context / sequence parallelism
+        divisor = self.dims.seq_len_divisor(
+            self.parallelism.cp_load_balance, self.parallelism.sequence_parallel
+        )
+        validate_seq_len_warmup(t.seq_len_warmup, t.seq_len, divisor)
+        self.seq_warmup = SeqLenWarmup(t.seq_len_warmup, t.seq_len) if t.seq_len_warmup else None
+        self._split = 1  # this step's seq_len_warmup split factor
         if not cfg.checkpoint.create_seed:  # metrics.memory_check: will this layout fit on this host?
             self._check_memory()
         self._load_data()
@@ -483,6 +491,15 @@ class Trainer:
             step_batch.positions = document_positions(
                 step_batch.inputs, self.tokenizer.bos_id, self.tokenizer.eos_id
             )
+        if training and self.seq_warmup is not None:  # training.seq_len_warmup: rows cut into k shorter ones
+            k = self._split = self.seq_warmup.factor(self.state.step + 1)
+            if k > 1:
+                step_batch.inputs, step_batch.labels = (
+                    split_rows(step_batch.inputs, k),
+                    split_rows(step_batch.labels, k),
+                )
+                if step_batch.positions is not None:
+                    step_batch.positions = split_positions(step_batch.positions, k)
         if training:  # the family's extra inputs (MTP ids/targets), on the whole sequence (before CP)
             step_batch.extras = self.spec.batch_inputs(
                 self.cfg.model, step_batch.inputs, step_batch.labels, step_batch.positions
@@ -504,8 +521,8 @@ class Trainer:
         no_sync = getattr(self.model, "no_sync", None)
         # grad_accum_steps, or under training.batch_ramp this step's stage's count
         n = self.grad_accum_steps
-        if self.batch_ramp is not None:
-            n = batch.inputs.size(0) // self.cfg.training.micro_batch_size
+        if self.batch_ramp is not None:  # (rows split by seq_len_warmup: k times the micro batch)
+            n = batch.inputs.size(0) // (self.cfg.training.micro_batch_size * self._split)
         for i, micro in enumerate(batch.chunk(n)):
             last = i == n - 1
             sync = no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
