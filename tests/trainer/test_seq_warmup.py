@@ -7,7 +7,8 @@
   on steps 1-2, 2 x 16 on steps 3-4, then 32), clipping off: DDP x2 equals one process (losses and
   pre-clip grad norms within ``PARITY_RTOL``); a resume at step 3 (inside the warmup) is bitwise; the
   loader reads the same samples as without warmup (the position after 6 steps), and the warmup changes
-  the losses from step 2 on (step 1's loss is taken before any update: it differs by the split alone).
+  the losses from step 2 on (step 1's loss is taken before any update: it differs by the split alone);
+  with ``training.batch_ramp`` as well, DDP x2 equals one process.
 """
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ COMMON = (
     NO_CLIP,
 )
 WARMUP = (*COMMON, "training.seq_len_warmup=[{seq_len: 8, until_step: 3}, {seq_len: 16, until_step: 5}]")
+# with a batch ramp too: 4, 4, 8, 8, 8, 8 windows (accumulation 2, 2, 4, 4, 4, 4: micro batch 2, 1 process)
+BOTH = (*WARMUP, "training.batch_ramp=[{global_batch_size: 4, until_step: 3}]")
+DDP = ("parallelism.dp_replicate=2", "parallelism.dp_shard=1")
 
 
 def _runs(rank: int, world: int, plan: list[tuple[str, TrainConfig, int]]) -> dict[str, dict]:
@@ -95,7 +99,7 @@ def _runs(rank: int, world: int, plan: list[tuple[str, TrainConfig, int]]) -> di
 
 
 def test_seq_len_warmup_ddp_and_resume(tmp_path) -> None:
-    d = {n: str(tmp_path / n) for n in ("one", "plain", "part", "ddp")}
+    d = {n: str(tmp_path / n) for n in ("one", "plain", "part", "ddp", "both", "both_ddp")}
     ckpt = ("checkpoint.enable=true", "checkpoint.interval=3")
     one = run_distributed(
         _runs,
@@ -105,13 +109,17 @@ def test_seq_len_warmup_ddp_and_resume(tmp_path) -> None:
             ("plain", tiny_config(d["plain"], *COMMON), 6),
             ("part", tiny_config(d["part"], *WARMUP, *ckpt), 3),
             ("resumed", tiny_config(d["part"], *WARMUP, *ckpt), 6),
+            ("both", tiny_config(d["both"], *BOTH), 6),
         ],
         timeout=600,
     )[0]
     ddp = run_distributed(
         _runs,
         2,
-        [("ddp", tiny_config(d["ddp"], *WARMUP, "parallelism.dp_replicate=2", "parallelism.dp_shard=1"), 6)],
+        [
+            ("ddp", tiny_config(d["ddp"], *WARMUP, *DDP), 6),
+            ("both", tiny_config(d["both_ddp"], *BOTH, *DDP), 6),
+        ],
     )
     losses = lambda run: {r["step"]: r["loss"] for r in run["history"] if "loss" in r}  # noqa: E731
     assert sorted(losses(one["one"])) == [1, 2, 3, 4, 5, 6]
@@ -119,3 +127,8 @@ def test_seq_len_warmup_ddp_and_resume(tmp_path) -> None:
     assert {**losses(one["part"]), **losses(one["resumed"])} == losses(one["one"])  # bitwise
     assert one["one"]["samples_seen"] == one["plain"]["samples_seen"] == 6 * 8
     assert all(losses(one["one"])[s] != losses(one["plain"])[s] for s in range(2, 7))
+    # With training.batch_ramp: the split multiplies the rows, not the accumulation count.
+    assert one["both"]["samples_seen"] == 4 + 4 + 8 * 4
+    assert_parity(
+        one["both"]["history"], ddp[0]["both"]["history"], label="seq_len warmup + batch ramp, DDP x2"
+    )
