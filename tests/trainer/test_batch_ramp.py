@@ -124,6 +124,7 @@ def _runs(rank: int, world: int, plan: list[tuple[str, TrainConfig, int]]) -> di
     return out
 
 
+@pytest.mark.slow
 def test_ramp_ddp_resume_and_reshard_read_each_sample_once(tmp_path) -> None:
     d = {n: str(tmp_path / n) for n in ("one", "ddp", "ddp_part", "one_part")}
     ddp = run_distributed(

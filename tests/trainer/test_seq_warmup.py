@@ -98,6 +98,7 @@ def _runs(rank: int, world: int, plan: list[tuple[str, TrainConfig, int]]) -> di
     return out
 
 
+@pytest.mark.slow
 def test_seq_len_warmup_ddp_and_resume(tmp_path) -> None:
     d = {n: str(tmp_path / n) for n in ("one", "plain", "part", "ddp", "both", "both_ddp")}
     ckpt = ("checkpoint.enable=true", "checkpoint.interval=3")

@@ -99,6 +99,7 @@ def _losses(run: dict) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in run["history"] if "loss" in r}
 
 
+@pytest.mark.slow
 def test_decay_from_a_stable_checkpoint_and_keep_every(tmp_path) -> None:
     """The stable run (6 steps, then restarted to 8) keeps step-2/4/6 besides the 2 newest; a decay run
     that starts from the stable run's step-4 checkpoint (``decay_start_step=4``) logs bitwise the
