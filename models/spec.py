@@ -26,7 +26,8 @@ class, so a new family plugs in without touching any strategy:
   window, e.g. MTP's shifted ids and targets: the model's one call is
   ``model(tokens, positions=..., **extras)``), and
   ``qk_norm(args)`` (per-head q/k RMSNorms before RoPE, off by default; Qwen3, Qwen3-MoE, a Llama
-  that asks for them), and ``qk_clip`` (whether the attention supports QK-clip);
+  that asks for them), ``qk_clip`` (whether the attention supports QK-clip), and ``lr_scale(args)``
+  (µP's per-parameter factors of the LR; None, every factor 1, by default);
 - ``planner_terms(args)``: the planner's view of the family's blocks (``PlannerTerms``): what the
   attention moves under CP / TP beyond the plan's kinds (``AttentionComm``) and what a block saves
   for backward per token (the family's own arithmetic, from a ``BlockLayout``), so that
@@ -211,6 +212,10 @@ def _no_qk_norm(_args: Any) -> bool:
     return False
 
 
+def _no_lr_scale(_args: ModelArgs) -> Optional[Callable[[str, int], float]]:
+    return None
+
+
 @dataclass(frozen=True)
 class AttentionComm:
     """What an attention layer communicates beyond the TP plan's kinds (the planner's ``PlannerTerms.comm``).
@@ -316,6 +321,9 @@ class ModelSpec:
     # Whether the blocks' attention records per-head max logits and has per-head wq / wk rows to
     # scale (QK-clip, ``optimizer.qk_clip_tau``): Llama's attention (MoE, Qwen3) does; MLA does not yet.
     qk_clip: bool = True
+    # Per-parameter factors of optimizer.lr (µP, ``model.mup``): (args) -> None (every factor 1) or a
+    # function (parameter name as the model names it, its ndim) -> factor
+    lr_scale: Callable[[ModelArgs], Optional[Callable[[str, int], float]]] = _no_lr_scale
 
     @property
     def has_experts(self) -> bool:

@@ -26,6 +26,8 @@ from models.spec import ModelArgs, decoder_args
 from parallelisms.config import DDPConfig, FSDPConfig, ParallelismConfig
 from parallelisms.utils import DTYPES
 from trainer.checkpoint.hf import parse_size
+from trainer.data.batch_ramp import BatchStage, validate_batch_ramp
+from trainer.data.seq_warmup import SeqLenStage, validate_seq_len_warmup
 from trainer.eval.config import EvalConfig, validate_eval
 from trainer.optim import validate_optimizer
 from trainer.optim.config import LRSchedulerConfig, MuonConfig, OptimizerConfig
@@ -93,6 +95,7 @@ class CheckpointConfig:
     folder: str = "checkpoints"  # relative to job.dump_folder
     interval: int = 500  # steps between saves
     keep_latest: int = 0  # 0 = keep all, else >= 2
+    keep_every: int = 0  # with keep_latest: also keep every step that is a multiple of this (0 = off)
     async_mode: str = "disabled"  # disabled | async
     load_step: int = -1  # -1 = newest complete checkpoint
     save_final: bool = True
@@ -162,6 +165,12 @@ class TrainingConfig:
     device: str = "auto"  # auto | cpu | cuda
     eval_freq: int = 0  # steps between evaluations; 0 = never
     eval_steps: int = 4  # validation batches per evaluation
+    # batch-size warmup (trainer/data/batch_ramp.py): stages {global_batch_size, until_step | until_tokens},
+    # then global_batch_size; [] = off
+    batch_ramp: list[BatchStage] = field(default_factory=list)
+    # sequence-length warmup (trainer/data/seq_warmup.py): stages {seq_len, until_step}, each seq_len
+    # dividing seq_len; the final windows are split; [] = off
+    seq_len_warmup: list[SeqLenStage] = field(default_factory=list)
 
 
 @dataclass
@@ -254,6 +263,29 @@ def _validate_training(t: TrainingConfig, max_seq_len: int) -> None:
         raise ConfigError(f"training.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping).")
 
 
+def _validate_batch_ramp(cfg: TrainConfig) -> None:
+    """``training.batch_ramp``: its stages, and the layouts and features whose per-step sizes are fixed
+    at start-up (refused by name)."""
+    t = cfg.training
+    if not t.batch_ramp:
+        return
+    validate_batch_ramp(t.batch_ramp, t.global_batch_size)
+    refusals = {
+        "parallelism.pp > 1": cfg.parallelism.pp > 1,  # the schedule's microbatch count is fixed
+        # the replica groups' data rule splits one fixed global batch (trainer/resilience/fault_tolerance.py)
+        "parallelism.fault_tolerance.enable=true": cfg.parallelism.fault_tolerance.enable,
+        "data.streaming=true": cfg.data.streaming,  # the streamed loader reads a fixed local batch
+        # the auxiliary-loss and MTP gradient scales are per fixed step size
+        f"model.family={cfg.model.family} (experts)": get_spec(cfg.model.family).has_experts,
+    }
+    for name, on in refusals.items():
+        if on:
+            raise ConfigError(
+                f"training.batch_ramp with {name}: not supported (its per-step sizes are fixed at start-up). "
+                "Set training.batch_ramp=[] or leave that option off."
+            )
+
+
 def _validate_qk_clip(cfg: TrainConfig) -> None:
     tau = cfg.optimizer.qk_clip_tau
     if tau <= 0:
@@ -288,6 +320,11 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
         raise ConfigError(
             f"checkpoint.keep_latest={c.keep_latest}: use 0 (keep all) or >= 2, so that the newest "
             f"complete checkpoint survives while the next one is written."
+        )
+    if c.keep_every < 0 or (c.keep_every > 0 and c.keep_every % c.interval != 0):
+        raise ConfigError(
+            f"checkpoint.keep_every={c.keep_every}: use 0 (off) or a multiple of checkpoint.interval="
+            f"{c.interval} (the steps it keeps are saved steps), e.g. checkpoint.keep_every={4 * c.interval}."
         )
     if c.load_step < -1:
         raise ConfigError(
@@ -328,8 +365,28 @@ def validate(cfg: TrainConfig) -> None:
             "mode, under which torch.compile compiles nothing. Measure with training.compile=false (the "
             "collectives and their bytes are the same), or set metrics.comm_ledger=false."
         )
-    validate_optimizer(cfg.optimizer, cfg.lr_scheduler)
+    validate_optimizer(cfg.optimizer, cfg.lr_scheduler, cfg.training.steps)
     _validate_qk_clip(cfg)
+    _validate_batch_ramp(cfg)
+    if cfg.training.seq_len_warmup:
+        validate_seq_len_warmup(cfg.training.seq_len_warmup, cfg.training.seq_len)
+        if cfg.parallelism.pp > 1:
+            raise ConfigError(
+                f"training.seq_len_warmup with parallelism.pp={cfg.parallelism.pp}: not supported (the "
+                "pipeline's microbatch shapes are fixed at start-up). Set training.seq_len_warmup=[]."
+            )
+    if get_spec(cfg.model.family).lr_scale(cfg.model) is not None and cfg.optimizer.name != "adamw":
+        raise ConfigError(
+            f"model.mup.enable=true with optimizer.name={cfg.optimizer.name}: µP's per-group learning rates "
+            "are AdamW's (models/mup.py; Muon's orthogonalised update has its own width scaling). Use "
+            "optimizer.name=adamw, or model.mup.enable=false."
+        )
+    if get_spec(cfg.model.family).lr_scale(cfg.model) is not None and cfg.checkpoint.last_save_in_hf:
+        raise ConfigError(
+            "model.mup.enable=true with checkpoint.last_save_in_hf=true: Hugging Face's Llama / Qwen3 have "
+            "no µP multipliers, the exported model would compute other logits. Set "
+            "checkpoint.last_save_in_hf=false."
+        )
     _validate_checkpoint(cfg.checkpoint)
     if cfg.checkpoint.last_save_in_hf and cfg.parallelism.pp > 1:
         raise ConfigError(

@@ -75,7 +75,8 @@ REHEARSAL_OVERRIDES = (
 # What the rehearsal replaces, or does not trace (shown in every report).
 REPLACED = (
     "data: synthetic token ids of the real (local batch, seq_len) shapes replace the loader and tokenizer "
-    "(block-causal documents start at stand-in BOS/EOS ids: fake ids have no values)",
+    "(block-causal documents start at stand-in BOS/EOS ids: fake ids have no values); the steady state is "
+    "rehearsed: the final batch of training.batch_ramp, no training.seq_len_warmup split (both lighter)",
     "weights: the deterministic init_weights is skipped (fake tensors have no values)",
     "guards: the non-finite check (a host sync) is answered 'finite'",
     "checkpoint: one save after the steps is planned by DCP (local, global and final plans; the other ranks' "
@@ -167,6 +168,7 @@ class RehearsalTrainer(Trainer):
         self.tokenizer = _DocumentIds()  # type: ignore[assignment]  # what block-causal positions read
         t = self.cfg.training
         self.train_loader = SyntheticLoader(self.local_batch_size, t.seq_len, self.cfg.model.vocab_size)  # type: ignore[assignment]
+        self.batch_ramp = self.seq_warmup = None  # the steady state (see REPLACED)
         self.val_loader, self.named_val_loaders, self.task_evaluator = None, {}, None
 
     def _build_operations(self) -> None:

@@ -25,6 +25,8 @@ from trainer.checkpoint.checkpointer import Checkpointer, describe_layout, model
 from trainer.checkpoint.seed import seed_parallelism, validate_checkpoint_config
 from trainer.config import CheckpointConfig, TrainConfig, to_yaml
 from trainer.data import DataLoader, build_dataloader
+from trainer.data.batch_ramp import BatchRamp, check_ramp_divisible
+from trainer.data.seq_warmup import SeqLenWarmup, split_positions, split_rows, validate_seq_len_warmup
 from trainer.data.tokenizer import build_tokenizer, check_vocab_size
 from trainer.eval.config import validation_sources
 from trainer.eval.evaluator import TaskEvaluator, TaskResult
@@ -146,6 +148,16 @@ class Trainer:
         # The optimizer registry: does this optimizer run under this layout? (before any process group)
         check_optimizer_layout(cfg.optimizer.name, optimizer_layout(self.dims, self.parallelism))
         self.grad_accum_steps = self.dims.grad_accum_steps(self.batch_size, t.micro_batch_size)
+        # training.batch_ramp: each stage splits into whole micro batches (exit 2 naming the stage)
+        check_ramp_divisible(t.batch_ramp, t.micro_batch_size, self.dims.dp)
+        self.batch_ramp = BatchRamp(t.batch_ramp, self.batch_size, t.seq_len) if t.batch_ramp else None
+        # training.seq_len_warmup: each stage's length also splits over context / sequence parallelism
+        divisor = self.dims.seq_len_divisor(
+            self.parallelism.cp_load_balance, self.parallelism.sequence_parallel
+        )
+        validate_seq_len_warmup(t.seq_len_warmup, t.seq_len, divisor)
+        self.seq_warmup = SeqLenWarmup(t.seq_len_warmup, t.seq_len) if t.seq_len_warmup else None
+        self._split = 1  # this step's seq_len_warmup split factor
         if not cfg.checkpoint.create_seed:  # metrics.memory_check: will this layout fit on this host?
             self._check_memory()
         self._load_data()
@@ -166,6 +178,7 @@ class Trainer:
             dp_rank=dp_rank,
             dp_size=self.dims.dp,
             seed=t.seed,
+            ramp=self.batch_ramp,
         )
         self.val_loader: Optional[DataLoader] = None
         if t.eval_freq > 0:
@@ -261,6 +274,16 @@ class Trainer:
         """Sequences per step on this rank (this group's batch over the data-parallel ranks)."""
         return self.dims.local_batch_size(self.batch_size)
 
+    def _step_tokens(self) -> int:
+        """Tokens of the step just taken: fault tolerance's count, a batch ramp's stage, or the batch's."""
+        if self.ft is not None:
+            return self.ft.step_tokens
+        if self.batch_ramp is not None:
+            tokens = self.train_loader.last_step_samples * self.cfg.training.seq_len
+            self.metrics.tokens_per_step = tokens  # tokens/s at a stage boundary: the new stage's size
+            return tokens
+        return self.tokens_per_step
+
     @property
     def tokens_per_step(self) -> int:
         """Tokens of this replica group's batch per step."""
@@ -348,6 +371,7 @@ class Trainer:
             shard_mesh=shard_mesh,
             adamw_modules=self.spec.first_modules + self.spec.last_modules,
             layout=optimizer_layout(self.dims, p),
+            lr_scale=self.spec.lr_scale(self.cfg.model),  # µP's per-group LRs (model.mup); None: off
         )
         self.lr_scheduler = build_lr_scheduler(self.optimizer, self.cfg.lr_scheduler, self.cfg.training.steps)
         self.state = TrainState()
@@ -356,7 +380,8 @@ class Trainer:
 
     def _build_checkpointer(self, full_shapes: dict[str, torch.Size]) -> None:
         self.checkpointer = self._make_checkpointer(self.cfg.checkpoint, full_shapes)
-        self.checkpointer.load()
+        if self.checkpointer.load():
+            self.lr_scheduler.sync_lr()  # this run's schedule at the restored step (WSD decay_start_step)
         if self.ft is not None:  # healing payload; the torchft step from a resumed checkpoint
             self.ft.attach(self)
 
@@ -466,6 +491,15 @@ class Trainer:
             step_batch.positions = document_positions(
                 step_batch.inputs, self.tokenizer.bos_id, self.tokenizer.eos_id
             )
+        if training and self.seq_warmup is not None:  # training.seq_len_warmup: rows cut into k shorter ones
+            k = self._split = self.seq_warmup.factor(self.state.step + 1)
+            if k > 1:
+                step_batch.inputs, step_batch.labels = (
+                    split_rows(step_batch.inputs, k),
+                    split_rows(step_batch.labels, k),
+                )
+                if step_batch.positions is not None:
+                    step_batch.positions = split_positions(step_batch.positions, k)
         if training:  # the family's extra inputs (MTP ids/targets), on the whole sequence (before CP)
             step_batch.extras = self.spec.batch_inputs(
                 self.cfg.model, step_batch.inputs, step_batch.labels, step_batch.positions
@@ -485,7 +519,10 @@ class Trainer:
         last one and is waited for here. Returns the summed (unscaled) token loss."""
         loss_sum = torch.zeros((), device=self.device)
         no_sync = getattr(self.model, "no_sync", None)
+        # grad_accum_steps, or under training.batch_ramp this step's stage's count
         n = self.grad_accum_steps
+        if self.batch_ramp is not None:  # (rows split by seq_len_warmup: k times the micro batch)
+            n = batch.inputs.size(0) // (self.cfg.training.micro_batch_size * self._split)
         for i, micro in enumerate(batch.chunk(n)):
             last = i == n - 1
             sync = no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
@@ -664,7 +701,7 @@ class Trainer:
                 if s is None:  # fault tolerance: discarded, retried with the next quorum
                     continue
                 step = self.state.step = s.step  # the step taken (a fault-tolerance heal may have moved it)
-                self.state.tokens_seen += self.tokens_per_step if self.ft is None else self.ft.step_tokens
+                self.state.tokens_seen += self._step_tokens()
                 self.profiler.end(step)
                 if self._is_logged(step):
                     self._log_step(s)

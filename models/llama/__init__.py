@@ -12,6 +12,7 @@ from models.llama.model import (
     LlamaArgs,
     Transformer,
     attention_mask,
+    lr_scale,
     num_flops_per_token,
     param_counts,
     planner_terms,
@@ -36,4 +37,5 @@ LLAMA_SPEC = ModelSpec(
     attention_mask=attention_mask,
     qk_norm=qk_norm,
     planner_terms=planner_terms,
+    lr_scale=lr_scale,
 )

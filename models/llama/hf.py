@@ -61,6 +61,12 @@ class LlamaHF:
         self, args: LlamaArgs, *, bos_id: Optional[int], eos_id: Optional[int], dtype: str
     ) -> HFConfig:
         """The ``config.json`` of ``args`` in this adapter's format."""
+        if args.mup.enable:
+            raise ConfigError(
+                "model.mup.enable=true has no equivalent in Hugging Face's Llama / Qwen3 (no input, "
+                "attention or logit multipliers): the exported model would compute other logits. Export is "
+                "refused for µP models."
+            )
         if args.qk_norm and "attention.q_norm" not in self.layer_names:
             raise ConfigError(
                 "model.qk_norm=true has no equivalent in Hugging Face LlamaForCausalLM (no q/k head norms); "

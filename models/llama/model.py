@@ -55,6 +55,7 @@ from models.common import (
     repeat_kv,
 )
 from models.errors import ConfigError
+from models.mup import MupArgs
 from models.spec import AttentionComm, AttentionShape, BlockLayout, ModelArgs, ParamCounts, PlannerTerms
 
 __all__ = [
@@ -97,9 +98,18 @@ class LlamaArgs(ModelArgs):
     attention_mask: str = "causal"  # causal | block_causal (no attention across packed documents)
     attn_head_dim: Optional[int] = None  # explicit head size (Qwen3: 128); None = dim / n_heads
     qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3, Qwen3-MoE)
+    mup: MupArgs = field(default_factory=MupArgs)  # µP (models/mup.py); off by default
 
     def validate(self) -> None:
         """Raise ``ConfigError`` naming the bad value and the fix; return None when consistent."""
+        if self.mup.enable:
+            self.mup.validate()
+            if self.tie_embeddings:
+                raise ConfigError(
+                    "model.mup.enable=true with model.tie_embeddings=true: µP initialises and scales the "
+                    "embedding and the output head differently, so they cannot share one weight. Set "
+                    "model.tie_embeddings=false (or model.mup.enable=false)."
+                )
         for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):
             _positive_int(getattr(self, name), f"model.{name}")
         for name in ("n_kv_heads", "ffn_hidden_dim", "attn_head_dim"):
@@ -208,6 +218,8 @@ class Attention(nn.Module):
         self.q_norm: Optional[RMSNorm] = RMSNorm(self.head_dim, eps=args.norm_eps) if args.qk_norm else None
         self.k_norm: Optional[RMSNorm] = RMSNorm(self.head_dim, eps=args.norm_eps) if args.qk_norm else None
         self.core = core if core is not None else AttentionCore(getattr(args, "attention_mask", "causal"))
+        # µP: q is multiplied so that the core's 1/sqrt(D) gives attn_mult / D (models/mup.py); None: off
+        self.q_scale: Optional[float] = args.mup.attention_scale(self.head_dim) if args.mup.enable else None
         # QK-clip (optimizer.qk_clip_tau): when asked, the forward keeps the largest pre-softmax
         # logit of each (local) query head, a running max until the caller resets it.
         self.record_max_logit = False
@@ -240,6 +252,8 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, S, -1, self.head_dim)  # (B, S, nkv, D)
         q, k = self.norm_qk(q, k)
         q, k = apply_rotary_emb(q, k, rope)
+        if self.q_scale is not None:
+            q = q * self.q_scale
         if self.record_max_logit:
             self._record_max_logit(q, k, positions)
         out = self.core(q, k, v, positions=positions)  # (B, S, nh, D)
@@ -292,7 +306,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
     def init_weights(self, init: ParamInit, prefix: str, init_std: float) -> None:
-        """Output projections get ``init_std / sqrt(2 (layer_id + 1))`` (depth scaling)."""
+        """Output projections get ``init_std / sqrt(2 (layer_id + 1))`` (depth scaling); ``init_std`` is
+        already µP's ``init_std / sqrt(m)`` when ``model.mup`` is on (``Transformer.init_weights``)."""
         out_std = init_std / math.sqrt(2 * (self.layer_id + 1))
         self.attention.init_weights(init, f"{prefix}.attention", init_std, out_std)
         self.feed_forward.init_weights(init, f"{prefix}.feed_forward", init_std, out_std)
@@ -389,13 +404,22 @@ class Transformer(nn.Module):
                 f"sequence length {seq_len} exceeds model.max_seq_len={self.args.max_seq_len}; "
                 "raise model.max_seq_len or lower training.seq_len."
             )
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, S, H)
+        mup = self.args.mup
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(tokens)  # (B, S, H)
+            if mup.enable:
+                h = h * mup.input_mult
+        else:
+            h = tokens
         # The whole cache is passed on: attention picks the rows of the sequence it sees,
         # which under sequence parallelism is larger than h's local S / tp.
         for layer in self.layers.values():
             h = layer(h, rope_cache=self.rope_cache, positions=positions)  # (B, S, H)
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h  # (B, S, V) or (B, S, H)
+        if self.output is None:
+            return h  # (B, S, H)
+        logits = self.output(h)  # (B, S, V)
+        return logits * mup.logit_scale(self.args.dim) if mup.enable else logits
 
     @torch.no_grad()
     def init_weights(
@@ -407,7 +431,9 @@ class Transformer(nn.Module):
         ``copy_fn``; a sharded caller passes one that writes its shard. Scheme (torchtitan-like):
         embedding N(0, 1); wq/wk/wv/w1 truncated normal (std=init_std, cut at 2 std); wo/w2/w3
         depth-scaled std=init_std/sqrt(2*(layer_id+1)); output truncated normal (std=dim**-0.5,
-        cut at 3 std); norms ones. With ``tie_embeddings`` the shared weight is drawn once, under
+        cut at 3 std); norms ones. Under ``model.mup`` the block stds are divided by sqrt(dim/base_dim)
+        and the output's is base_dim**-0.5 (``models/mup.py``). With ``tie_embeddings`` the shared
+        weight is drawn once, under
         the name ``tok_embeddings.weight``, with the output-head scheme: an N(0, 1) matrix used
         as the head would give logits of std sqrt(dim) at step 0.
 
@@ -417,6 +443,10 @@ class Transformer(nn.Module):
         init = init if init is not None else ParamInit(seed, copy_fn)
         args = self.args
         head_std = args.dim**-0.5
+        block_std = args.init_std
+        if args.mup.enable:  # models/mup.py: the base model's head, hidden variance 1/fan_in
+            head_std = args.mup.base_dim**-0.5
+            block_std = args.init_std / math.sqrt(args.mup.width_mult(args.dim))
 
         def embed_fill(name: str, param: Tensor) -> None:
             if args.tie_embeddings:
@@ -427,7 +457,7 @@ class Transformer(nn.Module):
         if self.tok_embeddings is not None:
             embed_fill("tok_embeddings.weight", self.tok_embeddings.weight)
         for layer_id, block in self.layers.items():
-            cast(Block, block).init_weights(init, f"layers.{layer_id}", args.init_std)
+            cast(Block, block).init_weights(init, f"layers.{layer_id}", block_std)
         if self.norm is not None:
             self.norm.init_weights(init, "norm")
         if self.output is not None:
@@ -484,6 +514,20 @@ def num_flops_per_token(args: LlamaArgs, seq_len: int, counts: Optional[ParamCou
     n_matmul = counts.active - counts.embedding + tied_head
     attention = 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
     return 6 * n_matmul + attention
+
+
+def lr_scale(model_args: ModelArgs) -> Optional[Callable[[str, int], float]]:
+    """µP's per-parameter factor of ``optimizer.lr`` (``ModelSpec.lr_scale``): ``base_dim / dim`` for the
+    blocks' matrices, 1 for the embedding, the head and every vector; None without ``model.mup``."""
+    args = cast(LlamaArgs, model_args)
+    if not args.mup.enable:
+        return None
+    hidden = args.mup.hidden_lr_scale(args.dim)
+
+    def scale(name: str, ndim: int) -> float:
+        return hidden if name.startswith("layers.") and ndim >= 2 else 1.0
+
+    return scale
 
 
 def ties_embeddings(args: LlamaArgs) -> bool:

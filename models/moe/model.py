@@ -135,6 +135,12 @@ class MoEArgs(LlamaArgs):
 
     def validate(self) -> None:
         """Raise ``ConfigError`` naming the bad value and the fix; return None when consistent."""
+        if self.mup.enable:
+            raise ConfigError(
+                f"model.mup.enable=true with model.family={self.family}: µP (models/mup.py) is "
+                "implemented for the dense Llama-style families (llama, qwen3) only; the experts, router and "
+                "(DeepSeek-V3) latent attention have no µP rules here. Set model.mup.enable=false."
+            )
         super().validate()
         for name in ("num_experts", "top_k", "moe_hidden_dim", "moe_layer_freq"):
             _positive_int(getattr(self, name), f"model.{name}")

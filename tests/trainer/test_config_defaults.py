@@ -32,6 +32,7 @@ OPTION_SETTINGS: dict[str, dict[str, Any]] = {
     "data/tokens.yaml": {"source": "tokens"},
     "optimizer/muon.yaml": {"name": "muon"},
     "lr_scheduler/warmup_linear.yaml": {"decay_type": "linear", "min_lr_ratio": 0.0},
+    "lr_scheduler/wsd.yaml": {"decay_type": "wsd", "min_lr_ratio": 0.0},
 }
 # Sections of configs/train.yaml that are dataclass groups without a folder of their own.
 ROOT_SECTIONS = ("job", "training")

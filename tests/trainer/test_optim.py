@@ -353,8 +353,8 @@ def test_unknown_names_are_refused_naming_the_registered_ones() -> None:
         build_optimizer(_tiny_llama(), OptimizerConfig(name="sgd"), device_type="cpu")
     with pytest.raises(ConfigError, match=msg):
         make_config("optimizer.name=sgd")
-    assert list(LR_SCHEDULES) == ["cosine", "linear", "constant"]
-    msg = re.escape("lr_scheduler.decay_type='step' is not one of ['cosine', 'linear', 'constant']")
+    assert list(LR_SCHEDULES) == ["cosine", "linear", "constant", "wsd"]
+    msg = re.escape("lr_scheduler.decay_type='step' is not one of ['cosine', 'linear', 'constant', 'wsd']")
     with pytest.raises(ConfigError, match=msg):
         make_config("lr_scheduler.decay_type=step")
     with pytest.raises(ConfigError, match=msg):

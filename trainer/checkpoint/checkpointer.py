@@ -16,7 +16,9 @@ Atomic commit (see ``trainer.checkpoint.storage`` for the folder layout): every 
 ``step-N.tmp-<id>``; DCP writes ``.metadata`` only after every rank's data is on disk; then
 rank 0 writes the marker ``checkpoint.json`` (sizes and CRC32 of every file, fsync), renames
 the folder to ``step-N`` and fsyncs the parent. Old checkpoints are purged oldest-first by
-renaming them to ``*.trash-*`` before deleting, never the newest complete one.
+renaming them to ``*.trash-*`` before deleting, never the newest complete one nor, with
+``checkpoint.keep_every=K``, a step that is a multiple of K (the stable checkpoints a WSD decay
+branches from).
 
 Async (``checkpoint.async_mode=async``): ``dcp.async_save`` copies the state to host memory
 (staging; the only pause of the loop) and writes in a background thread, on its own gloo
@@ -557,11 +559,15 @@ class Checkpointer:
         self._purge(step)
 
     def _purge(self, newest: int) -> None:
+        """Remove the complete checkpoints older than the ``keep_latest`` newest, except every
+        ``keep_every``-th step's (``step % keep_every == 0``: read from the step numbers on disk, so it
+        holds across restarts)."""
         keep = self.cfg.keep_latest
         if keep <= 0:
             return
         steps = complete_steps(self.folder)
-        for old in [s for s in steps[:-keep] if s < newest]:
+        every = self.cfg.keep_every
+        for old in [s for s in steps[:-keep] if s < newest and not (every > 0 and s % every == 0)]:
             path = step_dir(self.folder, old)
             trash = f"{path}.trash-{self._token}"
             os.rename(path, trash)  # atomic: never a half-deleted folder that looks complete

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from models.errors import ConfigError
+from trainer.data.batch_ramp import BatchRamp
 from trainer.data.documents import _SOURCE_ALIASES, load_documents
 from trainer.data.loader import DataLoader, check_enough_windows, tokenize_with_starts
 from trainer.data.prepared import open_split
@@ -80,6 +81,7 @@ def build_dataloader(
     dp_size: int,
     seed: int,
     pin_memory: Optional[bool] = None,
+    ramp: Optional[BatchRamp] = None,
 ) -> Any:
     """The loader of ``split`` for the data config ``cfg``.
 
@@ -87,7 +89,7 @@ def build_dataloader(
     tokenized into memory (``builtin``, ``text``, ``json``, ``parquet``, ``hub``), or
     streamed when ``data.streaming=true``; ``data.sources`` mixes several of one kind.
     Only the training split is shuffled (if ``data.shuffle``). ``pin_memory`` defaults to
-    whether CUDA is available.
+    whether CUDA is available. ``ramp``: ``training.batch_ramp`` (never with streaming).
     """
     pin = torch.cuda.is_available() if pin_memory is None else pin_memory
     prefetch = int(getattr(cfg, "prefetch", 0))
@@ -119,6 +121,7 @@ def build_dataloader(
             shuffle=shuffle,
             prefetch=prefetch,
             pin_memory=pin,
+            ramp=ramp,
         )
     orders, names = [], mixture_names([p for p, _ in entries])
     for i, (path, weight) in enumerate(entries):
@@ -145,4 +148,5 @@ def build_dataloader(
         shuffle=shuffle,
         prefetch=prefetch,
         pin_memory=pin,
+        ramp=ramp,
     )

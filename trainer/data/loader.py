@@ -12,13 +12,14 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional, Union
 
 import numpy as np
 import torch
 
 from models.errors import ConfigError
+from trainer.data.batch_ramp import BatchRamp
 from trainer.data.prefetch import Prefetcher
 from trainer.data.tokenizer import Tokenizer, encode_documents
 from trainer.data.windows import (
@@ -67,13 +68,16 @@ def check_enough_windows(windows: Any, global_batch_size: int, what: str) -> Non
 
 
 def _produce(
-    order: Any, start: int, global_batch_size: int, local: int, rank: int
+    order: Any, start: int, shape_at: Callable[[int], tuple[int, int]], rank: int
 ) -> Iterator[tuple[Batch, int]]:
-    """Batches of global steps starting at sample ``start``, each with the sample count after it."""
+    """Batches of global steps starting at sample ``start``, each with the sample count after it; the
+    step that starts at sample ``n`` advances by ``size`` samples and reads ``local`` of them on each
+    rank, ``(size, local) = shape_at(n)``."""
     while True:
+        size, local = shape_at(start)
         first = start + rank * local
-        yield order.gather(torch.arange(first, first + local)), start + global_batch_size
-        start += global_batch_size
+        yield order.gather(torch.arange(first, first + local)), start + size
+        start += size
 
 
 def check_dp_shard(dp_rank: int, dp_size: int, global_batch_size: int) -> None:
@@ -101,11 +105,13 @@ class DataLoader:
         shuffle: bool,
         prefetch: int = 0,
         pin_memory: bool = False,
+        ramp: Optional[BatchRamp] = None,
     ) -> None:
         check_dp_shard(dp_rank, dp_size, global_batch_size)
+        self.ramp = ramp  # training.batch_ramp: the step's global batch follows the samples seen
         self.mixture = windows if isinstance(windows, Mixture) else None
         if self.mixture is None:
-            check_enough_windows(windows, global_batch_size, "the data")
+            check_enough_windows(windows, ramp.max_size if ramp else global_batch_size, "the data")
         self.windows = windows
         self.order = self.mixture or SampleOrder(windows, seed, shuffle)  # type: ignore[arg-type]
         self.global_batch_size = global_batch_size
@@ -117,6 +123,7 @@ class DataLoader:
         self.prefetch = prefetch
         self.pin_memory = pin_memory
         self.samples_seen = 0  # global, across all dp ranks
+        self.last_step_samples = global_batch_size
         self.stride = global_batch_size  # samples from one batch to the next (see seek)
         self._prefetcher: Optional[Prefetcher] = None
         self._prefetch_pos = -1  # global sample count the prefetcher's next batch starts at
@@ -144,16 +151,26 @@ class DataLoader:
         """Read the next batch at global sample ``samples`` and the following ones every ``stride``
         samples (default ``global_batch_size``). Fault tolerance: a replica group's share of a step
         moves with the number of groups taking part (trainer/resilience/fault_tolerance.py)."""
+        if self.ramp is not None and stride is not None:
+            raise ValueError("a batch ramp sets each step's size; seek(stride=) is fault tolerance's")
         self.samples_seen = samples
         self.stride = stride or self.global_batch_size
 
+    def step_shape(self) -> Callable[[int], tuple[int, int]]:
+        """(global samples, this rank's rows) of the step that starts at a sample count: the ramp's
+        size over the dp degree, else the current stride and ``local_batch_size`` (bound now, so a
+        prefetch thread keeps the values it was started with)."""
+        ramp, dp_size, stride, local = self.ramp, self.dp_size, self.stride, self.local_batch_size
+        if ramp is not None:
+            return lambda samples: (ramp.size_at(samples), ramp.size_at(samples) // dp_size)
+        return lambda samples: (stride, local)
+
     def next_batch(self) -> Batch:
         """This rank's ``global_batch_size // dp_size`` rows of the next global step."""
+        size = self.step_shape()(self.samples_seen)[0]
         if self.prefetch <= 0:
             start = time.perf_counter()
-            batch, _ = next(
-                _produce(self.order, self.samples_seen, self.stride, self.local_batch_size, self.dp_rank)
-            )
+            batch, _ = next(_produce(self.order, self.samples_seen, self.step_shape(), self.dp_rank))
             waited = time.perf_counter() - start
         else:
             if (
@@ -166,14 +183,14 @@ class DataLoader:
                 args = (
                     self.order,
                     self.samples_seen,
-                    self.stride,
-                    self.local_batch_size,
+                    self.step_shape(),
                     self.dp_rank,
                 )
                 self._prefetcher = Prefetcher(lambda: _produce(*args), self.prefetch, self.pin_memory)
                 weakref.finalize(self, self._prefetcher.close)  # the thread never outlives the loader
             batch, self._prefetch_pos, waited = self._prefetcher.get()
-        self.samples_seen += self.stride
+        self.samples_seen += size
+        self.last_step_samples = size  # the global batch of the step just read
         self._wait_s += waited
         self._waits += 1
         return batch
@@ -239,7 +256,14 @@ class DataLoader:
                     "with the same settings or start a new run in a fresh job.dump_folder"
                 )
         samples_seen = int(sd["samples_seen"])
-        if samples_seen % self.global_batch_size:
+        if self.ramp is not None:
+            if not self.ramp.is_step_start(samples_seen):
+                raise ConfigError(
+                    f"checkpoint has seen {samples_seen} samples, which is not where a step of this run's "
+                    "training.batch_ramp starts (the ramp or training.seq_len changed); resume with the "
+                    "ramp the checkpoint was trained with"
+                )
+        elif samples_seen % self.global_batch_size:
             raise ConfigError(
                 f"checkpoint has seen {samples_seen} samples (global_batch_size={sd['global_batch_size']}), "
                 f"not a multiple of the new training.global_batch_size={self.global_batch_size}; "

@@ -37,10 +37,18 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from models.errors import ConfigError, check_choice
-from trainer.optim.adamw import IMPLEMENTATIONS, build_adamw, param_groups
+from trainer.optim.adamw import IMPLEMENTATIONS, LRScale, build_adamw, param_groups
 from trainer.optim.config import LRSchedulerConfig, OptimizerConfig
 from trainer.optim.muon import build_muon, muon_cost, muon_param_groups, validate_muon_config
-from trainer.optim.schedules import LRFactor, warmup_constant, warmup_cosine, warmup_linear
+from trainer.optim.schedules import (
+    WSD_SHAPES,
+    LRFactor,
+    warmup_constant,
+    warmup_cosine,
+    warmup_linear,
+    wsd,
+    wsd_decay_start,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -53,6 +61,7 @@ __all__ = [
     "LR_SCHEDULES",
     "OPTIMIZERS",
     "OptimizerEntry",
+    "ScheduleLR",
     "build_lr_scheduler",
     "build_optimizer",
     "check_optimizer_layout",
@@ -84,7 +93,8 @@ class OptimizerBuilder(Protocol):
     """Builds the optimizer of ``parts`` (the model parts: each parameter once, in their order);
     with ``shard_mesh`` wrapped in ZeRO-1's ShardedOptimizer over that mesh's group;
     ``adamw_modules``: top-level modules kept on AdamW by optimizers that split the parameters;
-    ``layout``: the run's :func:`optimizer_layout` (empty: one process, or not known)."""
+    ``layout``: the run's :func:`optimizer_layout` (empty: one process, or not known); ``lr_scale``: the
+    model's per-parameter factors of the LR (µP, ``ModelSpec.lr_scale``; None: every factor 1)."""
 
     def __call__(
         self,
@@ -95,6 +105,7 @@ class OptimizerBuilder(Protocol):
         shard_mesh: Optional[DeviceMesh],
         adamw_modules: tuple[str, ...],
         layout: frozenset[str] = ...,
+        lr_scale: Optional[LRScale] = ...,
     ) -> torch.optim.Optimizer: ...
 
 
@@ -122,6 +133,8 @@ LR_SCHEDULES: dict[str, LRFactor] = {
     "cosine": warmup_cosine,
     "linear": warmup_linear,
     "constant": warmup_constant,
+    # warmup-stable-decay; lr_scheduler.decay_shape / decay_fraction / decay_steps / decay_start_step
+    "wsd": wsd,
 }
 
 
@@ -159,8 +172,9 @@ def check_optimizer_layout(name: str, layout: Collection[str]) -> None:
         )
 
 
-def validate_optimizer(o: OptimizerConfig, s: LRSchedulerConfig) -> None:
-    """The ``optimizer`` and ``lr_scheduler`` groups' checks (no layout needed)."""
+def validate_optimizer(o: OptimizerConfig, s: LRSchedulerConfig, total_steps: Optional[int] = None) -> None:
+    """The ``optimizer`` and ``lr_scheduler`` groups' checks (no layout needed); with ``total_steps``
+    (``training.steps``) also that WSD's phases fit in the run."""
     optimizer_entry(o.name).validate(o)
     if not (math.isfinite(o.qk_clip_tau) and o.qk_clip_tau >= 0):
         raise ConfigError(f"optimizer.qk_clip_tau={o.qk_clip_tau} must be >= 0 (0 = off; Kimi K2 used 100).")
@@ -180,6 +194,46 @@ def validate_optimizer(o: OptimizerConfig, s: LRSchedulerConfig) -> None:
         raise ConfigError(f"lr_scheduler.warmup_steps={s.warmup_steps} must be >= 0.")
     if not 0.0 <= s.min_lr_ratio <= 1.0:
         raise ConfigError(f"lr_scheduler.min_lr_ratio={s.min_lr_ratio} must lie in [0, 1].")
+    _validate_wsd(s, total_steps)
+
+
+def _validate_wsd(s: LRSchedulerConfig, total_steps: Optional[int]) -> None:
+    """WSD's keys: only with decay_type=wsd, one way of placing the decay, and phases that fit."""
+    if s.decay_type != "wsd":
+        for key in ("decay_steps", "decay_start_step"):
+            if getattr(s, key) is not None:
+                raise ConfigError(
+                    f"lr_scheduler.{key}={getattr(s, key)} places the decay of the WSD schedule, but "
+                    f"lr_scheduler.decay_type={s.decay_type}; use lr_scheduler=wsd (or drop {key})."
+                )
+        return
+    check_choice(s.decay_shape, tuple(WSD_SHAPES), "lr_scheduler.decay_shape")
+    if s.decay_steps is not None and s.decay_start_step is not None:
+        raise ConfigError(
+            f"lr_scheduler.decay_steps={s.decay_steps} and "
+            f"lr_scheduler.decay_start_step={s.decay_start_step} both place the WSD decay; set one of "
+            "them (decay_start_step=N with training.steps=N+L decays over the last L steps)."
+        )
+    if not 0.0 <= s.decay_fraction <= 1.0:
+        raise ConfigError(f"lr_scheduler.decay_fraction={s.decay_fraction} must lie in [0, 1].")
+    if s.decay_steps is not None and s.decay_steps < 1:
+        raise ConfigError(f"lr_scheduler.decay_steps={s.decay_steps} must be >= 1 (or null: decay_fraction).")
+    if total_steps is None:
+        return
+    start = wsd_decay_start(s, total_steps)
+    where = (
+        f"lr_scheduler.decay_start_step={s.decay_start_step}"
+        if s.decay_start_step is not None
+        else f"the decay start {start} (training.steps={total_steps} minus the decay length)"
+    )
+    if not s.warmup_steps <= start <= total_steps:
+        raise ConfigError(
+            f"{where} must lie in [lr_scheduler.warmup_steps={s.warmup_steps}, "
+            f"training.steps={total_steps}]: "
+            "the decay starts after the warmup, at the latest when the run ends (then there is no decay: a "
+            "stable run to branch from). Raise training.steps, or shorten the decay "
+            "(lr_scheduler.decay_steps / decay_fraction) or the warmup."
+        )
 
 
 def build_optimizer(
@@ -190,10 +244,12 @@ def build_optimizer(
     shard_mesh: DeviceMesh | None = None,
     adamw_modules: tuple[str, ...] = ("tok_embeddings", "norm", "output"),
     layout: Collection[str] = (),
+    lr_scale: Optional[LRScale] = None,
 ) -> torch.optim.Optimizer:
     """The registered optimizer ``cfg.name`` over ``model`` (a module or the model parts); with
     ``shard_mesh`` it becomes the ZeRO-1 ShardedOptimizer on that mesh. ``layout``: the run's
-    :func:`optimizer_layout` (empty: one process), refused unless the entry runs under it."""
+    :func:`optimizer_layout` (empty: one process), refused unless the entry runs under it. ``lr_scale``:
+    per-parameter factors of ``cfg.lr`` (µP: ``ModelSpec.lr_scale``; an optimizer without them refuses)."""
     entry = optimizer_entry(cfg.name)
     check_optimizer_layout(cfg.name, {*layout, *(("zero1",) if shard_mesh is not None else ())})
     parts = model if isinstance(model, list) else [model]
@@ -204,31 +260,67 @@ def build_optimizer(
         shard_mesh=shard_mesh,
         adamw_modules=adamw_modules,
         layout=frozenset(layout),
+        lr_scale=lr_scale,
     )
 
 
 def lr_factor(
-    step: int, *, warmup_steps: int, total_steps: int, decay_type: str, min_lr_ratio: float
+    step: int,
+    *,
+    warmup_steps: int,
+    total_steps: int,
+    decay_type: str,
+    min_lr_ratio: float,
+    decay_shape: str = "linear",
+    decay_fraction: float = 0.2,
+    decay_steps: Optional[int] = None,
+    decay_start_step: Optional[int] = None,
 ) -> float:
     """Multiplier of the peak LR for the ``step``-th optimizer step (0-based) under the schedule
-    ``decay_type`` (a name in :data:`LR_SCHEDULES`; ``trainer/optim/schedules.py``)."""
+    ``decay_type`` (a name in :data:`LR_SCHEDULES`; ``trainer/optim/schedules.py``); the ``decay_*``
+    keys are WSD's (``LRSchedulerConfig``)."""
     check_choice(decay_type, tuple(LR_SCHEDULES), "lr_scheduler.decay_type")
-    return LR_SCHEDULES[decay_type](
-        step, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio
+    cfg = LRSchedulerConfig(
+        warmup_steps=warmup_steps,
+        decay_type=decay_type,
+        min_lr_ratio=min_lr_ratio,
+        decay_shape=decay_shape,
+        decay_fraction=decay_fraction,
+        decay_steps=decay_steps,
+        decay_start_step=decay_start_step,
     )
+    return LR_SCHEDULES[decay_type](step, cfg, total_steps)
+
+
+class ScheduleLR(LambdaLR):
+    """``LambdaLR`` with :meth:`sync_lr`, which the Trainer calls after loading a checkpoint: it sets
+    each group's LR to the schedule's value at the restored step. The optimizer's state holds the LR
+    the saving run would have used next (DCP loads it after the scheduler: keys in sorted order), so a
+    run that resumes under another schedule (WSD's ``lr_scheduler.decay_start_step`` from a stable
+    checkpoint) would take one step at the old LR. Under the same schedule the value is the saved one,
+    bit for bit (``base_lr * factor(step)``, as ``LambdaLR.get_lr`` computes it)."""
+
+    def sync_lr(self) -> None:
+        for group, base_lr, fn in zip(
+            self.optimizer.param_groups, self.base_lrs, self.lr_lambdas, strict=True
+        ):
+            lr = base_lr * fn(self.last_epoch)
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
+        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
 
 def build_lr_scheduler(
     optimizer: torch.optim.Optimizer, cfg: LRSchedulerConfig, total_steps: int
-) -> LambdaLR:
-    """The schedule ``cfg.decay_type`` from :data:`LR_SCHEDULES`; ``scheduler.step()`` once per
-    optimizer step."""
+) -> ScheduleLR:
+    """The schedule ``cfg.decay_type`` from :data:`LR_SCHEDULES` (a :class:`ScheduleLR`);
+    ``scheduler.step()`` once per optimizer step."""
     check_choice(cfg.decay_type, tuple(LR_SCHEDULES), "lr_scheduler.decay_type")
     factor = LR_SCHEDULES[cfg.decay_type]
 
     def fn(step: int) -> float:
-        return factor(
-            step, warmup_steps=cfg.warmup_steps, total_steps=total_steps, min_lr_ratio=cfg.min_lr_ratio
-        )
+        return factor(step, cfg, total_steps)
 
-    return LambdaLR(optimizer, fn)
+    return ScheduleLR(optimizer, fn)

@@ -6,11 +6,13 @@ shares.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
 
+from models.common import unwrapped_name
 from parallelisms.sharded_optimizer import ShardedOptimizer
 
 if TYPE_CHECKING:
@@ -22,12 +24,39 @@ if TYPE_CHECKING:
 IMPLEMENTATIONS = ("auto", "fused", "foreach", "for-loop")
 
 
-def param_groups(model: nn.Module | list[nn.Module], weight_decay: float) -> list[dict[str, Any]]:
+# (parameter name as the model names it, its ndim) -> factor of optimizer.lr (µP: ModelSpec.lr_scale)
+LRScale = Callable[[str, int], float]
+
+
+def param_groups(
+    model: nn.Module | list[nn.Module],
+    weight_decay: float,
+    *,
+    lr: Optional[float] = None,
+    lr_scale: Optional[LRScale] = None,
+) -> list[dict[str, Any]]:
     """Decay matrices (linear and embedding weights); never decay norms or other vectors. ``model``:
-    a module or the model parts (each parameter once, in the parts' order)."""
+    a module or the model parts (each parameter once, in the parts' order). With ``lr_scale`` (µP)
+    each (decay, factor) pair is a group of its own with ``lr * factor`` as its LR, in order of first
+    appearance; without, the two groups take the optimizer's LR."""
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
     parts = model if isinstance(model, list) else [model]
+    if lr_scale is not None:
+        if lr is None:
+            raise ValueError("param_groups: lr_scale needs the peak lr")
+        scaled: dict[tuple[bool, float], list[nn.Parameter]] = {}
+        seen: set[int] = set()
+        for part in parts:
+            for name, p in part.named_parameters():
+                if not p.requires_grad or id(p) in seen:
+                    continue
+                seen.add(id(p))
+                scaled.setdefault((p.ndim >= 2, lr_scale(unwrapped_name(name), p.ndim)), []).append(p)
+        return [
+            {"params": ps, "weight_decay": weight_decay if is_matrix else 0.0, "lr": lr * factor}
+            for (is_matrix, factor), ps in scaled.items()
+        ]
     for p in dict.fromkeys(p for part in parts for p in part.parameters()):
         if not p.requires_grad:
             continue
@@ -54,13 +83,14 @@ def build_adamw(
     shard_mesh: Optional[DeviceMesh],
     adamw_modules: tuple[str, ...],
     layout: frozenset[str] = frozenset(),
+    lr_scale: Optional[LRScale] = None,
 ) -> torch.optim.Optimizer:
     """torch.optim.AdamW over :func:`param_groups` (``adamw_modules`` and ``layout`` unused: every
-    parameter is AdamW's, elementwise on its local piece);
+    parameter is AdamW's, elementwise on its local piece; ``lr_scale``: µP's per-parameter LR factors);
     with ``shard_mesh`` the ZeRO-1 ShardedOptimizer over that mesh's group wraps it."""
     kwargs: dict[str, Any] = {"lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps}
     kwargs.update(impl_kwargs(cfg, device_type))
-    groups = param_groups(parts, cfg.weight_decay)
+    groups = param_groups(parts, cfg.weight_decay, lr=cfg.lr, lr_scale=lr_scale)
     if shard_mesh is not None:
         return ShardedOptimizer(groups, torch.optim.AdamW, shard_mesh.get_group(), **kwargs)
     return torch.optim.AdamW(groups, **kwargs)

@@ -9,6 +9,7 @@ They live here, beside the optimizers, and ``trainer/config.py`` registers them 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 __all__ = ["DEFAULT_NS_COEFFICIENTS", "LRSchedulerConfig", "MuonConfig", "OptimizerConfig"]
 
@@ -51,5 +52,12 @@ class OptimizerConfig:
 @dataclass
 class LRSchedulerConfig:
     warmup_steps: int = 10
-    decay_type: str = "cosine"  # a name in trainer.optim.LR_SCHEDULES: cosine | linear | constant
+    decay_type: str = "cosine"  # a name in trainer.optim.LR_SCHEDULES: cosine | linear | constant | wsd
     min_lr_ratio: float = 0.1  # floor of the decay, as a fraction of optimizer.lr
+    # decay_type=wsd only (trainer/optim/schedules.py wsd): the decay's shape, linear | cosine | 1-sqrt;
+    # its length: decay_start_step (the first decayed step; "decay from here"), else decay_steps, else
+    # decay_fraction of training.steps
+    decay_shape: str = "linear"
+    decay_fraction: float = 0.2
+    decay_steps: Optional[int] = None
+    decay_start_step: Optional[int] = None

@@ -70,7 +70,7 @@ from parallelisms.utils import (
     rank_coordinates,
     shard_piece,
 )
-from trainer.optim.adamw import impl_kwargs
+from trainer.optim.adamw import LRScale, impl_kwargs
 from trainer.optim.config import DEFAULT_NS_COEFFICIENTS
 
 if TYPE_CHECKING:
@@ -717,11 +717,18 @@ def build_muon(
     shard_mesh: Optional[DeviceMesh],
     adamw_modules: tuple[str, ...],
     layout: frozenset[str] = frozenset(),
+    lr_scale: Optional[LRScale] = None,
 ) -> torch.optim.Optimizer:
     """Muon + AdamW (:func:`muon_param_groups`). With ``shard_mesh`` it is the ZeRO-1
     ShardedOptimizer's inner optimizer (each owner orthogonalises its whole matrices); without,
     Muon spreads its matrices over the world group's ranks, each rank deriving the others' pieces
-    when the run's ``layout`` is known and has no pipeline stages (else they are exchanged)."""
+    when the run's ``layout`` is known and has no pipeline stages (else they are exchanged).
+    ``lr_scale`` (µP's per-parameter LR factors) is refused: see ``models/mup.py``."""
+    if lr_scale is not None:
+        raise ConfigError(
+            "optimizer.name=muon with model.mup.enable=true: µP's per-width AdamW learning rates do not "
+            "apply to Muon's orthogonalised updates; use optimizer.name=adamw (or model.mup.enable=false)."
+        )
     groups = muon_param_groups(parts, cfg, adamw_modules)
     kwargs: dict[str, Any] = {
         "ns_dtype": NS_DTYPES[cfg.muon.ns_dtype],
