@@ -168,7 +168,7 @@ class RehearsalTrainer(Trainer):
         self.tokenizer = _DocumentIds()  # type: ignore[assignment]  # what block-causal positions read
         t = self.cfg.training
         self.train_loader = SyntheticLoader(self.local_batch_size, t.seq_len, self.cfg.model.vocab_size)  # type: ignore[assignment]
-        self.batch_ramp = self.seq_warmup = None  # the steady state (see REPLACED)
+        self.step_shape.steady()  # the steady state (see REPLACED)
         self.val_loader, self.named_val_loaders, self.task_evaluator = None, {}, None
 
     def _build_operations(self) -> None:

@@ -25,8 +25,7 @@ from trainer.checkpoint.checkpointer import Checkpointer, describe_layout, model
 from trainer.checkpoint.seed import seed_parallelism, validate_checkpoint_config
 from trainer.config import CheckpointConfig, TrainConfig, to_yaml
 from trainer.data import DataLoader, build_dataloader
-from trainer.data.batch_ramp import BatchRamp, check_ramp_divisible
-from trainer.data.seq_warmup import SeqLenWarmup, split_positions, split_rows, validate_seq_len_warmup
+from trainer.data.step_shape import StepShape
 from trainer.data.tokenizer import build_tokenizer, check_vocab_size
 from trainer.eval.config import validation_sources
 from trainer.eval.evaluator import TaskEvaluator, TaskResult
@@ -94,7 +93,6 @@ class Trainer:
         self.cfg = cfg
         self.rank = _env_int("RANK", 0)
         self.world_size = _env_int("WORLD_SIZE", 1)
-        self.local_rank = _env_int("LOCAL_RANK", 0)
         setup_logging(self.rank)
         self.spec = get_spec(cfg.model.family)
         self._validate_and_load_data()  # 1. everything that needs no process group
@@ -133,7 +131,7 @@ class Trainer:
         self.batch_size = group_batch_size(
             cfg.parallelism, t.global_batch_size
         )  # this group's sequences per step
-        self.device = resolve_device(t.device, self.local_rank)
+        self.device = resolve_device(t.device, _env_int("LOCAL_RANK", 0))
         self.dims = validated_dims(
             self.parallelism,
             self.world_size,
@@ -148,16 +146,11 @@ class Trainer:
         # The optimizer registry: does this optimizer run under this layout? (before any process group)
         check_optimizer_layout(cfg.optimizer.name, optimizer_layout(self.dims, self.parallelism))
         self.grad_accum_steps = self.dims.grad_accum_steps(self.batch_size, t.micro_batch_size)
-        # training.batch_ramp: each stage splits into whole micro batches (exit 2 naming the stage)
-        check_ramp_divisible(t.batch_ramp, t.micro_batch_size, self.dims.dp)
-        self.batch_ramp = BatchRamp(t.batch_ramp, self.batch_size, t.seq_len) if t.batch_ramp else None
-        # training.seq_len_warmup: each stage's length also splits over context / sequence parallelism
+        # training.batch_ramp / training.seq_len_warmup: each step's rows and their cut
         divisor = self.dims.seq_len_divisor(
             self.parallelism.cp_load_balance, self.parallelism.sequence_parallel
         )
-        validate_seq_len_warmup(t.seq_len_warmup, t.seq_len, divisor)
-        self.seq_warmup = SeqLenWarmup(t.seq_len_warmup, t.seq_len) if t.seq_len_warmup else None
-        self._split = 1  # this step's seq_len_warmup split factor
+        self.step_shape = StepShape(t, self.batch_size, self.dims.dp, divisor)
         if not cfg.checkpoint.create_seed:  # metrics.memory_check: will this layout fit on this host?
             self._check_memory()
         self._load_data()
@@ -178,7 +171,7 @@ class Trainer:
             dp_rank=dp_rank,
             dp_size=self.dims.dp,
             seed=t.seed,
-            ramp=self.batch_ramp,
+            ramp=self.step_shape.ramp,
         )
         self.val_loader: Optional[DataLoader] = None
         if t.eval_freq > 0:
@@ -278,11 +271,11 @@ class Trainer:
         """Tokens of the step just taken: fault tolerance's count, a batch ramp's stage, or the batch's."""
         if self.ft is not None:
             return self.ft.step_tokens
-        if self.batch_ramp is not None:
-            tokens = self.train_loader.last_step_samples * self.cfg.training.seq_len
-            self.metrics.tokens_per_step = tokens  # tokens/s at a stage boundary: the new stage's size
-            return tokens
-        return self.tokens_per_step
+        tokens = self.step_shape.step_tokens(self.train_loader.last_step_samples)
+        if tokens is None:
+            return self.tokens_per_step
+        self.metrics.tokens_per_step = tokens  # tokens/s at a stage boundary: the new stage's size
+        return tokens
 
     @property
     def tokens_per_step(self) -> int:
@@ -491,15 +484,10 @@ class Trainer:
             step_batch.positions = document_positions(
                 step_batch.inputs, self.tokenizer.bos_id, self.tokenizer.eos_id
             )
-        if training and self.seq_warmup is not None:  # training.seq_len_warmup: rows cut into k shorter ones
-            k = self._split = self.seq_warmup.factor(self.state.step + 1)
-            if k > 1:
-                step_batch.inputs, step_batch.labels = (
-                    split_rows(step_batch.inputs, k),
-                    split_rows(step_batch.labels, k),
-                )
-                if step_batch.positions is not None:
-                    step_batch.positions = split_positions(step_batch.positions, k)
+        if training:  # training.seq_len_warmup: rows cut into k shorter ones
+            step_batch.inputs, step_batch.labels, step_batch.positions = self.step_shape.cut(
+                self.state.step + 1, step_batch.inputs, step_batch.labels, step_batch.positions
+            )
         if training:  # the family's extra inputs (MTP ids/targets), on the whole sequence (before CP)
             step_batch.extras = self.spec.batch_inputs(
                 self.cfg.model, step_batch.inputs, step_batch.labels, step_batch.positions
@@ -519,10 +507,7 @@ class Trainer:
         last one and is waited for here. Returns the summed (unscaled) token loss."""
         loss_sum = torch.zeros((), device=self.device)
         no_sync = getattr(self.model, "no_sync", None)
-        # grad_accum_steps, or under training.batch_ramp this step's stage's count
-        n = self.grad_accum_steps
-        if self.batch_ramp is not None:  # (rows split by seq_len_warmup: k times the micro batch)
-            n = batch.inputs.size(0) // (self.cfg.training.micro_batch_size * self._split)
+        n = self.step_shape.micro_batches(batch.inputs.size(0), self.grad_accum_steps)  # training.batch_ramp
         for i, micro in enumerate(batch.chunk(n)):
             last = i == n - 1
             sync = no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
