@@ -146,6 +146,18 @@ class ProfilingConfig:
 
 
 @dataclass
+class SpikeConfig:
+    """``training.spike.*``: skip a step whose loss or pre-clip gradient norm is an outlier against the
+    last accepted steps (``trainer/stability.py`` states the rule)."""
+
+    enable: bool = False
+    window: int = 128  # accepted steps whose loss and grad norm make the running mean and std
+    warmup: int = 20  # accepted steps in the window before a step can be judged
+    z_threshold: float = 6.0  # a step is skipped when (value - mean) / std exceeds this, for either figure
+    max_consecutive: int = 5  # this many skips in a row stop the run
+
+
+@dataclass
 class TrainingConfig:
     steps: int = 100
     seed: int = 0
@@ -162,6 +174,7 @@ class TrainingConfig:
     device: str = "auto"  # auto | cpu | cuda
     eval_freq: int = 0  # steps between evaluations; 0 = never
     eval_steps: int = 4  # validation batches per evaluation
+    spike: SpikeConfig = field(default_factory=SpikeConfig)  # loss-spike skipping (off by default)
 
 
 @dataclass
@@ -252,6 +265,20 @@ def _validate_training(t: TrainingConfig, max_seq_len: int) -> None:
     check_choice(t.ac_selective, ("layer", "op"), "training.ac_selective")
     if t.grad_clip < 0 or math.isnan(t.grad_clip):
         raise ConfigError(f"training.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping).")
+    _validate_spike(t.spike)
+
+
+def _validate_spike(s: SpikeConfig) -> None:
+    if not s.enable:
+        return
+    _positive(s.z_threshold, "training.spike.z_threshold")
+    _positive(s.max_consecutive, "training.spike.max_consecutive")
+    if s.window < 2 or not 2 <= s.warmup <= s.window:
+        raise ConfigError(
+            f"training.spike.window={s.window}, training.spike.warmup={s.warmup}: a standard deviation "
+            "needs 2 <= warmup <= window accepted steps; raise training.spike.window or lower "
+            "training.spike.warmup."
+        )
 
 
 def _validate_qk_clip(cfg: TrainConfig) -> None:

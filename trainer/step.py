@@ -16,7 +16,7 @@ import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -147,3 +147,6 @@ class StepState:
     loss_sum: Optional[torch.Tensor] = None  # summed token loss (after_clip and later)
     grad_norm: Optional[torch.Tensor] = None  # pre-clip global gradient norm (after_clip and later)
     discard: bool = False  # set by a hook: the step is not applied (the trainer retries)
+    # set with ``discard`` by spike skipping (trainer/stability.py): the step's figures; its batch is
+    # consumed (not retried) and the record is logged as skipped
+    skipped: Optional[dict[str, Union[float, int, str, bool]]] = None

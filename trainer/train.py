@@ -43,6 +43,7 @@ from trainer.resilience.fault_tolerance import (
 from trainer.resilience.guards import install_test_nan_hook, non_finite_message
 from trainer.resilience.preemption import PreemptionHandler
 from trainer.resilience.watchdog import CommMonitor, configure_flight_recorder
+from trainer.stability import SpikeWindow
 from trainer.step import (
     StepBatch,
     StepContext,
@@ -69,6 +70,7 @@ class TrainState:
     step: int = 0
     tokens_seen: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
+    spike: Optional[SpikeWindow] = None  # training.spike: the window of accepted steps (trainer/stability.py)
 
 
 def _env_int(name: str, default: int) -> int:
@@ -350,7 +352,8 @@ class Trainer:
             layout=optimizer_layout(self.dims, p),
         )
         self.lr_scheduler = build_lr_scheduler(self.optimizer, self.cfg.lr_scheduler, self.cfg.training.steps)
-        self.state = TrainState()
+        spike = self.cfg.training.spike
+        self.state = TrainState(spike=SpikeWindow(spike) if spike.enable else None)
         # test-only (trainer/resilience/guards.py): MESHWRIGHT_TEST_NAN_AT=<rank>@<step> injects a NaN
         install_test_nan_hook(self.model, self.rank, lambda: self.state.step + 1)
 
@@ -378,6 +381,7 @@ class Trainer:
             full_shapes=full_shapes,
             hf_target=(self.spec, cfg.model),
             shared_folder=self.ft is not None,
+            extra_states={"spike": self.state.spike} if self.state.spike is not None else None,
         )
 
     def _build_metrics(self) -> None:
@@ -415,6 +419,7 @@ class Trainer:
                     self.pipeline.n_microbatches if self.pipeline is not None else self.grad_accum_steps
                 ),
                 ft=self.ft,
+                spike=self.state.spike,
             )
         )
 
@@ -506,10 +511,11 @@ class Trainer:
             return self.pipeline.step(batch.inputs, batch.labels, loss_scale=scale, **batch.model_kwargs())
         return self._accumulate_gradients(batch, scale)
 
-    def train_step(self) -> Optional[StepState]:
+    def train_step(self) -> StepState:
         """One optimizer step over ``grad_accum_steps`` microbatches, with the hooks at their points
         (``trainer/hooks.py``); returns the step's state (``loss_sum``, ``num_tokens``, pre-clip
-        ``grad_norm``), or None if a hook discarded the step (fault tolerance: a group failed)."""
+        ``grad_norm``); ``discard`` is set when a hook dropped the step (fault tolerance: a group failed;
+        spike skipping: an outlier, with ``skipped``), nothing applied."""
         s = StepState(step=self.state.step + 1, loader=self.train_loader, tokens_seen=self.state.tokens_seen)
         self.hooks.run("begin_step", s)
         s.step, s.tokens_seen = self.state.step + 1, self.state.tokens_seen  # a heal may have moved them
@@ -527,7 +533,7 @@ class Trainer:
         self.hooks.run("after_clip", s)
         if s.discard:
             self.optimizer.zero_grad(set_to_none=True)
-            return None
+            return s
         self._check_finite(s)
         self.hooks.run("before_optimizer_step", s)
         self.optimizer.step()
@@ -629,6 +635,17 @@ class Trainer:
         record = self.metrics.log_step(s.step, global_loss.item(), s.grad_norm.item(), lr, extra=extra)
         self.state.history.append(record)
 
+    def _log_skipped(self, s: StepState) -> None:
+        """A step skipped as a loss spike (trainer/stability.py): its batch counts as read (the data
+        position), its record is logged; too many in a row stop the run on every rank."""
+        assert s.skipped is not None
+        self.state.tokens_seen += self.tokens_per_step if self.ft is None else self.ft.step_tokens
+        record = {"step": s.step, **{k: v for k, v in s.skipped.items() if k != "spike/stop"}}
+        self.metrics.write(record, s.step)
+        self.state.history.append(record)
+        if "spike/stop" in s.skipped:
+            raise TrainingError(s.skipped["spike/stop"])
+
     def _after_step(self, step: int, stop: int) -> None:
         """Evaluation, checkpoint and the preemption check after step ``step`` was applied."""
         t = self.cfg.training
@@ -661,7 +678,9 @@ class Trainer:
                 # metrics.comm_ledger / memory_ledger measure logged steps (each step: the same collectives)
                 with self.hooks.measuring() if self._is_logged(step) else contextlib.nullcontext():
                     s = self.train_step()
-                if s is None:  # fault tolerance: discarded, retried with the next quorum
+                if s.discard:  # fault tolerance: retried with the next quorum; a spike: its batch is consumed
+                    if s.skipped is not None:
+                        self._log_skipped(s)
                     continue
                 step = self.state.step = s.step  # the step taken (a fault-tolerance heal may have moved it)
                 self.state.tokens_seen += self.tokens_per_step if self.ft is None else self.ft.step_tokens
