@@ -125,6 +125,9 @@ class MetricsConfig:
     # bytes saved for backward, model states and buffers of each logged step, per rank
     # (trainer/observe/memory_ledger.py)
     memory_ledger: bool = False
+    # per block, embedding and head: grad norm, param norm, update/param ratio every N steps (a multiple of
+    # log_freq; trainer/observe/layer_stats.py); 0 = off
+    layer_stats_freq: int = 0
     # error | warn | off: plan this rank's memory at start-up and stop (or warn) when it exceeds the device /
     # host RAM
     memory_check: str = "error"
@@ -174,6 +177,7 @@ class TrainingConfig:
     device: str = "auto"  # auto | cpu | cuda
     eval_freq: int = 0  # steps between evaluations; 0 = never
     eval_steps: int = 4  # validation batches per evaluation
+    z_loss_weight: float = 0.0  # weight x mean log Z^2 of the output logits added to the loss (PaLM); 0 = off
     spike: SpikeConfig = field(default_factory=SpikeConfig)  # loss-spike skipping (off by default)
 
 
@@ -265,7 +269,20 @@ def _validate_training(t: TrainingConfig, max_seq_len: int) -> None:
     check_choice(t.ac_selective, ("layer", "op"), "training.ac_selective")
     if t.grad_clip < 0 or math.isnan(t.grad_clip):
         raise ConfigError(f"training.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping).")
+    if not t.z_loss_weight >= 0:
+        raise ConfigError(
+            f"training.z_loss_weight={t.z_loss_weight} must be >= 0 (0 disables the z-loss; PaLM: 1e-4)."
+        )
     _validate_spike(t.spike)
+
+
+def _validate_layer_stats(m: MetricsConfig) -> None:
+    freq = m.layer_stats_freq
+    if freq < 0 or (freq > 0 and freq % m.log_freq != 0):
+        raise ConfigError(
+            f"metrics.layer_stats_freq={freq} must be 0 (off) or a multiple of metrics.log_freq={m.log_freq} "
+            f"(the statistics are written with the logged steps); e.g. metrics.layer_stats_freq={m.log_freq}."
+        )
 
 
 def _validate_spike(s: SpikeConfig) -> None:
@@ -341,6 +358,7 @@ def validate(cfg: TrainConfig) -> None:
     validate_model(cfg.model)
     _validate_training(cfg.training, decoder_args(cfg.model).max_seq_len)
     check_choice(cfg.metrics.memory_check, ("error", "warn", "off"), "metrics.memory_check")
+    _validate_layer_stats(cfg.metrics)
     if cfg.metrics.memory_ledger and cfg.training.compile:
         raise ConfigError(
             "metrics.memory_ledger=true cannot run with training.compile=true: compiled regions save their "

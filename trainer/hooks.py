@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 import torch
 from torch import nn
 
-from trainer.step import StepState
+from trainer.step import StepState, TokenLoss
 
 if TYPE_CHECKING:
     from models.spec import ModelSpec
@@ -88,6 +88,7 @@ class HookContext:
     forwards_per_step: int  # forward calls per step: microbatches (pipeline) or accumulation steps
     ft: Optional[FaultTolerance] = None  # torchft replica groups (parallelism.fault_tolerance)
     spike: Optional[SpikeWindow] = None  # training.spike: the checkpointed window of accepted steps
+    loss: Optional[TokenLoss] = None  # the step's loss function (its z-loss sums: training.z_loss_weight)
 
 
 class StepHooks:
@@ -207,6 +208,24 @@ def _spike_skip(c: HookContext) -> Optional[Hook]:
     return SpikeSkipHook(c.spike, c.dims, c.cfg)
 
 
+def _z_loss(c: HookContext) -> Optional[Hook]:
+    """``training.z_loss_weight > 0``: the step's z-loss, logged apart from the loss (``z_loss``)."""
+    if c.loss is None or c.loss.z_loss_weight == 0.0:
+        return None
+    from trainer.stability import ZLossStats
+
+    return ZLossStats(c.loss, c.dims)
+
+
+def _layer_stats(c: HookContext) -> Optional[Hook]:
+    """``metrics.layer_stats_freq > 0``: per block, embedding and head gradient/parameter/update norms."""
+    if c.cfg.metrics.layer_stats_freq <= 0:
+        return None
+    from trainer.observe.layer_stats import LayerStats
+
+    return LayerStats(c.model_parts, c.spec, c.dims, c.cfg.metrics.layer_stats_freq)
+
+
 def _memory_ledger(c: HookContext) -> Optional[LedgerHook]:
     """``metrics.memory_ledger``: saved tensors, model states and buffers of each logged step."""
     if not c.cfg.metrics.memory_ledger:
@@ -225,6 +244,8 @@ HOOK_BUILDERS: tuple[HookBuilder, ...] = (
     _comm_ledger,
     _fault_tolerance,
     _spike_skip,  # after fault tolerance: judges the loss summed over the replica groups
+    _z_loss,
+    _layer_stats,  # after fault tolerance: the gradients averaged over the replica groups
     _memory_ledger,
 )
 

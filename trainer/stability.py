@@ -38,9 +38,9 @@ from torch._subclasses.fake_tensor import FakeTensor
 if TYPE_CHECKING:
     from parallelisms.parallel_dims import ParallelDims
     from trainer.config import SpikeConfig, TrainConfig
-    from trainer.step import StepState
+    from trainer.step import StepState, TokenLoss
 
-__all__ = ["Figure", "SpikeSkipHook", "SpikeWindow", "stop_message"]
+__all__ = ["Figure", "SpikeSkipHook", "SpikeWindow", "ZLossStats", "stop_message"]
 
 Figure = Union[float, int, str, bool]  # a value of a skipped step's record
 
@@ -184,3 +184,28 @@ class SpikeSkipHook:
     def metrics(self, state: StepState, device: torch.device) -> dict[str, int]:
         """``spike/skipped_total`` on logged steps (no collective)."""
         return {"spike/skipped_total": self.window.skipped_total}
+
+
+class ZLossStats:
+    """The z-loss of a step (``training.z_loss_weight``), logged apart from the loss as ``z_loss``:
+    weight x mean over the step's target tokens of log Z^2. The loss function keeps this rank's sums
+    (``TokenLoss.z_sums``; under a pipeline only the last stage computes the loss); on logged steps they
+    are summed over the data/context-parallel ranks and the pipeline stages (tensor-parallel ranks hold
+    the same sum)."""
+
+    def __init__(self, loss: TokenLoss, dims: ParallelDims) -> None:
+        self.loss = loss
+        self.dims = dims
+
+    def begin_step(self, state: StepState) -> None:
+        self.loss.z_sums.clear()
+
+    def metrics(self, state: StepState, device: torch.device) -> dict[str, float]:
+        assert state.num_tokens is not None
+        total = torch.stack(self.loss.z_sums).sum() if self.loss.z_sums else torch.zeros((), device=device)
+        total = total.reshape(1)
+        if self.dims.dp_cp > 1:
+            dist.all_reduce(total, group=self.dims.loss_mesh.get_group())
+        if self.dims.pp > 1:
+            dist.all_reduce(total, group=self.dims.get_mesh("pp").get_group())
+        return {"z_loss": (total / state.num_tokens).item()}

@@ -48,9 +48,9 @@ from trainer.step import (
     StepBatch,
     StepContext,
     StepState,
+    TokenLoss,
     count_targets,
     document_positions,
-    token_loss_sum,
 )
 
 if TYPE_CHECKING:  # imported when pp > 1 (torch.distributed.pipelining costs ~1 s to import)
@@ -293,6 +293,7 @@ class Trainer:
             device_type=self.device.type,
             autocast_dtype=torch.bfloat16 if t.mixed_precision == "bf16" else None,
             loss_parallel=self.dims.tp > 1 and p.loss_parallel,
+            loss=TokenLoss(t.z_loss_weight),
         )
         if self.dims.cp > 1:
             # Context parallel: every batch is cut to this rank's (head-tail) share of each
@@ -320,7 +321,7 @@ class Trainer:
                 local_batch_size=self.local_batch_size,
                 seq_len=t.seq_len,
                 autocast_dtype=self.step_context.autocast_dtype,
-                loss_fn=token_loss_sum,
+                loss_fn=self.step_context.loss,
                 step_context=self.step_context,
             )
             self.model = self.pipeline
@@ -420,6 +421,7 @@ class Trainer:
                 ),
                 ft=self.ft,
                 spike=self.state.spike,
+                loss=self.step_context.loss,
             )
         )
 
@@ -482,7 +484,7 @@ class Trainer:
         logits = self.model(
             batch.inputs, **batch.model_kwargs()
         )  # (b, S, V); vocab-sharded under loss parallel
-        return token_loss_sum(logits, batch.labels)
+        return self.step_context.loss(logits, batch.labels)
 
     # -- the step -------------------------------------------------------------------
     def _accumulate_gradients(self, batch: StepBatch, scale: torch.Tensor) -> torch.Tensor:
