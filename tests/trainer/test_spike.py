@@ -31,11 +31,31 @@ POISON_LABEL = 7
 SPIKE = ("training.spike.enable=true", "training.spike.window=8", "training.spike.warmup=4")
 STEPS = "training.steps=7"
 POISONED = (6,)  # the 6th batch read: the 6th step
+# the per-step extras' figures, compared bitwise too where a run logs them
+FAMILY_FIGURES = ("aux_loss", "moe_imbalance_max", "mtp_loss", "qk_max_logit", "qk_clipped_heads")
+MOE = ("model=moe_debug", "model.moe_hidden_dim=64", "optimizer.qk_clip_tau=2")  # expert bias, QK-clip
+MTP = ("model=deepseek_v3_debug", "model.n_kv_heads=null", "model.moe_hidden_dim=64", "model.mtp_depth=1")
+
+
+class _Buffers:
+    """Test-only hook: the model's buffers (MoE expert bias, ...) after the last applied step."""
+
+    def __init__(self, trainer, out: dict) -> None:
+        self.trainer, self.out = trainer, out
+
+    def after_optimizer_step(self, state) -> None:
+        for part in self.trainer.model_parts:
+            for name, b in part.named_buffers():
+                self.out[name] = b.detach().clone()
 
 
 def inject(trainer, reads: tuple[int, ...], mode: str) -> dict:
     """Test-only: poison (``mode="poison"``) or drop (``"drop"``) the batches read ``reads``-th (1-based)
-    by the training loader; returns the record of what was done (``observed``)."""
+    by the training loader; returns the model's buffers after the last applied step (``observed``)."""
+    from trainer.hooks import StepHooks
+
+    buffers: dict = {}
+    trainer.hooks = StepHooks([*trainer.hooks.hooks, _Buffers(trainer, buffers)])
     loader, head = trainer.train_loader, None
     next_batch, poisoned, count = loader.next_batch, {"now": False}, {"n": 0}
     for part in trainer.model_parts:
@@ -55,7 +75,7 @@ def inject(trainer, reads: tuple[int, ...], mode: str) -> dict:
     loader.next_batch = read
     if head is not None:  # a pipeline stage without the head: the last stage scales
         head.register_forward_hook(lambda m, i, out: out * POISON_SCALE if poisoned["now"] else None)
-    return {}
+    return buffers
 
 
 def _case(world: int, folder: str, mode: str, *overrides: str, reads: tuple[int, ...] = POISONED) -> Case:
@@ -71,11 +91,23 @@ def assert_skipped_equals_dropped(poisoned: dict, dropped: dict, label: str) -> 
     """The poisoned run skipped exactly the poisoned step and then equals the dropped run bitwise."""
     skips = _skips(poisoned["history"])
     assert [r["step"] for r in skips] == list(POISONED), f"{label}: skipped steps {skips}"
-    assert skips[0]["spike/loss"] > 30 * poisoned["history"][0]["loss"], f"{label}: {skips[0]}"
+    first = poisoned["history"][0]  # the poisoned step's loss or grad norm: > 30 x step 1's
+    jump = max(skips[0]["spike/loss"] / first["loss"], skips[0]["spike/grad_norm"] / first["grad_norm"])
+    assert jump > 30, f"{label}: {skips[0]}"
     assert not _skips(dropped["history"]), f"{label}: the dropped run skipped {_skips(dropped['history'])}"
-    got = step_metrics(poisoned["history"], ("loss", "grad_norm", "lr"))
-    ref = step_metrics(dropped["history"], ("loss", "grad_norm", "lr"))
+    figures = (
+        "loss",
+        "grad_norm",
+        "lr",
+        *(k for k in FAMILY_FIGURES if dropped["history"][-1].get(k) is not None),
+    )
+    got = step_metrics(poisoned["history"], figures)
+    ref = step_metrics(dropped["history"], figures)
     assert got == ref, f"{label}: per-step figures differ\n{got}\n{ref}"  # bitwise, every step
+    for rank, (a, b) in enumerate(zip(poisoned["observed"], dropped["observed"], strict=True)):
+        assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a), (
+            f"{label}: rank {rank} buffers"
+        )
     assert sorted(poisoned["params"]) == sorted(dropped["params"])
     for name, t in dropped["params"].items():
         assert torch.equal(poisoned["params"][name], t), f"{label}: final {name} differs"
@@ -144,14 +176,20 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         "drop": _case(1, str(tmp / "drop"), "drop"),
         "muon_poison": _case(1, str(tmp / "muon_poison"), "poison", *muon),
         "muon_drop": _case(1, str(tmp / "muon_drop"), "drop", *muon),
+        "moe_poison": _case(1, str(tmp / "moe_poison"), "poison", *MOE),
+        "moe_drop": _case(1, str(tmp / "moe_drop"), "drop", *MOE),
+        "mtp_poison": _case(1, str(tmp / "mtp_poison"), "poison", *MTP),
+        "mtp_drop": _case(1, str(tmp / "mtp_drop"), "drop", *MTP),
     }
     return gather_cases(cases, world=1)
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_skip_equals_dropped_batch_one_process(one_process: dict, optimizer: str) -> None:
-    prefix = "" if optimizer == "adamw" else "muon_"
-    assert_skipped_equals_dropped(one_process[f"{prefix}poison"], one_process[f"{prefix}drop"], optimizer)
+@pytest.mark.parametrize("run", ["adamw", "muon", "moe", "mtp"])
+def test_skip_equals_dropped_batch_one_process(one_process: dict, run: str) -> None:
+    """AdamW and Muon (moments, step counts), the MoE expert bias and QK-clip (moe with
+    qk_clip_tau), DeepSeek-V3's MTP statistics: nothing of the skipped step remains."""
+    prefix = "" if run == "adamw" else f"{run}_"
+    assert_skipped_equals_dropped(one_process[f"{prefix}poison"], one_process[f"{prefix}drop"], run)
 
 
 def test_no_false_alarm_on_a_normal_run(tmp_path) -> None:
