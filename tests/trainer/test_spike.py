@@ -255,6 +255,8 @@ LAYOUTS = {
     "fsdp_x2": ("parallelism.dp_shard=2",),
     "tp_x2": ("parallelism.tp=2", "parallelism.dp_shard=1"),  # loss parallel: vocab-sharded logits
     "pp_x2": ("parallelism.pp=2", "parallelism.dp_shard=1"),
+    "cp_x2": ("parallelism.cp=2", "parallelism.dp_shard=1"),
+    "ep_x2": (*MOE[:2], "parallelism.ep=2", "parallelism.dp_shard=2"),  # experts over ep, bias updates
 }
 
 
