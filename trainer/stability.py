@@ -141,6 +141,7 @@ class SpikeSkipHook:
         self.max_consecutive = cfg.training.spike.max_consecutive
         self.checkpoint_folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
         self.checkpoints_on = cfg.checkpoint.enable
+        self._z: dict[str, float] = {}  # the z-scores of the step being taken (once warmed up)
 
     def _global_loss(self, state: StepState) -> torch.Tensor:
         """The step's mean token loss over the data/context-parallel ranks (one all-reduce)."""
@@ -159,6 +160,7 @@ class SpikeSkipHook:
             return
         loss_value, norm_value = torch.cat([loss, state.grad_norm.detach().float().reshape(1)]).tolist()
         verdict = self.window.judge(loss_value, norm_value)
+        self._z = {k: float(v) for k, v in verdict.items() if k.startswith("spike/z_")}
         if not verdict["spike/reason"]:
             self.window.accept(loss_value, norm_value)
             return
@@ -181,9 +183,10 @@ class SpikeSkipHook:
             )
         state.skipped = verdict
 
-    def metrics(self, state: StepState, device: torch.device) -> dict[str, int]:
-        """``spike/skipped_total`` on logged steps (no collective)."""
-        return {"spike/skipped_total": self.window.skipped_total}
+    def metrics(self, state: StepState, device: torch.device) -> dict[str, float]:
+        """``spike/skipped_total`` and the step's ``spike/z_loss``, ``spike/z_grad_norm`` (after the
+        warm-up: how far from a skip it was) on logged steps (no collective)."""
+        return {"spike/skipped_total": self.window.skipped_total, **self._z}
 
 
 class ZLossStats:

@@ -199,6 +199,10 @@ def test_no_false_alarm_on_a_normal_run(tmp_path) -> None:
     run = gather_cases({"run": Case(1, cfg, params=False)}, world=1)["run"]
     assert len(step_metrics(run["history"])) == 80 and not _skips(run["history"])
     assert run["history"][-1]["spike/skipped_total"] == 0
+    judged = [r for r in run["history"] if "spike/z_loss" in r]
+    assert [r["step"] for r in judged] == list(range(21, 81))  # after the 20-step warm-up
+    worst = max(max(r["spike/z_loss"], r["spike/z_grad_norm"]) for r in judged)
+    print(f"largest z over steps 21-80: {worst:.2f} (threshold 6)")
 
 
 def test_skip_record_in_metrics_jsonl(one_process: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
