@@ -31,6 +31,7 @@ from models.errors import ConfigError
 __all__ = [
     "IGNORE_INDEX",
     "CopyFn",
+    "OutputHead",
     "ParamInit",
     "RMSNorm",
     "WRAPPER_PREFIXES",
@@ -282,6 +283,34 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}"
+
+
+# --------------------------------------------------------------------------------------------
+# Output head
+# --------------------------------------------------------------------------------------------
+
+
+class OutputHead(nn.Linear):
+    """The output projection to the vocabulary (an ``nn.Linear``: same parameter name, TP styles, FSDP
+    and checkpoint keys), with optional logit soft-capping (Gemma 2): ``cap * tanh(logits / cap)``.
+
+    Every family's head is this module, so capping reaches each one (and DeepSeek-V3's MTP heads,
+    which share it) through this one place. The cap is elementwise: under tensor parallelism it runs
+    on the vocab-sharded logits (a DTensor under loss parallel) with no communication. ``softcap``
+    None (the default) is the plain projection, bitwise."""
+
+    def __init__(self, dim: int, vocab_size: int, softcap: Optional[float] = None) -> None:
+        super().__init__(dim, vocab_size, bias=False)
+        self.softcap = softcap
+
+    def forward(self, x: Tensor) -> Tensor:
+        logits = super().forward(x)  # (B, S, V)
+        if self.softcap is None:
+            return logits
+        return torch.tanh(logits / self.softcap) * self.softcap
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (f", softcap={self.softcap}" if self.softcap is not None else "")
 
 
 # --------------------------------------------------------------------------------------------

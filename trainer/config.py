@@ -128,6 +128,9 @@ class MetricsConfig:
     # bytes saved for backward, model states and buffers of each logged step, per rank
     # (trainer/observe/memory_ledger.py)
     memory_ledger: bool = False
+    # per block, embedding and head: grad norm, param norm, update/param ratio every N steps (a multiple of
+    # log_freq; trainer/observe/layer_stats.py); 0 = off
+    layer_stats_freq: int = 0
     # error | warn | off: plan this rank's memory at start-up and stop (or warn) when it exceeds the device /
     # host RAM
     memory_check: str = "error"
@@ -146,6 +149,18 @@ class ProfilingConfig:
     steps: list[int] = field(default_factory=lambda: [10])  # steps to profile (each on its own)
     top_ops: int = 30  # rows of the per-rank top-ops table
     memory_snapshot: bool = True  # on CUDA, also a memory snapshot of each profiled step
+
+
+@dataclass
+class SpikeConfig:
+    """``training.spike.*``: skip a step whose loss or pre-clip gradient norm is an outlier against the
+    last accepted steps (``trainer/stability.py`` states the rule)."""
+
+    enable: bool = False
+    window: int = 128  # accepted steps whose loss and grad norm make the running mean and std
+    warmup: int = 20  # accepted steps in the window before a step can be judged
+    z_threshold: float = 6.0  # a step is skipped when (value - mean) / std exceeds this, for either figure
+    max_consecutive: int = 5  # this many skips in a row stop the run
 
 
 @dataclass
@@ -171,6 +186,8 @@ class TrainingConfig:
     # sequence-length warmup (trainer/data/seq_warmup.py): stages {seq_len, until_step}, each seq_len
     # dividing seq_len; the final windows are split; [] = off
     seq_len_warmup: list[SeqLenStage] = field(default_factory=list)
+    z_loss_weight: float = 0.0  # weight x mean log Z^2 of the output logits added to the loss (PaLM); 0 = off
+    spike: SpikeConfig = field(default_factory=SpikeConfig)  # loss-spike skipping (off by default)
 
 
 @dataclass
@@ -261,6 +278,33 @@ def _validate_training(t: TrainingConfig, max_seq_len: int) -> None:
     check_choice(t.ac_selective, ("layer", "op"), "training.ac_selective")
     if t.grad_clip < 0 or math.isnan(t.grad_clip):
         raise ConfigError(f"training.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping).")
+    if not t.z_loss_weight >= 0:
+        raise ConfigError(
+            f"training.z_loss_weight={t.z_loss_weight} must be >= 0 (0 disables the z-loss; PaLM: 1e-4)."
+        )
+    _validate_spike(t.spike)
+
+
+def _validate_layer_stats(m: MetricsConfig) -> None:
+    freq = m.layer_stats_freq
+    if freq < 0 or (freq > 0 and freq % m.log_freq != 0):
+        raise ConfigError(
+            f"metrics.layer_stats_freq={freq} must be 0 (off) or a multiple of metrics.log_freq={m.log_freq} "
+            f"(the statistics are written with the logged steps); e.g. metrics.layer_stats_freq={m.log_freq}."
+        )
+
+
+def _validate_spike(s: SpikeConfig) -> None:
+    if not s.enable:
+        return
+    _positive(s.z_threshold, "training.spike.z_threshold")
+    _positive(s.max_consecutive, "training.spike.max_consecutive")
+    if s.window < 2 or not 2 <= s.warmup <= s.window:
+        raise ConfigError(
+            f"training.spike.window={s.window}, training.spike.warmup={s.warmup}: a standard deviation "
+            "needs 2 <= warmup <= window accepted steps; raise training.spike.window or lower "
+            "training.spike.warmup."
+        )
 
 
 def _validate_batch_ramp(cfg: TrainConfig) -> None:
@@ -351,6 +395,7 @@ def validate(cfg: TrainConfig) -> None:
     validate_model(cfg.model)
     _validate_training(cfg.training, decoder_args(cfg.model).max_seq_len)
     check_choice(cfg.metrics.memory_check, ("error", "warn", "off"), "metrics.memory_check")
+    _validate_layer_stats(cfg.metrics)
     if cfg.metrics.memory_ledger and cfg.training.compile:
         raise ConfigError(
             "metrics.memory_ledger=true cannot run with training.compile=true: compiled regions save their "

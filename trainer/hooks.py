@@ -11,7 +11,8 @@ trainer calls every hook that has a point, in list order, at that point of ``Tra
                             replica groups, setting ``state.replicas``)
 ``after_backward``          this group's gradients are complete (fault tolerance: mean over groups)
 ``after_clip``              ``state.grad_norm`` (pre-clip) and ``state.loss_sum`` are known; a hook
-                            may set ``state.discard`` (fault tolerance: a group failed in the step)
+                            may set ``state.discard`` (fault tolerance: a group failed in the step;
+                            spike skipping, which also sets ``state.skipped``: an outlier step)
 ``before_optimizer_step``   the step will be applied (finite, not discarded): the gradients are
                             final (the MoE expert-bias update; the ledgers measure gradients)
 ``after_optimizer_step``    the weights are updated (QK-clip scales the q/k rows of hot heads)
@@ -35,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 import torch
 from torch import nn
 
-from trainer.step import StepState
+from trainer.step import StepState, TokenLoss
 
 if TYPE_CHECKING:
     from models.spec import ModelSpec
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from trainer.observe.comm_ledger import CommLedger
     from trainer.observe.memory_ledger import MemoryLedger
     from trainer.resilience.fault_tolerance import FaultTolerance
+    from trainer.stability import SpikeWindow
 
 # A hook is any object with some of the points' methods (structural: hooks in parallelisms/ cannot
 # import this module); ``Hook`` names that role in signatures.
@@ -85,6 +87,8 @@ class HookContext:
     tokens_per_step: int  # the global batch's tokens (every replica group)
     forwards_per_step: int  # forward calls per step: microbatches (pipeline) or accumulation steps
     ft: Optional[FaultTolerance] = None  # torchft replica groups (parallelism.fault_tolerance)
+    spike: Optional[SpikeWindow] = None  # training.spike: the checkpointed window of accepted steps
+    loss: Optional[TokenLoss] = None  # the step's loss function (its z-loss sums: training.z_loss_weight)
 
 
 class StepHooks:
@@ -195,6 +199,33 @@ def _fault_tolerance(c: HookContext) -> Optional[Hook]:
     return FaultToleranceHook(c.ft, c.model, c.parameters)
 
 
+def _spike_skip(c: HookContext) -> Optional[Hook]:
+    """``training.spike.enable``: a step whose loss or grad norm is an outlier is not applied."""
+    if c.spike is None:
+        return None
+    from trainer.stability import SpikeSkipHook
+
+    return SpikeSkipHook(c.spike, c.dims, c.cfg)
+
+
+def _z_loss(c: HookContext) -> Optional[Hook]:
+    """``training.z_loss_weight > 0``: the step's z-loss, logged apart from the loss (``z_loss``)."""
+    if c.loss is None or c.loss.z_loss_weight == 0.0:
+        return None
+    from trainer.stability import ZLossStats
+
+    return ZLossStats(c.loss, c.dims)
+
+
+def _layer_stats(c: HookContext) -> Optional[Hook]:
+    """``metrics.layer_stats_freq > 0``: per block, embedding and head gradient/parameter/update norms."""
+    if c.cfg.metrics.layer_stats_freq <= 0:
+        return None
+    from trainer.observe.layer_stats import LayerStats
+
+    return LayerStats(c.model_parts, c.spec, c.dims, c.cfg.metrics.layer_stats_freq)
+
+
 def _memory_ledger(c: HookContext) -> Optional[LedgerHook]:
     """``metrics.memory_ledger``: saved tensors, model states and buffers of each logged step."""
     if not c.cfg.metrics.memory_ledger:
@@ -212,6 +243,9 @@ HOOK_BUILDERS: tuple[HookBuilder, ...] = (
     _mtp,
     _comm_ledger,
     _fault_tolerance,
+    _spike_skip,  # after fault tolerance: judges the loss summed over the replica groups
+    _z_loss,
+    _layer_stats,  # after fault tolerance: the gradients averaged over the replica groups
     _memory_ledger,
 )
 

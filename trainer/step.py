@@ -16,7 +16,7 @@ import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +29,15 @@ from models.common import IGNORE_INDEX
 if TYPE_CHECKING:
     from trainer.data import DataLoader
 
-__all__ = ["StepBatch", "StepContext", "StepState", "document_positions", "token_loss_sum"]
+__all__ = [
+    "StepBatch",
+    "StepContext",
+    "StepState",
+    "TokenLoss",
+    "document_positions",
+    "log_z_squared_sum",
+    "token_loss_sum",
+]
 
 
 def token_loss_sum(logits: Tensor, labels: Tensor) -> Tensor:
@@ -43,6 +51,41 @@ def token_loss_sum(logits: Tensor, labels: Tensor) -> Tensor:
         logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX, reduction="sum"
     )
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
+def log_z_squared_sum(logits: Tensor, labels: Tensor) -> Tensor:
+    """Sum over the target tokens of ``logsumexp(logits)**2`` (log Z squared, fp32) of (B, S, V)
+    ``logits`` against (B, S) ``labels``: the z-loss's term (PaLM). Under loss parallel ``logits`` is a
+    vocab-sharded DTensor; DTensor's reductions make the max and the sum of exponentials global (two
+    all-reduces of (B, S) over the tensor-parallel axis, forward and backward), never the logits."""
+    x = logits.float()  # (B, S, V)
+    m = x.detach().amax(dim=-1, keepdim=True)  # the shift cancels in the gradient of log Z
+    log_z = (x - m).exp().sum(dim=-1).log() + m.squeeze(-1)  # (B, S)
+    if isinstance(log_z, DTensor):
+        log_z = log_z.full_tensor()  # replicated over the vocabulary shards: a local read
+    mask = (labels != IGNORE_INDEX).to(log_z.dtype)  # (B, S)
+    return (log_z.square() * mask).sum()
+
+
+@dataclass
+class TokenLoss:
+    """The training loss of every step (plain, pipelined, evaluation): ``token_loss_sum`` and, with
+    ``z_loss_weight > 0`` while gradients are on, the z-loss ``weight * sum of log Z^2`` added to the
+    gradient only: the returned value is the cross-entropy sum bitwise (``+ (z - z.detach())`` adds an
+    exact 0), so the logged loss stays the cross-entropy; the z-loss sums are kept in ``z_sums`` for
+    the step's ``z_loss`` record (``trainer/stability.ZLossStats``). The step normalises both by the
+    global number of target tokens: the objective is CE mean + weight * mean log Z^2."""
+
+    z_loss_weight: float = 0.0
+    z_sums: list[Tensor] = field(default_factory=list)  # this rank's weighted z-loss sums of the step
+
+    def __call__(self, logits: Tensor, labels: Tensor) -> Tensor:
+        loss = token_loss_sum(logits, labels)
+        if self.z_loss_weight == 0.0 or not torch.is_grad_enabled():
+            return loss
+        z = self.z_loss_weight * log_z_squared_sum(logits, labels)
+        self.z_sums.append(z.detach())
+        return loss + (z - z.detach())
 
 
 def count_targets(labels: Tensor) -> Tensor:
@@ -117,6 +160,7 @@ class StepContext:
     device_type: str = "cpu"
     autocast_dtype: Optional[torch.dtype] = None
     loss_parallel: bool = False
+    loss: TokenLoss = field(default_factory=TokenLoss)  # the step's loss function (z-loss included)
     extra: list[Callable[[], ContextManager]] = field(default_factory=list)
     batch_sharder: Optional[Callable[[StepBatch], StepBatch]] = None
 
@@ -147,3 +191,6 @@ class StepState:
     loss_sum: Optional[torch.Tensor] = None  # summed token loss (after_clip and later)
     grad_norm: Optional[torch.Tensor] = None  # pre-clip global gradient norm (after_clip and later)
     discard: bool = False  # set by a hook: the step is not applied (the trainer retries)
+    # set with ``discard`` by spike skipping (trainer/stability.py): the step's figures; its batch is
+    # consumed (not retried) and the record is logged as skipped
+    skipped: Optional[dict[str, Union[float, int, str, bool]]] = None

@@ -44,13 +44,14 @@ from trainer.resilience.fault_tolerance import (
 from trainer.resilience.guards import install_test_nan_hook, non_finite_message
 from trainer.resilience.preemption import PreemptionHandler
 from trainer.resilience.watchdog import CommMonitor, configure_flight_recorder
+from trainer.stability import SpikeWindow
 from trainer.step import (
     StepBatch,
     StepContext,
     StepState,
+    TokenLoss,
     count_targets,
     document_positions,
-    token_loss_sum,
 )
 
 if TYPE_CHECKING:  # imported when pp > 1 (torch.distributed.pipelining costs ~1 s to import)
@@ -70,6 +71,7 @@ class TrainState:
     step: int = 0
     tokens_seen: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
+    spike: Optional[SpikeWindow] = None  # training.spike: the window of accepted steps (trainer/stability.py)
 
 
 def _env_int(name: str, default: int) -> int:
@@ -307,6 +309,7 @@ class Trainer:
             device_type=self.device.type,
             autocast_dtype=torch.bfloat16 if t.mixed_precision == "bf16" else None,
             loss_parallel=self.dims.tp > 1 and p.loss_parallel,
+            loss=TokenLoss(t.z_loss_weight),
         )
         if self.dims.cp > 1:
             # Context parallel: every batch is cut to this rank's (head-tail) share of each
@@ -334,7 +337,7 @@ class Trainer:
                 local_batch_size=self.local_batch_size,
                 seq_len=t.seq_len,
                 autocast_dtype=self.step_context.autocast_dtype,
-                loss_fn=token_loss_sum,
+                loss_fn=self.step_context.loss,
                 step_context=self.step_context,
             )
             self.model = self.pipeline
@@ -367,7 +370,8 @@ class Trainer:
             lr_scale=self.spec.lr_scale(self.cfg.model),  # µP's per-group LRs (model.mup); None: off
         )
         self.lr_scheduler = build_lr_scheduler(self.optimizer, self.cfg.lr_scheduler, self.cfg.training.steps)
-        self.state = TrainState()
+        spike = self.cfg.training.spike
+        self.state = TrainState(spike=SpikeWindow(spike) if spike.enable else None)
         # test-only (trainer/resilience/guards.py): MESHWRIGHT_TEST_NAN_AT=<rank>@<step> injects a NaN
         install_test_nan_hook(self.model, self.rank, lambda: self.state.step + 1)
 
@@ -396,6 +400,7 @@ class Trainer:
             full_shapes=full_shapes,
             hf_target=(self.spec, cfg.model),
             shared_folder=self.ft is not None,
+            extra_states={"spike": self.state.spike} if self.state.spike is not None else None,
         )
 
     def _build_metrics(self) -> None:
@@ -433,6 +438,8 @@ class Trainer:
                     self.pipeline.n_microbatches if self.pipeline is not None else self.grad_accum_steps
                 ),
                 ft=self.ft,
+                spike=self.state.spike,
+                loss=self.step_context.loss,
             )
         )
 
@@ -499,7 +506,7 @@ class Trainer:
         logits = self.model(
             batch.inputs, **batch.model_kwargs()
         )  # (b, S, V); vocab-sharded under loss parallel
-        return token_loss_sum(logits, batch.labels)
+        return self.step_context.loss(logits, batch.labels)
 
     # -- the step -------------------------------------------------------------------
     def _accumulate_gradients(self, batch: StepBatch, scale: torch.Tensor) -> torch.Tensor:
@@ -528,10 +535,11 @@ class Trainer:
             return self.pipeline.step(batch.inputs, batch.labels, loss_scale=scale, **batch.model_kwargs())
         return self._accumulate_gradients(batch, scale)
 
-    def train_step(self) -> Optional[StepState]:
+    def train_step(self) -> StepState:
         """One optimizer step over ``grad_accum_steps`` microbatches, with the hooks at their points
         (``trainer/hooks.py``); returns the step's state (``loss_sum``, ``num_tokens``, pre-clip
-        ``grad_norm``), or None if a hook discarded the step (fault tolerance: a group failed)."""
+        ``grad_norm``); ``discard`` is set when a hook dropped the step (fault tolerance: a group failed;
+        spike skipping: an outlier, with ``skipped``), nothing applied."""
         s = StepState(step=self.state.step + 1, loader=self.train_loader, tokens_seen=self.state.tokens_seen)
         self.hooks.run("begin_step", s)
         s.step, s.tokens_seen = self.state.step + 1, self.state.tokens_seen  # a heal may have moved them
@@ -549,7 +557,7 @@ class Trainer:
         self.hooks.run("after_clip", s)
         if s.discard:
             self.optimizer.zero_grad(set_to_none=True)
-            return None
+            return s
         self._check_finite(s)
         self.hooks.run("before_optimizer_step", s)
         self.optimizer.step()
@@ -651,6 +659,17 @@ class Trainer:
         record = self.metrics.log_step(s.step, global_loss.item(), s.grad_norm.item(), lr, extra=extra)
         self.state.history.append(record)
 
+    def _log_skipped(self, s: StepState) -> None:
+        """A step skipped as a loss spike (trainer/stability.py): its batch counts as read (the data
+        position), its record is logged; too many in a row stop the run on every rank."""
+        assert s.skipped is not None
+        self.state.tokens_seen += self.tokens_per_step if self.ft is None else self.ft.step_tokens
+        record = {"step": s.step, **{k: v for k, v in s.skipped.items() if k != "spike/stop"}}
+        self.metrics.write(record, s.step)
+        self.state.history.append(record)
+        if "spike/stop" in s.skipped:
+            raise TrainingError(s.skipped["spike/stop"])
+
     def _after_step(self, step: int, stop: int) -> None:
         """Evaluation, checkpoint and the preemption check after step ``step`` was applied."""
         t = self.cfg.training
@@ -683,7 +702,9 @@ class Trainer:
                 # metrics.comm_ledger / memory_ledger measure logged steps (each step: the same collectives)
                 with self.hooks.measuring() if self._is_logged(step) else contextlib.nullcontext():
                     s = self.train_step()
-                if s is None:  # fault tolerance: discarded, retried with the next quorum
+                if s.discard:  # fault tolerance: retried with the next quorum; a spike: its batch is consumed
+                    if s.skipped is not None:
+                        self._log_skipped(s)
                     continue
                 step = self.state.step = s.step  # the step taken (a fault-tolerance heal may have moved it)
                 self.state.tokens_seen += self._step_tokens()

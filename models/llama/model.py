@@ -47,6 +47,7 @@ from torch import Tensor, nn
 from models.attention import AttentionCore, document_ids, validate_attention_mask
 from models.common import (
     CopyFn,
+    OutputHead,
     ParamInit,
     RMSNorm,
     RopeScaling,
@@ -99,6 +100,9 @@ class LlamaArgs(ModelArgs):
     attn_head_dim: Optional[int] = None  # explicit head size (Qwen3: 128); None = dim / n_heads
     qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3, Qwen3-MoE)
     mup: MupArgs = field(default_factory=MupArgs)  # µP (models/mup.py); off by default
+    logit_softcap: Optional[float] = (
+        None  # cap * tanh(logits / cap) on the output logits (Gemma 2); None = off
+    )
 
     def validate(self) -> None:
         """Raise ``ConfigError`` naming the bad value and the fix; return None when consistent."""
@@ -124,6 +128,11 @@ class LlamaArgs(ModelArgs):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value > 0):
                 raise ConfigError(f"model.{name}={value!r} must be a positive number.")
+        if self.logit_softcap is not None and not self.logit_softcap > 0:
+            raise ConfigError(
+                f"model.logit_softcap={self.logit_softcap!r} must be > 0 (Gemma 2: 30.0) or null (no "
+                "capping)."
+            )
         self.rope_scaling.validate()
         validate_attention_mask(self.attention_mask)
         if self.attn_head_dim is None and self.dim % self.n_heads != 0:
@@ -344,7 +353,7 @@ class Transformer(nn.Module):
         self.tok_embeddings: Optional[nn.Embedding] = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): self.build_block(i, args) for i in range(args.n_layers)})
         self.norm: Optional[RMSNorm] = RMSNorm(args.dim, eps=args.norm_eps)
-        self.output: Optional[nn.Linear] = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output: Optional[nn.Linear] = OutputHead(args.dim, args.vocab_size, softcap=args.logit_softcap)
         self.tie_weights()
         self.share_attention_core()
         # Non-persistent: derived from args, never checkpointed. Allocated on the ambient device

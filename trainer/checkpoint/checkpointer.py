@@ -310,6 +310,7 @@ class Checkpointer:
         full_shapes: Optional[dict[str, torch.Size]] = None,
         hf_target: Optional[tuple[ModelSpec, ModelArgs]] = None,
         shared_folder: bool = False,
+        extra_states: Optional[dict[str, Stateful]] = None,
     ) -> None:
         self.cfg = cfg
         self.hf_target = hf_target  # (ModelSpec, args) of the model, for checkpoint.initial_load_hf
@@ -333,6 +334,10 @@ class Checkpointer:
             "dataloader": dataloader,
             "train_state": TrainProgress(train_state),
         }
+        # Optional run state (``spike``: the spike-skipping window); a checkpoint written without it
+        # loads with that state left fresh.
+        self.extra_keys = tuple(extra_states or {})
+        self.states.update(extra_states or {})
         self.async_mode = cfg.async_mode == "async"
         # Background saves run their collectives on their own gloo group, never on the
         # group the training step uses at the same time.
@@ -430,7 +435,19 @@ class Checkpointer:
         rng_keys = {f"rng.rank{self.rank}.{k}" for k in _rng_state(self.device)}
         restore_rng = False
         if not model_only:
-            state.update({k: v for k, v in self.states.items() if k != "model"})
+            written = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+            for key in self.extra_keys:
+                if key not in written:
+                    logger.warning(
+                        f"checkpoint {path} has no {key!r} state (written without it): starts fresh"
+                    )
+            state.update(
+                {
+                    k: v
+                    for k, v in self.states.items()
+                    if k != "model" and (k not in self.extra_keys or k in written)
+                }
+            )
             restore_rng = info.get("world_size") == self.world_size and rng_keys <= set(
                 metadata.state_dict_metadata
             )

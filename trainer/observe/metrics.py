@@ -203,6 +203,10 @@ class MetricsLogger:
         self._write(record, step)
         return record
 
+    def write(self, record: dict[str, object], step: int) -> None:
+        """Write a record of the caller's own (a skipped step's figures) as it is."""
+        self._write(record, step)
+
     def _write(self, record: dict[str, Any], step: int) -> None:
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record) + "\n")
