@@ -52,6 +52,7 @@ __all__ = [
     "MaskCache",
     "MaskSpec",
     "attend",
+    "attention_cache_cores",
     "compiled_flex_attention",
     "document_ids",
     "validate_attention_mask",
@@ -325,3 +326,18 @@ class LatentKVCacheCore(nn.Module):
         index = torch.arange(self.length, device=q.device)
         mask = MaskSpec(index[-Sn:], index).additive(q.dtype)  # (1, 1, Sn, L)
         return attend(q, k, v, mask)
+
+
+def attention_cache_cores(model: nn.Module, max_len: int) -> list[tuple[nn.Module, nn.Module]]:
+    """(module, its generation core) for every attention module of ``model`` (a module whose ``core``
+    is an attention core): a ``KVCacheCore`` of ``max_len`` positions, or a ``LatentKVCacheCore`` for
+    multi-head latent attention (it caches the latents, not the expanded K/V). The default of
+    ``ModelSpec.generation_cores``; a family with other token mixers adds its own caches to these."""
+    pairs: list[tuple[nn.Module, nn.Module]] = []
+    for m in model.modules():
+        core = getattr(m, "core", None)
+        if isinstance(core, LatentAttentionCore):
+            pairs.append((m, LatentKVCacheCore(max_len)))
+        elif isinstance(core, AttentionCore):
+            pairs.append((m, KVCacheCore(max_len)))
+    return pairs

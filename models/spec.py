@@ -26,7 +26,11 @@ class, so a new family plugs in without touching any strategy:
   window, e.g. MTP's shifted ids and targets: the model's one call is
   ``model(tokens, positions=..., **extras)``), and
   ``qk_norm(args)`` (per-head q/k RMSNorms before RoPE, off by default; Qwen3, Qwen3-MoE, a Llama
-  that asks for them), and ``qk_clip`` (whether the attention supports QK-clip);
+  that asks for them), ``qk_clip`` (whether the attention supports QK-clip), and
+  ``generation_cores(model, max_len)`` (the cache each token mixer's core is swapped for during
+  generation: KV caches by default, a recurrent state for linear attention; Qwen3.5), and
+  ``context_parallel`` (whether every token mixer of the family runs under context parallelism; a
+  recurrent layer needs its state handed across ranks, which not every family has yet);
 - ``planner_terms(args)``: the planner's view of the family's blocks (``PlannerTerms``): what the
   attention moves under CP / TP beyond the plan's kinds (``AttentionComm``) and what a block saves
   for backward per token (the family's own arithmetic, from a ``BlockLayout``), so that
@@ -42,6 +46,8 @@ from typing import Any, Optional, Protocol, cast
 
 import torch
 from torch import nn
+
+from models.attention import attention_cache_cores
 
 __all__ = [
     "AttentionComm",
@@ -316,6 +322,11 @@ class ModelSpec:
     # Whether the blocks' attention records per-head max logits and has per-head wq / wk rows to
     # scale (QK-clip, ``optimizer.qk_clip_tau``): Llama's attention (MoE, Qwen3) does; MLA does not yet.
     qk_clip: bool = True
+    # (module, generation core) for each token mixer of a model (``models/generation.py`` swaps
+    # ``module.core`` for it); default: the attention layers' KV caches.
+    generation_cores: Callable[[nn.Module, int], list[tuple[nn.Module, nn.Module]]] = attention_cache_cores
+    # Whether context parallelism covers every token mixer (softmax attention's cores do); False: refused
+    context_parallel: bool = True
 
     @property
     def has_experts(self) -> bool:

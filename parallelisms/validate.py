@@ -143,6 +143,17 @@ def validate_model(
     dims: ParallelDims, spec: ModelSpec, args: ModelArgs, *, seq_len: int, sequence_parallel: bool
 ) -> None:
     """Model- and sequence-dependent checks (head counts, layers, sequence length, experts)."""
+    if dims.tp > 1 and not spec.tp_plan:
+        raise ConfigError(
+            f"parallelism.tp={dims.tp}: the {spec.family} family has no tensor-parallel plan yet "
+            "(ModelSpec.tp_plan is empty); set parallelism.tp=1."
+        )
+    if dims.cp > 1 and not spec.context_parallel:
+        raise ConfigError(
+            f"parallelism.cp={dims.cp}: context parallelism does not cover every token mixer of the "
+            f"{spec.family} family yet (its recurrent layers would restart on each rank's slice); set "
+            "parallelism.cp=1."
+        )
     if dims.tp > 1:
         for key, value in spec.tp_divisible(args).items():
             if value % dims.tp != 0:
