@@ -13,7 +13,8 @@ Tensor names (``model.layers.{i}.`` omitted on the HF side)::
     delta_net.{wq,wk,wv}                     linear_attn.in_proj_qkv rows [0, kd), [kd, 2kd), [2kd, 2kd + vd)
     delta_net.{q_conv,k_conv,v_conv}.weight  linear_attn.conv1d.weight, the same row ranges
     delta_net.{wz,wb,wa,wo}                  linear_attn.{in_proj_z,in_proj_b,in_proj_a,out_proj}
-    delta_net.{A_log,dt_bias,norm.weight}    linear_attn.{A_log,dt_bias,norm.weight}
+    delta_net.decay.{A_log,dt_bias}          linear_attn.{A_log,dt_bias}
+    delta_net.norm.weight                    linear_attn.norm.weight
     feed_forward.{w1,w3,w2}                  mlp.{gate_proj,up_proj,down_proj}
     moe.router.gate                          mlp.gate
     moe.experts.{w1,w3,w2}[j]                mlp.experts.{j}.{gate_proj,up_proj,down_proj}
@@ -168,8 +169,8 @@ _LAYER_NAMES = {  # our name in a block -> HF's (full names)
     "delta_net.wb.weight": "linear_attn.in_proj_b.weight",
     "delta_net.wa.weight": "linear_attn.in_proj_a.weight",
     "delta_net.wo.weight": "linear_attn.out_proj.weight",
-    "delta_net.A_log": "linear_attn.A_log",
-    "delta_net.dt_bias": "linear_attn.dt_bias",
+    "delta_net.decay.A_log": "linear_attn.A_log",
+    "delta_net.decay.dt_bias": "linear_attn.dt_bias",
     "delta_net.norm.weight": "linear_attn.norm.weight",
     "feed_forward.w1.weight": "mlp.gate_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",

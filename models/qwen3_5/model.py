@@ -13,8 +13,8 @@ recurrent attention with a (dk, dv) state per value head, ``models/qwen3_5/delta
     layers.{i}.delta_net.{wv,wz}.weight (nv * dv, H)    values / output gate (nv value heads)
     layers.{i}.delta_net.{wb,wa}.weight (nv, H)         write strength beta = sigmoid(b), decay input a
     layers.{i}.delta_net.{q_conv,k_conv,v_conv}.weight (C, 1, K)   short causal depthwise convolutions
-    layers.{i}.delta_net.{A_log,dt_bias} (nv,)          decay g = -exp(A_log) softplus(a + dt_bias)
-    layers.{i}.delta_net.norm.weight (dv,)               gated RMSNorm of each head's output (* silu(z))
+    layers.{i}.delta_net.decay.{A_log,dt_bias} (nv,)    decay g = -exp(A_log) softplus(a + dt_bias)
+    layers.{i}.delta_net.norm.weight (dv,)               RMSNorm of each head's output, times silu(z)
     layers.{i}.delta_net.wo.weight (H, nv * dv)
     layers.{i}.feed_forward.{w1,w2,w3}.weight           dense family (Qwen3.5): SwiGLU
     layers.{i}.moe.*                                     MoE family: ``models/moe``'s router and stacked
@@ -52,8 +52,9 @@ from torch import Tensor, nn
 from models.attention import attention_cache_cores, validate_attention_mask
 from models.common import ParamInit, RMSNorm, apply_rotary_emb, precompute_rope_cache
 from models.errors import ConfigError
+from models.llama.model import TP_PLAN as LLAMA_TP_PLAN
 from models.llama.model import Attention, FeedForward, LlamaArgs, Transformer, _positive_int, rope_rows
-from models.moe.model import MoE, MoEArgs
+from models.moe.model import MoE, MoEArgs, _local
 from models.qwen3_5.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule, short_conv
 from models.spec import ParamCounts
 
@@ -63,7 +64,7 @@ __all__ = [
     "GatedAttention",
     "GatedDeltaNet",
     "GatedFeedForward",
-    "GatedRMSNorm",
+    "Decay",
     "OffsetRMSNorm",
     "Qwen3_5Args",
     "Qwen3_5Block",
@@ -205,17 +206,6 @@ class OffsetRMSNorm(RMSNorm):
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * (1.0 + self.weight.float())).type_as(x)
-
-
-class GatedRMSNorm(RMSNorm):
-    """The Gated DeltaNet's output norm: ``normalise(x) * weight * silu(gate)`` over each head (fp32
-    statistics), gain initialised to ones."""
-
-    def forward(self, x: Tensor, gate: Optional[Tensor] = None) -> Tensor:
-        assert gate is not None  # always called with the gate
-        xf = x.float()
-        normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
-        return (self.weight * normed * F.silu(gate.float())).type_as(x)
 
 
 # --------------------------------------------------------------------------------------------
@@ -395,30 +385,22 @@ class GatedDeltaNet(nn.Module):
         self.q_conv = ShortConv(key_dim, K)
         self.k_conv = ShortConv(key_dim, K)
         self.v_conv = ShortConv(value_dim, K)
-        self.A_log = nn.Parameter(torch.empty(nv))
-        self.dt_bias = nn.Parameter(torch.empty(nv))
-        self.norm = GatedRMSNorm(self.head_v_dim, eps=args.norm_eps)
+        self.decay = Decay(nv)
+        self.norm = RMSNorm(self.head_v_dim, eps=args.norm_eps)
         self.wo = nn.Linear(value_dim, H, bias=False)
         self.core = core if core is not None else DeltaRuleCore(args.attention_mask, args.linear_chunk_size)
 
     def init_weights(self, init: ParamInit, prefix: str, std: float, out_std: float) -> None:
         """Projections like Llama's attention (truncated normal, ``wo`` depth-scaled); convolutions
-        uniform(+-1/sqrt(K)) (``nn.Conv1d``'s default for a depthwise kernel); Mamba-2's decay
-        parameters, as flash-linear-attention initialises Gated DeltaNet: ``A`` ~ U(1, 16) (``A_log`` its
-        log) and ``dt_bias`` the inverse softplus of ``dt`` ~ logU(1e-3, 1e-1); the norm gain ones."""
+        uniform(+-1/sqrt(K)) (``nn.Conv1d``'s default for a depthwise kernel); the decay as ``Decay``;
+        the norm gain ones."""
         for proj in ("wq", "wk", "wv", "wz", "wb", "wa"):
             init.trunc_normal(f"{prefix}.{proj}.weight", getattr(self, proj).weight, std, 2.0)
         init.trunc_normal(f"{prefix}.wo.weight", self.wo.weight, out_std, 2.0)
         for conv in ("q_conv", "k_conv", "v_conv"):
             module: ShortConv = getattr(self, conv)
             module.init_weights(init, f"{prefix}.{conv}")
-        init.fill(f"{prefix}.A_log", self.A_log, lambda t, g: t.uniform_(1.0, 16.0, generator=g).log_())
-
-        def dt_bias(t: Tensor, g: torch.Generator) -> None:
-            dt = torch.exp(t.uniform_(generator=g) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
-            t.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
-
-        init.fill(f"{prefix}.dt_bias", self.dt_bias, dt_bias)
+        self.decay.init_weights(init, f"{prefix}.decay")
         self.norm.init_weights(init, f"{prefix}.norm")
 
     def forward(self, x: Tensor, *, rope_cache: Tensor, positions: Optional[Tensor] = None) -> Tensor:
@@ -426,19 +408,45 @@ class GatedDeltaNet(nn.Module):
         B, S, _ = x.shape
         z = self.wz(x).view(B, S, -1, self.head_v_dim)  # (B, S, nv, dv)
         beta = torch.sigmoid(self.wb(x))  # (B, S, nv)
-        g = -self.A_log.float().exp() * F.softplus(self.wa(x).float() + self.dt_bias.float())  # (B, S, nv)
+        g = self.decay(self.wa(x))  # (B, S, nv) fp32, <= 0
         o = self.core(
             self.wq(x),
             self.wk(x),
             self.wv(x),
             g,
             beta,
-            conv=(self.q_conv.weight, self.k_conv.weight, self.v_conv.weight),
+            conv=tuple(_local(c.weight) for c in (self.q_conv, self.k_conv, self.v_conv)),
             head_dims=(self.head_k_dim, self.head_v_dim),
             positions=positions,
         )  # (B, S, nv, dv)
-        o = self.norm(o, z)
+        o = (self.norm(o).float() * F.silu(z.float())).type_as(o)  # gated RMSNorm of each head
         return self.wo(o.reshape(B, S, -1))
+
+
+class Decay(nn.Module):
+    """The per-value-head decay ``g = -exp(A_log) * softplus(a + dt_bias)`` (fp32, <= 0) of a token's
+    ``a`` (B, S, nv): Mamba-2's discretisation. Its two vectors are per head: tensor parallelism
+    shards them with the heads and this module reads its local rows."""
+
+    def __init__(self, heads: int) -> None:
+        super().__init__()
+        self.A_log = nn.Parameter(torch.empty(heads))
+        self.dt_bias = nn.Parameter(torch.empty(heads))
+
+    def init_weights(self, init: ParamInit, prefix: str) -> None:
+        """As flash-linear-attention initialises Gated DeltaNet (Mamba-2's scheme): ``A`` ~ U(1, 16)
+        (``A_log`` its log), ``dt_bias`` the inverse softplus of ``dt`` ~ logU(1e-3, 1e-1)."""
+        init.fill(f"{prefix}.A_log", self.A_log, lambda t, g: t.uniform_(1.0, 16.0, generator=g).log_())
+
+        def dt_bias(t: Tensor, g: torch.Generator) -> None:
+            dt = torch.exp(t.uniform_(generator=g) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+            t.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
+
+        init.fill(f"{prefix}.dt_bias", self.dt_bias, dt_bias)
+
+    def forward(self, a: Tensor) -> Tensor:
+        A_log, dt_bias = _local(self.A_log), _local(self.dt_bias)
+        return -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
 
 
 class ShortConv(nn.Module):
@@ -648,6 +656,28 @@ def tp_divisible(args: Qwen3_5Args) -> dict[str, int]:
     return sizes
 
 
-# Tensor parallelism: not planned yet for this family (the Gated DeltaNet's head split is new work);
-# an empty plan leaves every module replicated over tp.
-TP_PLAN: dict[str, str] = {}
+# Tensor parallelism. Full-attention blocks: Llama's plan (wq's rows hold whole heads, query and gate
+# together). Gated DeltaNet blocks: the projections column-parallel by heads (nk / tp key heads and
+# nv / tp value heads per rank, so value head j still reads key head j // (nv / nk) locally), the
+# convolutions' channels and the decay's per-head vectors sharded with them ("shard_params"), the
+# per-head output norm on the local heads, wo row-parallel; the recurrence itself needs no traffic.
+# MoE blocks: models/moe's plan (experts replicated inside tp, expert-parallel over the data axes).
+TP_PLAN: dict[str, str] = {
+    **LLAMA_TP_PLAN,
+    "layers.*.delta_net": "gather_input",
+    "layers.*.delta_net.wq": "colwise",
+    "layers.*.delta_net.wk": "colwise",
+    "layers.*.delta_net.wv": "colwise",
+    "layers.*.delta_net.wz": "colwise",
+    "layers.*.delta_net.wb": "colwise",
+    "layers.*.delta_net.wa": "colwise",
+    "layers.*.delta_net.q_conv": "shard_params",
+    "layers.*.delta_net.k_conv": "shard_params",
+    "layers.*.delta_net.v_conv": "shard_params",
+    "layers.*.delta_net.decay": "shard_params",
+    "layers.*.delta_net.norm": "head_norm",
+    "layers.*.delta_net.wo": "rowwise",
+    "layers.*.moe": "moe_io",
+    "layers.*.moe.router.gate": "replicate",
+    "layers.*.moe.shared_experts": "replicate",
+}

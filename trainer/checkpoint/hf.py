@@ -185,27 +185,38 @@ def save_hf_distributed(
     adapter = _hf_adapter(spec)
     # canonical names; DTensors stay sharded (a module's state holds tensors only)
     state = cast("dict[str, torch.Tensor]", get_model_state_dict(module))
+    # Our tensors that make one HF tensor together (a fused projection: Qwen3.5's q, k, v) are
+    # gathered and converted together: a group per HF name, keyed by its first tensor's name.
+    groups: dict[str, list[str]] = {}
+    group_of_hf: dict[str, str] = {}
+    for name in sorted(state):
+        hf_names = adapter.hf_names_of(name, args)
+        key = next((group_of_hf[h] for h in hf_names if h in group_of_hf), name)
+        groups.setdefault(key, []).append(name)
+        group_of_hf.update(dict.fromkeys(hf_names, key))
     # Names and sizes of every HF tensor, from a dry run on meta tensors (no data moves).
     pieces: dict[str, int] = {}
-    for name in sorted(state):
-        meta = torch.empty(state[name].shape, dtype=dtype, device="meta")
-        hf = list(adapter.to_hf_state({name: meta}, args))
+    for key, members in groups.items():
+        metas = {n: torch.empty(state[n].shape, dtype=dtype, device="meta") for n in members}
+        hf = list(adapter.to_hf_state(metas, args))
         if hf:
-            pieces[name] = sum(t.numel() * t.element_size() for _, t in hf)
-        elif not isinstance(state[name], DTensor):
+            pieces[key] = sum(t.numel() * t.element_size() for _, t in hf)
+        elif not any(isinstance(state[n], DTensor) for n in members):
             # No HF tensor (a tied head, the MoE routing bias): the adapter sees the value, on every
             # rank alike (no collective), and refuses one HF cannot represent before a file is written.
-            list(adapter.to_hf_state({name: state[name]}, args))
+            list(adapter.to_hf_state({n: state[n] for n in members}, args))
     shards = _shard_plan(list(pieces.items()), max_shard_bytes)
     names = _file_names(len(shards))
     weight_map: dict[str, str] = {}
     for fname, shard in zip(names, shards):
         tensors: dict[str, torch.Tensor] = {}
-        for name in shard:
-            value = state[name]
-            full = value.full_tensor() if isinstance(value, DTensor) else value  # collective
+        for key in shard:
+            full: dict[str, torch.Tensor] = {}
+            for n in groups[key]:  # collective, one tensor of the group at a time
+                value = state[n]
+                full[n] = value.full_tensor() if isinstance(value, DTensor) else value
             if is_writer:
-                for hf_name, t in adapter.to_hf_state({name: full}, args):
+                for hf_name, t in adapter.to_hf_state(full, args):
                     tensors[hf_name] = t.detach().to("cpu", dtype).contiguous()
             del full
         if is_writer:
