@@ -194,6 +194,11 @@ class HFAdapter(Protocol):
         self, name: str, index: tuple[slice, ...], reader: HFTensorReader, args: Any
     ) -> torch.Tensor: ...
 
+    # A folder's tensor name -> the name ``hf_names_of`` uses (the same for a folder of the adapter's
+    # own architecture; a vision-language folder's text decoder is renamed), or None for a tensor the
+    # model does not use by design (a vision tower): skipped, and named in the log.
+    def folder_name(self, hf_name: str) -> Optional[str]: ...
+
 
 def _untied(_args: Any) -> bool:
     return False

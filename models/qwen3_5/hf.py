@@ -30,7 +30,6 @@ together) and an import reads row ranges of the fused tensor.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from typing import Optional, Union
 
@@ -55,8 +54,6 @@ from models.qwen3_5.model import Qwen3_5Args, Qwen3_5MoeArgs, Qwen3_5Transformer
 from models.spec import HFTensorReader
 
 __all__ = ["QWEN3_5_HF_FORMAT", "QWEN3_5_MOE_HF_FORMAT", "Qwen3_5HF"]
-
-logger = logging.getLogger("meshwright")
 
 # -- config.json ---------------------------------------------------------------------------------
 
@@ -294,6 +291,16 @@ class Qwen3_5HF:
             return [prefix + _LAYER_NAMES[local]]
         raise ConfigError(f"parameter {name!r} has no Hugging Face {self.architecture} equivalent.")
 
+    def folder_name(self, hf_name: str) -> Optional[str]:
+        """A vision-language folder's decoder tensor as the text model names it
+        (``model.language_model.X`` -> ``model.X``); None for its vision tower and MTP weights
+        (skipped); any other name unchanged."""
+        if hf_name.startswith(VL_PREFIX):
+            return "model." + hf_name[len(VL_PREFIX) :]
+        if hf_name.startswith(tuple(VL_SKIPPED)):
+            return None
+        return hf_name
+
     def _fused_part(self, name: str) -> Optional[int]:
         if not name.startswith("layers."):
             return None
@@ -358,12 +365,9 @@ class Qwen3_5HF:
             yield hf_name, torch.cat([parts[0], parts[1], parts[2]], dim=0)
 
     def from_hf_state(self, hf_state: dict[str, Tensor], args: Qwen3_5Args) -> dict[str, Tensor]:
-        """HF tensors -> our full state dict (the routing bias starts at zero). A vision-language
-        folder's decoder is read from ``model.language_model.*``; its vision tower and MTP weights are
-        skipped (logged by name). ``ConfigError`` naming a tensor the folder lacks, or one it has that
-        the model does not."""
-        if any(k.startswith(VL_PREFIX) for k in hf_state):
-            hf_state = self._text_decoder(hf_state)
+        """HF tensors (by ``folder_name``'s names: a vision-language folder's decoder renamed, its vision
+        tower and MTP weights left out by the reader) -> our full state dict (the routing bias starts at
+        zero). ``ConfigError`` naming a tensor the folder lacks, or one it has that the model does not."""
         with torch.device("meta"):
             shapes = {n: t.shape for n, t in Qwen3_5Transformer(args).state_dict().items()}
         state: dict[str, Tensor] = {}
@@ -388,23 +392,3 @@ class Qwen3_5HF:
             else:
                 state[name] = hf_state[hf_names[0]]
         return finish_state_from_hf(state, hf_state, used, args, self.architecture)
-
-    @staticmethod
-    def _text_decoder(hf_state: dict[str, Tensor]) -> dict[str, Tensor]:
-        """A vision-language folder's tensors renamed to the text model's; the vision tower and MTP
-        weights dropped with a log line naming them (anything else unknown stays, and is refused)."""
-        out: dict[str, Tensor] = {}
-        skipped = dict.fromkeys(VL_SKIPPED, 0)
-        for key, value in hf_state.items():
-            if key.startswith(VL_PREFIX):
-                out["model." + key[len(VL_PREFIX) :]] = value
-                continue
-            prefix = next((p for p in VL_SKIPPED if key.startswith(p)), None)
-            if prefix is not None:
-                skipped[prefix] += 1
-            else:
-                out[key] = value
-        for prefix, count in skipped.items():
-            if count:
-                logger.info(f"skipped {count} tensors of {VL_SKIPPED[prefix]} ({prefix}*): text decoder only")
-        return out

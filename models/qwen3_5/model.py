@@ -1,8 +1,8 @@
 """Qwen3.5 hybrid decoder (Qwen3.5 dense and Qwen3.5-MoE text models), free of any parallelism.
 
-Three of every ``full_attention_interval`` (4) blocks mix tokens with a Gated DeltaNet (a linear,
-recurrent attention with a (dk, dv) state per value head, ``models/qwen3_5/delta_rule.py``); every
-``full_attention_interval``-th block (i + 1 divisible by it) has gated softmax attention. Module tree::
+Every ``full_attention_interval``-th block (i + 1 divisible by it; every 4th) has gated softmax
+attention; the others mix tokens with a Gated DeltaNet (a linear, recurrent attention with a (dk, dv)
+state per value head, ``models/qwen3_5/delta_rule.py``). Module tree::
 
     tok_embeddings.weight
     layers.{i}.{attention_norm,ffn_norm}.weight          zero-centred RMSNorm gains (1 + w)
@@ -247,10 +247,10 @@ class GatedAttention(Attention):
 
 
 def document_starts(positions: Optional[Tensor], batch: int, seq_len: int) -> Optional[Tensor]:
-    """(B, S) bool: where a packed document starts inside the window (position 0 after the first
-    token); None when nothing restarts (no positions). The first token's own start needs no reset:
-    the window starts from the zero state (or, under a cache or a hand-off, continues it only when
-    its position is not 0)."""
+    """(B, S) bool: where a packed document starts (its position is 0, ``models/attention.py``'s rule);
+    None without positions (one document). A start on the window's first token changes nothing
+    during training (the state starts at zero there); a state handed in from before the window is
+    continued only by a first token whose position is not 0."""
     if positions is None:
         return None
     pos = positions if positions.dim() == 2 else positions[None]
@@ -274,10 +274,7 @@ class DeltaRuleCore(nn.Module):
         causal mask)."""
         if self.attention_mask != "block_causal":
             return None
-        starts = document_starts(positions, batch, seq_len)
-        if starts is None:
-            return None
-        return starts.to(positions.device if positions is not None else None)
+        return document_starts(positions, batch, seq_len)
 
     def forward(
         self,

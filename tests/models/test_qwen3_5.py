@@ -300,7 +300,7 @@ def test_greedy_generation_with_the_recurrent_cache_equals_transformers(folders,
     assert cached == want == plain
 
 
-def test_vision_language_folder_imports_its_text_decoder(tmp_path) -> None:
+def test_vision_language_folder_imports_its_text_decoder(tmp_path, caplog) -> None:
     cfg = transformers.Qwen3_5Config(
         text_config={**_SHAPE, "intermediate_size": 96},
         vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64),
@@ -325,6 +325,21 @@ def test_vision_language_folder_imports_its_text_decoder(tmp_path) -> None:
         want = vl(input_ids=tokens).logits
         diff = (_logits(ours, tokens) - want).abs().max().item()
     assert diff <= ATOL, diff
+    # checkpoint.initial_load_hf's per-rank reader reads the same decoder
+    from trainer.checkpoint.hf import load_hf_into
+
+    with torch.device("meta"):
+        sliced = spec.build(args)
+    sliced.to_empty(device="cpu")
+    with caplog.at_level("INFO", logger="meshwright"):
+        load_hf_into(sliced, folder, spec, args)
+    assert "tensors the qwen3_5 model does not use" in caplog.text
+    assert all(torch.equal(v, ours.state_dict()[k]) for k, v in sliced.state_dict().items())
+    # an unknown tensor is still refused by name
+    state["model.language_model.layers.0.extra.weight"] = torch.zeros(1)
+    save_file(state, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match="extra.weight"):
+        read_hf(folder)
 
 
 # -- documents ----------------------------------------------------------------------------------------
