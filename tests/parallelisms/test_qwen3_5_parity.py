@@ -18,7 +18,10 @@ different step), so that layout's weights are compared at 3e-5; its losses and g
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 
 from tests.configs import NO_CLIP, PARITY_STEPS, tiny_config
 from tests.parity import Case, GroupedRuns, assert_parallel_run
@@ -72,6 +75,53 @@ LAYOUTS = {  # name -> (world, reference, overrides)
 PARAM_ATOL = {"q35_moe_tp2_sp": 3e-5}  # final weights (see the module doc); 1e-5 elsewhere
 
 
+# A vision-language folder written by transformers (Qwen3_5ForConditionalGeneration: the published format)
+# with the DENSE tiny shape, read per rank under TP x2 (``checkpoint.initial_load_hf``: row ranges of
+# the fused q/k/v and conv tensors, the vision tower skipped), trained one step and written back as a
+# text model by the running job (``checkpoint.last_save_in_hf``: q, k, v gathered and fused again).
+HF_LOAD = "q35_vl_hf_load_tp2_export"
+
+
+def check_hf_load(trainer) -> dict:  # noqa: ANN001
+    """After the Trainer loaded the folder: its parameters (gathered) against the folder's decoder."""
+    from tests.parity import full_params
+    from trainer.checkpoint.hf import read_hf
+
+    _, _, want = read_hf(trainer.cfg.checkpoint.initial_load_hf)
+    got = full_params(trainer.model_parts)
+    return {"checked": sorted(got), "mismatched": [n for n in got if not torch.equal(got[n], want[n])]}
+
+
+def _write_vl_folder(folder: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    text = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=2048,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+        tie_word_embeddings=True,
+    )
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    torch.manual_seed(0)
+    config = transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=True)
+    model = transformers.Qwen3_5ForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and not name.endswith("A_log"):
+                p.uniform_(-0.5, 0.5)
+    model.save_pretrained(folder)
+
+
 def _short_documents(path: str) -> None:
     """200 documents of 3 to 40 bytes (byte tokens, + BOS/EOS): several per 32-token window, some
     shorter than the convolution kernel, starts at and inside the chunks of 16."""
@@ -98,6 +148,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> GroupedRuns:
     }
     for name, (world, _, ov) in LAYOUTS.items():
         cases[name] = Case(world, tiny_config(str(tmp / name), *ov, *extra(name)))
+    folder = str(tmp / "vl_folder")
+    _write_vl_folder(folder)
+    load = [*DENSE, *TP2, "training.steps=1", f"checkpoint.initial_load_hf={folder}"]
+    load += ["checkpoint.last_save_in_hf=true"]
+    cases[HF_LOAD] = Case(2, tiny_config(str(tmp / HF_LOAD), *load), setup=check_hf_load)
     return GroupedRuns(cases)
 
 
@@ -107,3 +162,18 @@ def test_qwen3_5_layout_matches_single_process(layout: str, runs: GroupedRuns) -
     losses = [r["loss"] for r in ref["history"] if "loss" in r]
     assert len(losses) == 4 and losses[-1] < losses[0], losses
     assert_parallel_run(ref, runs.get(layout), label=layout, atol=PARAM_ATOL.get(layout, 1e-5))
+
+
+def test_vl_folder_loads_per_rank_under_tp_and_the_job_exports_it_back(runs: GroupedRuns) -> None:
+    from trainer.checkpoint.hf import read_hf
+
+    run = runs.get(HF_LOAD)
+    observed = run["observed"]
+    assert observed[0]["mismatched"] == [] and "layers.0.delta_net.wq.weight" in observed[0]["checked"]
+    export = os.path.join(runs.cases[HF_LOAD].cfg.job.dump_folder, "checkpoints", "step-1-hf")
+    spec, _, state = read_hf(export)
+    assert spec.family == "qwen3_5"
+    params = run["params"]  # tied weights once (the embedding), the export's state has the head too
+    assert set(params) <= set(state) and len(params) > 30
+    assert all(torch.equal(state[k], params[k]) for k in params)
+    assert torch.equal(state["output.weight"], state["tok_embeddings.weight"])
