@@ -190,6 +190,47 @@ def test_short_conv_matches_transformers_and_restarts_at_documents() -> None:
         torch.testing.assert_close(docs[:, a:b], short_conv(x[:, a:b], w)[0])
 
 
+def test_two_pass_state_hand_off_over_slices_equals_the_whole_sequence() -> None:
+    """The math of context parallelism's two-pass form, on one process: each slice of a sequence (as
+    a cp rank holds it) computes its chunk terms and its (M, S) from a zero state; the prefix
+    combination S0_j = M_{j-1} S0_{j-1} + S_{j-1} gives each slice its incoming state; a scan from it
+    equals the whole sequence's outputs, values and gradients. Documents cross slice boundaries and
+    start at one; slices are not multiples of the chunk. The convolution's tail (with its document
+    starts) crosses the boundaries too."""
+    from models.qwen3_5.delta_rule import chunk_terms, scan_chunks, state_transition
+
+    S, cuts = 77, [0, 20, 50, 77]
+    leaves = [t.requires_grad_() for t in _rule_inputs(2, S, 2, 4, 16, 8, seed=11)]
+    resets = torch.zeros(2, S, dtype=torch.bool)
+    resets[0, [0, 18, 50, 51]] = True  # a start at the second boundary, one just before the first
+    resets[1, [0, 33]] = True
+    weight = torch.randn(2, S, 4, 8, generator=torch.Generator().manual_seed(12))
+    whole, _ = chunk_gated_delta_rule(*leaves, chunk_size=16, resets=resets)
+    want = torch.autograd.grad((whole * weight).sum(), leaves)
+    terms = [
+        chunk_terms(*(t[:, a:b] for t in leaves), chunk_size=16, resets=resets[:, a:b])
+        for a, b in zip(cuts, cuts[1:])
+    ]
+    transitions = [state_transition(t) for t in terms]
+    state, outs = None, []
+    for t, (m, s) in zip(terms, transitions):
+        outs.append(scan_chunks(t, state)[0])
+        state = s if state is None else m @ state + s
+    got = torch.cat(outs, 1)
+    torch.testing.assert_close(got, whole, atol=1e-5, rtol=1e-5)
+    for a, b in zip(torch.autograd.grad((got * weight).sum(), leaves), want):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    # the convolution: each slice gets the previous slice's last K-1 inputs and their document starts
+    x, w = torch.randn(2, S, 12, generator=torch.Generator().manual_seed(13)), torch.randn(12, 1, 4)
+    conv_whole, _ = short_conv(x, w, resets=resets)
+    parts = []
+    for a, b in zip(cuts, cuts[1:]):
+        tail = x[:, a - 3 : a] if a else None
+        tail_resets = resets[:, a - 3 : a] if a else None
+        parts.append(short_conv(x[:, a:b], w, tail, resets[:, a:b], tail_resets)[0])
+    torch.testing.assert_close(torch.cat(parts, 1), conv_whole)
+
+
 # -- HF both ways ----------------------------------------------------------------------------------
 
 
