@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Union, cast
+from typing import TYPE_CHECKING, Optional, Protocol, Union, cast
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +51,8 @@ __all__ = [
     "Mask",
     "MaskCache",
     "MaskSpec",
+    "RecurrentCore",
+    "StateHandoff",
     "attend",
     "attention_cache_cores",
     "compiled_flex_attention",
@@ -341,3 +343,31 @@ def attention_cache_cores(model: nn.Module, max_len: int) -> list[tuple[nn.Modul
         elif isinstance(core, AttentionCore):
             pairs.append((m, KVCacheCore(max_len)))
     return pairs
+
+
+# --------------------------------------------------------------------------------------------
+# Recurrent cores (linear attention, models/qwen3_5): what context parallelism hands across ranks
+# --------------------------------------------------------------------------------------------
+
+
+class StateHandoff(Protocol):
+    """What a recurrent core asks of context parallelism (``parallelisms/context_parallel.py``) when the
+    sequence is split into contiguous slices, one per cp rank, in rank order. Every rank calls both
+    methods in the same order (they are collectives); both are differentiable."""
+
+    def previous(self, x: Tensor) -> Optional[Tensor]:
+        """The previous rank's ``x`` (same shape), None on the first rank."""
+        ...
+
+    def incoming_state(self, m: Tensor, s: Tensor) -> Optional[Tensor]:
+        """This rank's incoming state from every rank's effect on a handed-in state (``final = m @ S0
+        + s``, from a zero state): the prefix combination over the previous ranks, None on the first."""
+        ...
+
+
+class RecurrentCore(nn.Module):
+    """Base class of a token mixer's core that carries a state along the sequence (a linear attention's
+    recurrent state, its convolution window). ``handoff`` is None on one process; context parallelism
+    sets it, and the core then continues the previous rank's state instead of starting from zero."""
+
+    handoff: Optional[StateHandoff] = None

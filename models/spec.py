@@ -29,8 +29,9 @@ class, so a new family plugs in without touching any strategy:
   that asks for them), ``qk_clip`` (whether the attention supports QK-clip), and
   ``generation_cores(model, max_len)`` (the cache each token mixer's core is swapped for during
   generation: KV caches by default, a recurrent state for linear attention; Qwen3.5), and
-  ``context_parallel`` (whether every token mixer of the family runs under context parallelism; a
-  recurrent layer needs its state handed across ranks, which not every family has yet);
+  ``sequential_state`` (whether token mixers carry a state along the sequence, ``RecurrentCore``s of
+  ``models/attention.py``: context parallelism hands it from rank to rank, which needs contiguous slices
+  in rank order, i.e. ``cp_load_balance=none`` and the all-gather implementation; Qwen3.5);
 - ``planner_terms(args)``: the planner's view of the family's blocks (``PlannerTerms``): what the
   attention moves under CP / TP beyond the plan's kinds (``AttentionComm``) and what a block saves
   for backward per token (the family's own arithmetic, from a ``BlockLayout``), so that
@@ -330,8 +331,8 @@ class ModelSpec:
     # (module, generation core) for each token mixer of a model (``models/generation.py`` swaps
     # ``module.core`` for it); default: the attention layers' KV caches.
     generation_cores: Callable[[nn.Module, int], list[tuple[nn.Module, nn.Module]]] = attention_cache_cores
-    # Whether context parallelism covers every token mixer (softmax attention's cores do); False: refused
-    context_parallel: bool = True
+    # Token mixers carrying a state along the sequence (RecurrentCore): CP needs contiguous slices
+    sequential_state: bool = False
 
     @property
     def has_experts(self) -> bool:

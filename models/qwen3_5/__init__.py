@@ -49,7 +49,7 @@ QWEN3_5_SPEC = ModelSpec(
     qk_norm=qk_norm,
     qk_clip=False,  # the gated attention's wq rows interleave queries and gates; QK-clip is not built for it
     generation_cores=generation_cores,
-    context_parallel=False,  # the Gated DeltaNet's state hand-off across cp ranks is not built yet
+    sequential_state=True,  # the Gated DeltaNet's state and conv window: CP hands them rank to rank
 )
 
 QWEN3_5_MOE_SPEC = ModelSpec(
@@ -68,5 +68,5 @@ QWEN3_5_MOE_SPEC = ModelSpec(
     qk_norm=qk_norm,
     qk_clip=False,
     generation_cores=generation_cores,
-    context_parallel=False,  # the Gated DeltaNet's state hand-off across cp ranks is not built yet
+    sequential_state=True,  # the Gated DeltaNet's state and conv window: CP hands them rank to rank
 )

@@ -49,13 +49,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.attention import attention_cache_cores, validate_attention_mask
+from models.attention import RecurrentCore, attention_cache_cores, validate_attention_mask
 from models.common import ParamInit, RMSNorm, apply_rotary_emb, precompute_rope_cache
 from models.errors import ConfigError
 from models.llama.model import TP_PLAN as LLAMA_TP_PLAN
 from models.llama.model import Attention, FeedForward, LlamaArgs, Transformer, _positive_int, rope_rows
 from models.moe.model import MoE, MoEArgs, _local
-from models.qwen3_5.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule, short_conv
+from models.qwen3_5.delta_rule import (
+    chunk_gated_delta_rule,
+    chunk_terms,
+    recurrent_gated_delta_rule,
+    scan_chunks,
+    short_conv,
+    state_transition,
+)
 from models.spec import ParamCounts
 
 __all__ = [
@@ -257,11 +264,17 @@ def document_starts(positions: Optional[Tensor], batch: int, seq_len: int) -> Op
     return (pos == 0).expand(batch, seq_len)
 
 
-class DeltaRuleCore(nn.Module):
+class DeltaRuleCore(RecurrentCore):
     """Training core of the Gated DeltaNet: short convolutions (+ SiLU) over the projected q, k, v, then
     the chunked gated delta rule, restarting both at document starts under ``block_causal``.
-    Parameterless and shared by the model's DeltaNet layers (like ``AttentionCore``); context
-    parallelism and generation swap it."""
+    Parameterless and shared by the model's DeltaNet layers (like ``AttentionCore``); generation swaps
+    it for ``RecurrentCacheCore``. Under context parallelism (``handoff`` set: each cp rank holds a
+    contiguous slice) it runs the two-pass form: the convolutions read the previous rank's last K-1
+    inputs (and their document starts); the rule computes this slice's chunk terms and its effect on a
+    handed-in state (``state_transition``: M, S from zero), the hand-off combines the previous ranks'
+    into this rank's incoming state, and the scan runs from it. Cost over one process: per layer and
+    rank an all-gather of nv (dk^2 + dk dv) numbers per sequence (M and S) and of 3 (K-1) tokens of
+    conv inputs, and one dk x dk product per chunk for M; the chunk terms are computed once."""
 
     def __init__(self, attention_mask: str = "causal", chunk_size: int = 64) -> None:
         super().__init__()
@@ -292,9 +305,35 @@ class DeltaRuleCore(nn.Module):
         (C, 1, K) each); ``g``/``beta`` (B, S, nv); ``head_dims`` (dk, dv) -> (B, S, nv, dv)."""
         B, S, _ = q.shape
         resets = self.resets(positions, B, S)
-        q, k, v = (short_conv(t, w, resets=resets)[0] for t, w in zip((q, k, v), conv))
         dk, dv = head_dims
-        o, _ = chunk_gated_delta_rule(
+        if self.handoff is None:
+            q, k, v = (short_conv(t, w, resets=resets)[0] for t, w in zip((q, k, v), conv))
+            o, _ = chunk_gated_delta_rule(
+                q.view(B, S, -1, dk),
+                k.view(B, S, -1, dk),
+                v.view(B, S, -1, dv),
+                g,
+                beta,
+                chunk_size=self.chunk_size,
+                resets=resets,
+            )
+            return o
+        K = conv[0].shape[-1]
+        if S < K - 1:
+            raise ValueError(
+                f"a context-parallel slice of {S} tokens is shorter than the convolution's window of "
+                f"{K - 1}; use fewer cp ranks or longer sequences"
+            )
+        handoff = self.handoff
+        tail_resets = None
+        if resets is not None:
+            before = handoff.previous(resets[:, S - (K - 1) :].float())
+            tail_resets = before > 0.5 if before is not None else None
+        q, k, v = (
+            short_conv(t, w, handoff.previous(t[:, S - (K - 1) :]), resets, tail_resets)[0]
+            for t, w in zip((q, k, v), conv)
+        )
+        terms = chunk_terms(
             q.view(B, S, -1, dk),
             k.view(B, S, -1, dk),
             v.view(B, S, -1, dv),
@@ -303,6 +342,8 @@ class DeltaRuleCore(nn.Module):
             chunk_size=self.chunk_size,
             resets=resets,
         )
+        m, s = state_transition(terms)
+        o, _ = scan_chunks(terms, handoff.incoming_state(m, s))
         return o
 
     def extra_repr(self) -> str:

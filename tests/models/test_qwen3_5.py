@@ -467,13 +467,15 @@ def test_bad_input_is_refused_by_name() -> None:
         )
 
 
-@pytest.mark.parametrize("degrees,needle", [(dict(cp=2), "context parallel")])
-def test_layouts_not_built_yet_are_refused_by_name(degrees: dict, needle: str) -> None:
-    from parallelisms.parallel_dims import ParallelDims
-    from parallelisms.validate import validate_model
+@pytest.mark.parametrize("impl,balance", [("allgather", "headtail"), ("ring", "none")])
+def test_context_parallel_needs_contiguous_slices(impl: str, balance: str) -> None:
+    """The DeltaNet's state goes from each cp rank to the next: head-tail slices (not in order) and
+    ring attention (which leaves the DeltaNet's core alone) are refused by name; contiguous all-gather
+    is accepted."""
+    from parallelisms.validate import validate_cp
 
-    for preset in ("qwen3_5_debug", "qwen3_5_moe_debug"):
-        args = make_config(f"model={preset}").model
-        dims = ParallelDims(dp_shard=1, world_size=2, **degrees)
-        with pytest.raises(ConfigError, match=needle):
-            validate_model(dims, get_spec(args.family), args, seq_len=64, sequence_parallel=False)
+    spec = get_spec("qwen3_5")
+    kw = dict(cp=2, tp=1, sequence_parallel=False, seq_len=64, device_type="cuda", attention_mask="causal")
+    with pytest.raises(ConfigError, match="cp_load_balance=none and parallelism.cp_impl=allgather"):
+        validate_cp(cp_impl=impl, load_balance=balance, sequential_state=spec.sequential_state, **kw)
+    validate_cp(cp_impl="allgather", load_balance="none", sequential_state=spec.sequential_state, **kw)

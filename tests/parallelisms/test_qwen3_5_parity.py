@@ -7,13 +7,15 @@ DeltaNet, 1 gated attention), DeltaNet 2 key / 4 value heads (a ratio of 2) of 3
 of 32 (two chunks). Layouts: FSDP, custom DDP + ZeRO-1, TP x2 with sequence parallel (the DeltaNet's
 heads, convolution channels and decay vectors split over tp), activation checkpointing, pipeline x2, and
 packed short documents (``block_causal``: the state and the convolution window restart at each of the
-several documents of a window) under TP; the MoE family under FSDP, expert parallel x2 and TP x2. All
-cases of a world size run in one spawn.
+several documents of a window) under TP; context parallel x2 (causal), x2 and x4 on the short documents
+(documents cross the ranks: the state and the conv window are handed over), contiguous slices; the MoE
+family under FSDP, expert parallel x2, TP x2 and CP x2. All cases of a world size run in one spawn.
 
-Measured (4 steps, lr 1e-3): losses within 1.5e-7 and grad norms within 2.7e-6 relative everywhere; final
-weights within 6e-7 (data parallel, EP, PP) and 5.3e-6 (TP). MoE x TP reaches 1.25e-5 in one element of
-a DeltaNet ``wv`` (Adam turns the ~1e-7 reduction-order differences of a near-zero gradient into a
-different step), so that layout's weights are compared at 3e-5; its losses and grad norms keep 1e-5.
+Measured (4 steps, lr 1e-3): losses within 1.5e-7 and grad norms within 5.7e-6 relative everywhere; final
+weights within 6e-7 (data parallel, EP, PP), 3e-6 (CP) and 5.3e-6 (TP). MoE x TP reaches 1.25e-5 in one
+element of a DeltaNet ``wv`` (Adam turns the ~1e-7 reduction-order differences of a near-zero gradient
+into a different step), so that layout's weights are compared at 3e-5; its losses and grad norms keep
+1e-5.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ DOCS = [*DENSE, "model.attention_mask=block_causal"]
 MOE = ["model=qwen3_5_moe_debug", "model.attn_head_dim=32", "model.linear_chunk_size=16"]
 MOE = [*MOE, "model.ffn_hidden_dim=null", "optimizer.lr=1e-3", PARITY_STEPS]
 TP2 = ["parallelism.tp=2", "parallelism.dp_shard=1"]
+CP = ["parallelism.cp_load_balance=none", "parallelism.dp_shard=1"]  # contiguous slices (the state hand-off)
 REFERENCES = {
     "q35_ref": DENSE,
     "q35_ref_noclip": [*DENSE, NO_CLIP],
@@ -67,6 +70,10 @@ LAYOUTS = {  # name -> (world, reference, overrides)
         [*UNTIED, "parallelism.pp=2", "parallelism.dp_shard=1", NO_CLIP],
     ),
     "q35_docs_tp2_sp": (2, "q35_docs_ref", [*DOCS, *TP2]),
+    "q35_cp2": (2, "q35_ref", [*DENSE, "parallelism.cp=2", *CP]),
+    "q35_docs_cp2": (2, "q35_docs_ref", [*DOCS, "parallelism.cp=2", *CP]),
+    "q35_docs_cp4": (4, "q35_docs_ref", [*DOCS, "parallelism.cp=4", *CP]),
+    "q35_moe_cp2": (2, "q35_moe_ref", [*MOE, "parallelism.cp=2", *CP]),
     "q35_moe_fsdp_x2": (2, "q35_moe_ref", [*MOE, "parallelism.dp_shard=2"]),
     "q35_moe_ep2": (2, "q35_moe_ref", [*MOE, "parallelism.ep=2", "parallelism.dp_shard=2"]),
     "q35_moe_tp2_sp": (2, "q35_moe_ref", [*MOE, *TP2]),
@@ -141,7 +148,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> GroupedRuns:
     tmp = tmp_path_factory.mktemp("qwen3_5_parity")
     docs = str(tmp / "short_documents.jsonl")
     _short_documents(docs)
-    data = {"q35_docs_ref", "q35_docs_tp2_sp"}  # on the short documents
+    data = {"q35_docs_ref", "q35_docs_tp2_sp", "q35_docs_cp2", "q35_docs_cp4"}  # on the short documents
     extra = lambda name: ["data=jsonl", f"data.path={docs}"] if name in data else []  # noqa: E731
     cases = {
         name: Case(1, tiny_config(str(tmp / name), *ov, *extra(name))) for name, ov in REFERENCES.items()
