@@ -8,7 +8,8 @@ of 32 (two chunks). Layouts: FSDP, custom DDP + ZeRO-1, TP x2 with sequence para
 heads, convolution channels and decay vectors split over tp), activation checkpointing, pipeline x2, and
 packed short documents (``block_causal``: the state and the convolution window restart at each of the
 several documents of a window) under TP; context parallel x2 (causal), x2 and x4 on the short documents
-(documents cross the ranks: the state and the conv window are handed over), contiguous slices; the MoE
+(documents cross the ranks: the state and the conv window are handed over), contiguous slices, and TP x2
+x CP x2 on them; HSDP 2 x 2; the MoE
 family under FSDP, expert parallel x2, TP x2 and CP x2. All cases of a world size run in one spawn.
 
 Measured (4 steps, lr 1e-3): losses within 1.5e-7 and grad norms within 5.7e-6 relative everywhere; final
@@ -73,6 +74,12 @@ LAYOUTS = {  # name -> (world, reference, overrides)
     "q35_cp2": (2, "q35_ref", [*DENSE, "parallelism.cp=2", *CP]),
     "q35_docs_cp2": (2, "q35_docs_ref", [*DOCS, "parallelism.cp=2", *CP]),
     "q35_docs_cp4": (4, "q35_docs_ref", [*DOCS, "parallelism.cp=4", *CP]),
+    "q35_docs_tp2_x_cp2": (4, "q35_docs_ref", [*DOCS, "parallelism.tp=2", "parallelism.cp=2", *CP]),
+    "q35_hsdp_2x2_noclip": (
+        4,
+        "q35_ref_noclip",
+        [*DENSE, "parallelism.dp_replicate=2", "parallelism.dp_shard=2", NO_CLIP],
+    ),
     "q35_moe_cp2": (2, "q35_moe_ref", [*MOE, "parallelism.cp=2", *CP]),
     "q35_moe_fsdp_x2": (2, "q35_moe_ref", [*MOE, "parallelism.dp_shard=2"]),
     "q35_moe_ep2": (2, "q35_moe_ref", [*MOE, "parallelism.ep=2", "parallelism.dp_shard=2"]),
@@ -148,7 +155,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> GroupedRuns:
     tmp = tmp_path_factory.mktemp("qwen3_5_parity")
     docs = str(tmp / "short_documents.jsonl")
     _short_documents(docs)
-    data = {"q35_docs_ref", "q35_docs_tp2_sp", "q35_docs_cp2", "q35_docs_cp4"}  # on the short documents
+    data = {"q35_docs_ref", "q35_docs_tp2_sp", "q35_docs_cp2", "q35_docs_cp4", "q35_docs_tp2_x_cp2"}
     extra = lambda name: ["data=jsonl", f"data.path={docs}"] if name in data else []  # noqa: E731
     cases = {
         name: Case(1, tiny_config(str(tmp / name), *ov, *extra(name))) for name, ov in REFERENCES.items()
