@@ -479,3 +479,19 @@ def test_context_parallel_needs_contiguous_slices(impl: str, balance: str) -> No
     with pytest.raises(ConfigError, match="cp_load_balance=none and parallelism.cp_impl=allgather"):
         validate_cp(cp_impl=impl, load_balance=balance, sequential_state=spec.sequential_state, **kw)
     validate_cp(cp_impl="allgather", load_balance="none", sequential_state=spec.sequential_state, **kw)
+
+
+def test_muon_leaves_the_convolution_kernels_to_adamw() -> None:
+    """Muon orthogonalises matrices and stacks of expert matrices; the DeltaNet's (C, 1, K) convolution
+    kernels have none, so they join AdamW's decayed group; the stacked experts stay Muon's."""
+    from trainer.optim.muon import muon_param_groups
+
+    cfg = make_config("model=qwen3_5_moe_debug", "optimizer=muon")
+    spec = get_spec(cfg.model.family)
+    with torch.device("meta"):
+        model = spec.build(cfg.model)
+    groups = muon_param_groups(model, cfg.optimizer, spec.first_modules + spec.last_modules)
+    muon = {n for g in groups if g["use_muon"] for n in g["names"]}
+    adamw = {n for g in groups if not g["use_muon"] for n in g["names"]}
+    assert "layers.0.delta_net.q_conv.weight" in adamw and "layers.0.delta_net.q_conv.weight" not in muon
+    assert {"layers.0.moe.experts.w1", "layers.0.delta_net.wq.weight", "layers.3.attention.wq.weight"} <= muon

@@ -10,7 +10,8 @@ packed short documents (``block_causal``: the state and the convolution window r
 several documents of a window) under TP; context parallel x2 (causal), x2 and x4 on the short documents
 (documents cross the ranks: the state and the conv window are handed over), contiguous slices, and TP x2
 x CP x2 on them; HSDP 2 x 2; the MoE
-family under FSDP, expert parallel x2, TP x2 and CP x2. All cases of a world size run in one spawn.
+family under FSDP, expert parallel x2, TP x2, CP x2 and Muon (matrices and stacked experts) under FSDP.
+All cases of a world size run in one spawn.
 
 Measured (4 steps, lr 1e-3): losses within 1.5e-7 and grad norms within 5.7e-6 relative everywhere; final
 weights within 6e-7 (data parallel, EP, PP), 3e-6 (CP) and 5.3e-6 (TP). MoE x TP reaches 1.25e-5 in one
@@ -38,13 +39,18 @@ DOCS = [*DENSE, "model.attention_mask=block_causal"]
 MOE = ["model=qwen3_5_moe_debug", "model.attn_head_dim=32", "model.linear_chunk_size=16"]
 MOE = [*MOE, "model.ffn_hidden_dim=null", "optimizer.lr=1e-3", PARITY_STEPS]
 TP2 = ["parallelism.tp=2", "parallelism.dp_shard=1"]
-CP = ["parallelism.cp_load_balance=none", "parallelism.dp_shard=1"]  # contiguous slices (the state hand-off)
+CP = ["parallelism.cp_load_balance=none", "parallelism.dp_shard=1"]
+MUON = [
+    "optimizer=muon",
+    "optimizer.muon.ns_dtype=float32",
+]  # the convs and vectors: AdamW  # contiguous slices (the state hand-off)
 REFERENCES = {
     "q35_ref": DENSE,
     "q35_ref_noclip": [*DENSE, NO_CLIP],
     "q35_untied_ref_noclip": [*UNTIED, NO_CLIP],
     "q35_docs_ref": DOCS,
     "q35_moe_ref": MOE,
+    "q35_moe_muon_ref": [*MOE, *MUON],
 }
 LAYOUTS = {  # name -> (world, reference, overrides)
     "q35_fsdp_x2": (2, "q35_ref", [*DENSE, "parallelism.dp_shard=2"]),
@@ -84,6 +90,7 @@ LAYOUTS = {  # name -> (world, reference, overrides)
     "q35_moe_fsdp_x2": (2, "q35_moe_ref", [*MOE, "parallelism.dp_shard=2"]),
     "q35_moe_ep2": (2, "q35_moe_ref", [*MOE, "parallelism.ep=2", "parallelism.dp_shard=2"]),
     "q35_moe_tp2_sp": (2, "q35_moe_ref", [*MOE, *TP2]),
+    "q35_moe_muon_fsdp_x2": (2, "q35_moe_muon_ref", [*MOE, *MUON, "parallelism.dp_shard=2"]),
 }
 
 PARAM_ATOL = {"q35_moe_tp2_sp": 3e-5}  # final weights (see the module doc); 1e-5 elsewhere
