@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Union, cast
+from typing import TYPE_CHECKING, Optional, Protocol, Union, cast
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +51,10 @@ __all__ = [
     "Mask",
     "MaskCache",
     "MaskSpec",
+    "RecurrentCore",
+    "StateHandoff",
     "attend",
+    "attention_cache_cores",
     "compiled_flex_attention",
     "document_ids",
     "validate_attention_mask",
@@ -325,3 +328,46 @@ class LatentKVCacheCore(nn.Module):
         index = torch.arange(self.length, device=q.device)
         mask = MaskSpec(index[-Sn:], index).additive(q.dtype)  # (1, 1, Sn, L)
         return attend(q, k, v, mask)
+
+
+def attention_cache_cores(model: nn.Module, max_len: int) -> list[tuple[nn.Module, nn.Module]]:
+    """(module, its generation core) for every attention module of ``model`` (a module whose ``core``
+    is an attention core): a ``KVCacheCore`` of ``max_len`` positions, or a ``LatentKVCacheCore`` for
+    multi-head latent attention (it caches the latents, not the expanded K/V). The default of
+    ``ModelSpec.generation_cores``; a family with other token mixers adds its own caches to these."""
+    pairs: list[tuple[nn.Module, nn.Module]] = []
+    for m in model.modules():
+        core = getattr(m, "core", None)
+        if isinstance(core, LatentAttentionCore):
+            pairs.append((m, LatentKVCacheCore(max_len)))
+        elif isinstance(core, AttentionCore):
+            pairs.append((m, KVCacheCore(max_len)))
+    return pairs
+
+
+# --------------------------------------------------------------------------------------------
+# Recurrent cores (linear attention, models/qwen3_5): what context parallelism hands across ranks
+# --------------------------------------------------------------------------------------------
+
+
+class StateHandoff(Protocol):
+    """What a recurrent core asks of context parallelism (``parallelisms/context_parallel.py``) when the
+    sequence is split into contiguous slices, one per cp rank, in rank order. Every rank calls both
+    methods in the same order (they are collectives); both are differentiable."""
+
+    def previous(self, x: Tensor) -> Optional[Tensor]:
+        """The previous rank's ``x`` (same shape), None on the first rank."""
+        ...
+
+    def incoming_state(self, m: Tensor, s: Tensor) -> Optional[Tensor]:
+        """This rank's incoming state from every rank's effect on a handed-in state (``final = m @ S0
+        + s``, from a zero state): the prefix combination over the previous ranks, None on the first."""
+        ...
+
+
+class RecurrentCore(nn.Module):
+    """Base class of a token mixer's core that carries a state along the sequence (a linear attention's
+    recurrent state, its convolution window). ``handoff`` is None on one process; context parallelism
+    sets it, and the core then continues the previous rank's state instead of starting from zero."""
+
+    handoff: Optional[StateHandoff] = None

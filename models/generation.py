@@ -1,10 +1,12 @@
 """Autoregressive sampling from any family's model, with or without a KV cache.
 
 Sampling needs only the model interface every family shares (``model(tokens, positions)``,
-``model.args.max_seq_len``, attention modules holding a swappable ``core``), so it lives beside
+``model.args.max_seq_len``, token mixers holding a swappable ``core``), so it lives beside
 ``KVCacheCore`` in ``models/`` and knows nothing of training. ``generate`` continues a token
-list; ``kv_cache`` swaps each layer's attention core for a ``KVCacheCore`` that keeps the
-rotated keys and values, so every step runs only the new token. The command is
+list; ``kv_cache`` swaps each layer's core for the generation core its family's spec names
+(``ModelSpec.generation_cores``: a ``KVCacheCore`` that keeps the rotated keys and values by default,
+a recurrent state for a linear-attention layer), so every step runs only the new token. A
+generation core has ``reset()``, called before each (re)fill. The command is
 ``python -m trainer.generate`` (loading: ``trainer/checkpoint/load.py``).
 """
 
@@ -12,15 +14,18 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Optional, Union
+from typing import Optional, Protocol, cast
 
 import torch
 from torch import nn
 
-from models.attention import KVCacheCore, LatentAttentionCore, LatentKVCacheCore
 from models.spec import args_of, decoder_args
 
 __all__ = ["generate", "kv_cache", "sample_next"]
+
+
+class _Resettable(Protocol):
+    def reset(self) -> None: ...
 
 
 def sample_next(
@@ -38,21 +43,20 @@ def sample_next(
 
 
 @contextlib.contextmanager
-def kv_cache(model: nn.Module, max_len: int) -> Iterator[list[Union[KVCacheCore, LatentKVCacheCore]]]:
-    """Swap every attention core of ``model`` for a per-layer ``KVCacheCore`` (``LatentKVCacheCore``
-    for multi-head latent attention: it caches the latents, not the expanded K/V); restore on exit."""
-    attentions = [m for m in model.modules() if isinstance(getattr(m, "core", None), nn.Module)]
-    saved = [m.core for m in attentions]
-    caches: list[Union[KVCacheCore, LatentKVCacheCore]] = [
-        LatentKVCacheCore(max_len) if isinstance(m.core, LatentAttentionCore) else KVCacheCore(max_len)
-        for m in attentions
-    ]
-    for m, cache in zip(attentions, caches):
+def kv_cache(model: nn.Module, max_len: int) -> Iterator[list[nn.Module]]:
+    """Swap every core of ``model`` for its per-layer generation core (``ModelSpec.generation_cores`` of
+    the model's family: ``KVCacheCore``, ``LatentKVCacheCore`` for multi-head latent attention, a
+    family's recurrent caches); restore on exit. Yields the caches, in the model's module order."""
+    from models import get_spec  # the family table imports every family; generation is imported by none
+
+    pairs = get_spec(args_of(model).family).generation_cores(model, max_len)
+    saved = [m.core for m, _ in pairs]
+    for m, cache in pairs:
         m.core = cache
     try:
-        yield caches
+        yield [cache for _, cache in pairs]
     finally:
-        for m, core in zip(attentions, saved):
+        for (m, _), core in zip(pairs, saved):
             m.core = core
 
 
@@ -90,7 +94,7 @@ def generate(
         for _ in range(max_new_tokens):
             if cached == 0 or len(out) > window:  # first step, or the window slid: prefill again
                 for cache in caches:
-                    cache.reset()
+                    cast(_Resettable, cache).reset()
                 context = out[-window:]
                 new, start = context, 0
             else:

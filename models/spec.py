@@ -26,8 +26,13 @@ class, so a new family plugs in without touching any strategy:
   window, e.g. MTP's shifted ids and targets: the model's one call is
   ``model(tokens, positions=..., **extras)``), and
   ``qk_norm(args)`` (per-head q/k RMSNorms before RoPE, off by default; Qwen3, Qwen3-MoE, a Llama
-  that asks for them), ``qk_clip`` (whether the attention supports QK-clip), and ``lr_scale(args)``
-  (µP's per-parameter factors of the LR; None, every factor 1, by default);
+  that asks for them), ``qk_clip`` (whether the attention supports QK-clip), ``lr_scale(args)``
+  (µP's per-parameter factors of the LR; None, every factor 1, by default),
+  ``generation_cores(model, max_len)`` (the cache each token mixer's core is swapped for during
+  generation: KV caches by default, a recurrent state for linear attention; Qwen3.5), and
+  ``sequential_state`` (whether token mixers carry a state along the sequence, ``RecurrentCore``s of
+  ``models/attention.py``: context parallelism hands it from rank to rank, which needs contiguous slices
+  in rank order, i.e. ``cp_load_balance=none`` and the all-gather implementation; Qwen3.5);
 - ``planner_terms(args)``: the planner's view of the family's blocks (``PlannerTerms``): what the
   attention moves under CP / TP beyond the plan's kinds (``AttentionComm``) and what a block saves
   for backward per token (the family's own arithmetic, from a ``BlockLayout``), so that
@@ -43,6 +48,8 @@ from typing import Any, Optional, Protocol, cast
 
 import torch
 from torch import nn
+
+from models.attention import attention_cache_cores
 
 __all__ = [
     "AttentionComm",
@@ -189,6 +196,11 @@ class HFAdapter(Protocol):
         self, name: str, index: tuple[slice, ...], reader: HFTensorReader, args: Any
     ) -> torch.Tensor: ...
 
+    # A folder's tensor name -> the name ``hf_names_of`` uses (the same for a folder of the adapter's
+    # own architecture; a vision-language folder's text decoder is renamed), or None for a tensor the
+    # model does not use by design (a vision tower): skipped, and named in the log.
+    def folder_name(self, hf_name: str) -> Optional[str]: ...
+
 
 def _untied(_args: Any) -> bool:
     return False
@@ -324,6 +336,11 @@ class ModelSpec:
     # Per-parameter factors of optimizer.lr (µP, ``model.mup``): (args) -> None (every factor 1) or a
     # function (parameter name as the model names it, its ndim) -> factor
     lr_scale: Callable[[ModelArgs], Optional[Callable[[str, int], float]]] = _no_lr_scale
+    # (module, generation core) for each token mixer of a model (``models/generation.py`` swaps
+    # ``module.core`` for it); default: the attention layers' KV caches.
+    generation_cores: Callable[[nn.Module, int], list[tuple[nn.Module, nn.Module]]] = attention_cache_cores
+    # Token mixers carrying a state along the sequence (RecurrentCore): CP needs contiguous slices
+    sequential_state: bool = False
 
     @property
     def has_experts(self) -> bool:

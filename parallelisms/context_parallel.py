@@ -46,6 +46,7 @@ from models.attention import (
     Mask,
     MaskCache,
     MaskSpec,
+    RecurrentCore,
     attend,
     compiled_flex_attention,
 )
@@ -274,6 +275,42 @@ class LatentAllGatherAttention(AllGatherAttention):
 
 
 # --------------------------------------------------------------------------------------------
+# Recurrent cores: the state hand-off
+# --------------------------------------------------------------------------------------------
+
+
+class AllGatherHandoff:
+    """The ``StateHandoff`` of context parallelism (``models/attention.py``) for recurrent cores (linear
+    attention, ``RecurrentCore``): each cp rank holds a contiguous slice, in rank order
+    (``cp_load_balance=none``). ``previous`` all-gathers a small tensor (a convolution's last inputs)
+    and returns the previous rank's; ``incoming_state`` all-gathers every rank's effect on a handed-in
+    state (``final = m @ S0 + s``) and folds the previous ranks' in order: the two-pass form (local
+    passes from zero, one collective, the scan from the combined state), so the ranks work in
+    parallel instead of waiting for each other. Both are differentiable (backward reduce-scatters).
+    The first rank gets zeros (as from no hand-off)."""
+
+    def __init__(self, cp_mesh: DeviceMesh) -> None:
+        self.group = cp_mesh.get_group()
+        self.rank = cp_mesh.get_local_rank()
+
+    # The first rank has nothing before it, yet returns zeros computed FROM the gathered tensor: every
+    # rank's backward must run each all-gather's reduce-scatter (a collective), so its output stays in
+    # the graph everywhere.
+
+    def previous(self, x: Tensor) -> Optional[Tensor]:
+        gathered = _GatherSequence.apply(x, self.group)  # (cp, ...)
+        return gathered[self.rank - 1] if self.rank > 0 else gathered[0] * 0
+
+    def incoming_state(self, m: Tensor, s: Tensor) -> Optional[Tensor]:
+        dk = m.shape[-1]
+        both = _GatherSequence.apply(torch.cat([m, s], dim=-1), self.group)  # (cp, B, h, dk, dk + dv)
+        state = both[0][..., dk:] * 0  # the first rank's: zero
+        for j in range(self.rank):
+            state = both[j][..., :dk] @ state + both[j][..., dk:]
+        return state
+
+
+# --------------------------------------------------------------------------------------------
 # Entry points
 # --------------------------------------------------------------------------------------------
 
@@ -289,6 +326,7 @@ def apply_cp(
         return 0
     core = AllGatherAttention(cp_mesh, load_balance=load_balance, attention_mask=attention_mask)
     latent_core = LatentAllGatherAttention(cp_mesh, load_balance=load_balance, attention_mask=attention_mask)
+    handoff = AllGatherHandoff(cp_mesh)
     changed = 0
     for module in list(model.modules()):
         current = getattr(module, "core", None)
@@ -297,6 +335,9 @@ def apply_cp(
             changed += 1
         elif isinstance(current, LatentAttentionCore):  # MLA: gather the latents, expand locally
             module.core = latent_core
+            changed += 1
+        elif isinstance(current, RecurrentCore):  # linear attention: the state crosses the ranks
+            current.handoff = handoff
             changed += 1
     if changed == 0:
         raise ConfigError(

@@ -16,6 +16,11 @@ feed_forward.w2        RowwiseParallel             partial sums -> all_reduce (o
 output                 ColwiseParallel             logits sharded over the vocab
 =====================  ==========================  ================================================
 
+A family's plan may also name ``shard_params`` (``ShardParamsParallel``: a module's per-head or
+per-channel tensors sharded on dim 0 with the heads, e.g. a Gated DeltaNet's convolution kernels
+and decay vectors, models/qwen3_5), ``head_norm`` (a per-head norm on the local heads),
+``replicate``, ``sum_grad`` and ``moe_io`` (below).
+
 The local head counts need no bookkeeping: ``Attention`` reads them from the (local) shapes
 of ``wq/wk`` outputs, so column sharding leaves ``n_heads // tp`` and ``n_kv_heads // tp``
 heads per rank; ``repeat_kv`` keeps query head j on kv head j // n_rep inside any contiguous
@@ -44,7 +49,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module
+from torch.distributed.tensor import (
+    DTensor,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -60,6 +72,7 @@ from parallelisms.config import ParallelismConfig
 
 __all__ = [
     "ReplicateParallel",
+    "ShardParamsParallel",
     "SumGradParallel",
     "apply_tp",
     "check_tp_fits_node",
@@ -107,6 +120,22 @@ class ReplicateParallel(ParallelStyle):
             self._prepare_input,  # type: ignore[arg-type]
             self._prepare_output,
         )
+
+
+class ShardParamsParallel(ParallelStyle):
+    """Shard every parameter of a module on dim 0 over the tp mesh (``Shard(0)``), for per-head or
+    per-channel tensors that go with a column-parallel projection's heads: a linear-attention layer's
+    convolution kernels (channels x 1 x K) and per-head decay vectors. The module reads its local
+    rows (its inputs are the column-parallel projections' local outputs), so its gradient is local
+    too; inputs and outputs pass unchanged."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def shard(_name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for name, param in list(mod.named_parameters(recurse=False)):
+                sharded = nn.Parameter(distribute_tensor(param, mesh, [Shard(0)]), param.requires_grad)
+                mod.register_parameter(name, sharded)
+
+        return distribute_module(module, device_mesh, shard)
 
 
 class _AllReduceGrad(torch.autograd.Function):
@@ -162,6 +191,8 @@ def _style(kind: str, *, sequence_parallel: bool, loss_parallel: bool) -> Parall
         return ReplicateParallel()
     if kind == "sum_grad":  # a tensor shared by the heads of every rank: all-reduce its gradient
         return SumGradParallel()
+    if kind == "shard_params":  # per-head / per-channel tensors of the local heads: Shard(0)
+        return ShardParamsParallel()
     if kind == "head_norm":  # per-head norm (qk-norm) on this rank's heads: weight replicated
         return SequenceParallel(sequence_dim=2, use_local_output=True)
     if kind == "moe_io":

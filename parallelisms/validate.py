@@ -79,6 +79,7 @@ def validated_dims(
         seq_len=seq_len,
         device_type=device_type,
         attention_mask=spec.attention_mask(model_args),
+        sequential_state=spec.sequential_state,
     )
     dims.grad_accum_steps(global_batch_size, micro_batch_size)
     if dims.ep > 1 or spec.num_experts(model_args) > 0:
@@ -143,6 +144,11 @@ def validate_model(
     dims: ParallelDims, spec: ModelSpec, args: ModelArgs, *, seq_len: int, sequence_parallel: bool
 ) -> None:
     """Model- and sequence-dependent checks (head counts, layers, sequence length, experts)."""
+    if dims.tp > 1 and not spec.tp_plan:
+        raise ConfigError(
+            f"parallelism.tp={dims.tp}: the {spec.family} family has no tensor-parallel plan yet "
+            "(ModelSpec.tp_plan is empty); set parallelism.tp=1."
+        )
     if dims.tp > 1:
         for key, value in spec.tp_divisible(args).items():
             if value % dims.tp != 0:
@@ -224,8 +230,10 @@ def validate_cp(
     seq_len: int,
     device_type: str,
     attention_mask: str,
+    sequential_state: bool = False,
 ) -> None:
-    """Check the context-parallel options against the sequence, device and mask."""
+    """Check the context-parallel options against the sequence, device and mask; ``sequential_state``:
+    the model's token mixers carry a state along the sequence (``ModelSpec.sequential_state``)."""
     if cp_impl not in CP_IMPLS:
         raise ConfigError(f"parallelism.cp_impl={cp_impl!r} is not one of {list(CP_IMPLS)}; use allgather.")
     if load_balance not in CP_LOAD_BALANCE:
@@ -235,6 +243,12 @@ def validate_cp(
         )
     if cp == 1:
         return
+    if sequential_state and (load_balance != "none" or cp_impl != "allgather"):
+        raise ConfigError(
+            f"parallelism.cp_load_balance={load_balance}, cp_impl={cp_impl}: this model's linear-attention "
+            "layers hand their recurrent state from each cp rank to the next, which needs each rank's slice "
+            "contiguous and in order; set parallelism.cp_load_balance=none and parallelism.cp_impl=allgather."
+        )
     chunks = cp_chunks(cp, load_balance)
     if seq_len % chunks != 0:
         raise ConfigError(

@@ -184,6 +184,10 @@ class DeepSeekV3HF:
                 return [f"{prefix}.{_LAYER_NAMES[module]}.weight"]
         raise ConfigError(f"parameter {name!r} has no Hugging Face deepseek_v3 equivalent.")
 
+    def folder_name(self, hf_name: str) -> str:
+        """A folder's tensor name as ``hf_names_of`` spells it: the same (one architecture per folder)."""
+        return hf_name
+
     def full_shape(self, name: str, hf_shapes: list[list[int]], args: Any) -> list[int]:
         if ".moe.experts." in name:
             return [len(hf_shapes), *hf_shapes[0]]

@@ -105,6 +105,10 @@ class LlamaHF:
             "(biases and other architectures are not)."
         )
 
+    def folder_name(self, hf_name: str) -> str:
+        """A folder's tensor name as ``hf_names_of`` spells it: the same (one architecture per folder)."""
+        return hf_name
+
     def full_shape(self, name: str, hf_shapes: list[list[int]], args: Any = None) -> list[int]:
         """Our full shape of ``name`` given the shapes of its HF tensors (one, unchanged)."""
         return hf_shapes[0]

@@ -223,6 +223,10 @@ class MoEHF:
                 return [f"model.layers.{layer}.{mapping[local]}"]
         raise ConfigError(f"parameter {name!r} has no Hugging Face {self.format_of(args)} equivalent.")
 
+    def folder_name(self, hf_name: str) -> str:
+        """A folder's tensor name as ``hf_names_of`` spells it: the same (one architecture per folder)."""
+        return hf_name
+
     def full_shape(self, name: str, hf_shapes: list[list[int]], args: Any) -> list[int]:
         if name.split(".")[-1] in ("w1", "w2", "w3") and ".moe.experts." in name:
             return [len(hf_shapes), *hf_shapes[0]]

@@ -185,27 +185,38 @@ def save_hf_distributed(
     adapter = _hf_adapter(spec)
     # canonical names; DTensors stay sharded (a module's state holds tensors only)
     state = cast("dict[str, torch.Tensor]", get_model_state_dict(module))
+    # Our tensors that make one HF tensor together (a fused projection: Qwen3.5's q, k, v) are
+    # gathered and converted together: a group per HF name, keyed by its first tensor's name.
+    groups: dict[str, list[str]] = {}
+    group_of_hf: dict[str, str] = {}
+    for name in sorted(state):
+        hf_names = adapter.hf_names_of(name, args)
+        key = next((group_of_hf[h] for h in hf_names if h in group_of_hf), name)
+        groups.setdefault(key, []).append(name)
+        group_of_hf.update(dict.fromkeys(hf_names, key))
     # Names and sizes of every HF tensor, from a dry run on meta tensors (no data moves).
     pieces: dict[str, int] = {}
-    for name in sorted(state):
-        meta = torch.empty(state[name].shape, dtype=dtype, device="meta")
-        hf = list(adapter.to_hf_state({name: meta}, args))
+    for key, members in groups.items():
+        metas = {n: torch.empty(state[n].shape, dtype=dtype, device="meta") for n in members}
+        hf = list(adapter.to_hf_state(metas, args))
         if hf:
-            pieces[name] = sum(t.numel() * t.element_size() for _, t in hf)
-        elif not isinstance(state[name], DTensor):
+            pieces[key] = sum(t.numel() * t.element_size() for _, t in hf)
+        elif not any(isinstance(state[n], DTensor) for n in members):
             # No HF tensor (a tied head, the MoE routing bias): the adapter sees the value, on every
             # rank alike (no collective), and refuses one HF cannot represent before a file is written.
-            list(adapter.to_hf_state({name: state[name]}, args))
+            list(adapter.to_hf_state({n: state[n] for n in members}, args))
     shards = _shard_plan(list(pieces.items()), max_shard_bytes)
     names = _file_names(len(shards))
     weight_map: dict[str, str] = {}
     for fname, shard in zip(names, shards):
         tensors: dict[str, torch.Tensor] = {}
-        for name in shard:
-            value = state[name]
-            full = value.full_tensor() if isinstance(value, DTensor) else value  # collective
+        for key in shard:
+            full: dict[str, torch.Tensor] = {}
+            for n in groups[key]:  # collective, one tensor of the group at a time
+                value = state[n]
+                full[n] = value.full_tensor() if isinstance(value, DTensor) else value
             if is_writer:
-                for hf_name, t in adapter.to_hf_state({name: full}, args):
+                for hf_name, t in adapter.to_hf_state(full, args):
                     tensors[hf_name] = t.detach().to("cpu", dtype).contiguous()
             del full
         if is_writer:
@@ -257,13 +268,26 @@ def read_hf(hf_dir: str) -> tuple[ModelSpec, Any, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
     spec, args = read_hf_config(hf_dir)
+    adapter = _hf_adapter(spec)
     hf_state: dict[str, torch.Tensor] = {}
+    skipped: list[str] = []
     for path in sorted(set(_weight_files(hf_dir).values())):
         try:
-            hf_state.update(load_file(path))
+            tensors = load_file(path)
         except Exception as e:
             raise ConfigError(f"{path} cannot be read ({e}).") from e
-    return spec, args, _hf_adapter(spec).from_hf_state(hf_state, args)
+        for folder_name, tensor in tensors.items():  # the adapter's names; unused-by-design skipped
+            name = adapter.folder_name(folder_name)
+            if name is None:
+                skipped.append(folder_name)
+            else:
+                hf_state[name] = tensor
+    if skipped:
+        logger.info(
+            f"{hf_dir}: skipped {len(skipped)} tensors the {spec.family} model does not use, e.g. "
+            f"{skipped[0]}"
+        )
+    return spec, args, adapter.from_hf_state(hf_state, args)
 
 
 # safetensors dtype names -> torch dtypes (the ones a model checkpoint holds).
@@ -292,8 +316,9 @@ class _SliceReader:
     touched. ``bytes_read`` counts what was read.
     """
 
-    def __init__(self, files: dict[str, str]) -> None:
+    def __init__(self, files: dict[str, str], aliases: Optional[dict[str, str]] = None) -> None:
         self.files = files
+        self.aliases = aliases or {}  # a name -> the folder's own name of the tensor, where they differ
         self.bytes_read = 0
         self._fds: dict[str, int] = {}
         self._headers: dict[str, tuple[int, dict[str, Any]]] = {}  # path -> (data offset, header)
@@ -310,6 +335,7 @@ class _SliceReader:
                 raise ConfigError(f"{path} is not a readable safetensors file ({e}).") from e
             self._headers[path] = (8 + size, header)
         base, header = self._headers[path]
+        hf_name = self.aliases.get(hf_name, hf_name)
         if hf_name not in header:
             raise ConfigError(f"{path} lacks {hf_name!r}, which its index lists there.")
         entry = header[hf_name]
@@ -417,17 +443,36 @@ _SAME_SHAPE_SETTINGS = (
 )
 
 
-def _check_folder(hf_dir: str, spec: ModelSpec, args: ModelArgs, full_names: Iterable[str]) -> dict[str, str]:
-    """The folder's weight files (``_weight_files``) once it holds this model: same family, no
-    tensor the model lacks. Warns when the folder's RoPE, norm or (MoE) routing settings differ from
+def _check_folder(
+    hf_dir: str, spec: ModelSpec, args: ModelArgs, full_names: Iterable[str], aliases: dict[str, str]
+) -> dict[str, str]:
+    """The folder's weight files (``_weight_files``, by the adapter's names: ``aliases`` gets the
+    folder's own name of each renamed one) once it holds this model: same family, no tensor the
+    model lacks. Warns when the folder's RoPE, norm or (MoE) routing settings differ from
     the run's (same shapes, different function)."""
     folder_spec, folder_args = read_hf_config(hf_dir)
-    files = _weight_files(hf_dir)
     if folder_spec.family != spec.family:
         raise ConfigError(
             f"{hf_dir} holds a {folder_spec.family!r} model but this run's model.family is {spec.family!r}."
         )
     adapter = _hf_adapter(spec)
+    # The folder's names as the adapter spells them (a vision-language folder's text decoder); the
+    # tensors the model does not use by design (a vision tower) are skipped, by name in the log.
+    files: dict[str, str] = {}
+    skipped: list[str] = []
+    for folder_name, path in _weight_files(hf_dir).items():
+        name = adapter.folder_name(folder_name)
+        if name is None:
+            skipped.append(folder_name)
+        else:
+            files[name] = path
+            if name != folder_name:
+                aliases[name] = folder_name
+    if skipped:
+        logger.info(
+            f"{hf_dir}: skipped {len(skipped)} tensors the {spec.family} model does not use, e.g. "
+            f"{skipped[0]}"
+        )
     expected = {hf_name for name in full_names for hf_name in adapter.hf_names_of(name, args)}
     extra = sorted(k for k in files if k not in expected and not k.endswith("rotary_emb.inv_freq"))
     if extra:
@@ -466,8 +511,9 @@ def load_hf_into(
     not store (no HF name, e.g. the MoE routing bias) is set to zero, as in a fresh model.
     """
     names = list(full_names) if full_names is not None else [n for n, _ in _named_tensors(module)]
-    files = _check_folder(hf_dir, spec, args, names)
-    reader = _SliceReader(files)
+    aliases: dict[str, str] = {}
+    files = _check_folder(hf_dir, spec, args, names, aliases)
+    reader = _SliceReader(files, aliases)
     try:
         for name, param in _named_tensors(module):
             hf_names = _hf_adapter(spec).hf_names_of(name, args)

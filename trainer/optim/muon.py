@@ -60,6 +60,7 @@ from torch import Tensor, nn
 
 from models.common import unwrapped_name
 from models.errors import ConfigError, check_choice
+from models.spec import StackedExperts
 from parallelisms.sharded_optimizer import ShardedOptimizer
 from parallelisms.utils import (
     Piece,
@@ -661,8 +662,10 @@ def validate_muon_config(o: OptimizerConfig) -> None:
 def muon_param_groups(
     model: nn.Module | list[nn.Module], cfg: OptimizerConfig, adamw_modules: tuple[str, ...]
 ) -> list[dict[str, Any]]:
-    """Muon for every >=2-D weight outside ``adamw_modules`` (the embedding and the output head,
-    e.g. ``spec.first_modules + spec.last_modules``); AdamW for those and every 1-D parameter.
+    """Muon for every matrix (2-D weight) and stack of expert matrices (a ``StackedExperts``' 3-D
+    weights) outside ``adamw_modules`` (the embedding and the output head, e.g.
+    ``spec.first_modules + spec.last_modules``); AdamW for those, for other >2-D weights (a depthwise
+    convolution's (C, 1, K) kernels: no matrix to orthogonalise) and for every 1-D parameter.
     Each group carries its own hyperparameters and the parameters' names (they key Muon's units)."""
     parts = model if isinstance(model, list) else [model]
     named: dict[torch.Tensor, str] = {}
@@ -670,11 +673,18 @@ def muon_param_groups(
         for name, param in part.named_parameters():
             if param.requires_grad:
                 named.setdefault(param, unwrapped_name(name))
+    stacked = {
+        id(p)
+        for part in parts
+        for m in part.modules()
+        if isinstance(m, StackedExperts)
+        for p in m.parameters()
+    }
     muon, decay, no_decay = [], [], []
     for p, name in named.items():
         if p.ndim < 2:
             no_decay.append((name, p))
-        elif name.split(".", 1)[0] in adamw_modules:
+        elif name.split(".", 1)[0] in adamw_modules or (p.ndim > 2 and id(p) not in stacked):
             decay.append((name, p))
         else:
             muon.append((name, p))

@@ -25,7 +25,7 @@ from parallelisms.tensor_parallel import tp_kinds
 
 __all__ = ["ModuleParams", "ParamTable", "param_table"]
 
-TP_SHARDED_KINDS = ("embedding", "colwise", "rowwise", "head")
+TP_SHARDED_KINDS = ("embedding", "colwise", "rowwise", "head", "shard_params")
 _INIT_FUNCTIONS = (
     "normal_",
     "trunc_normal_",

@@ -1,0 +1,721 @@
+"""Qwen3.5 hybrid decoder (Qwen3.5 dense and Qwen3.5-MoE text models), free of any parallelism.
+
+Every ``full_attention_interval``-th block (i + 1 divisible by it; every 4th) has gated softmax
+attention; the others mix tokens with a Gated DeltaNet (a linear, recurrent attention with a (dk, dv)
+state per value head, ``models/qwen3_5/delta_rule.py``). Module tree::
+
+    tok_embeddings.weight
+    layers.{i}.{attention_norm,ffn_norm}.weight          zero-centred RMSNorm gains (1 + w)
+    layers.{i}.attention.wq.weight     (nh * 2 D, H)    full layers: per head [query D | output gate D]
+    layers.{i}.attention.{wk,wv}.weight (nkv * D, H), attention.wo.weight (H, nh * D)
+    layers.{i}.attention.{q_norm,k_norm}.weight (D,)    zero-centred, before the partial RoPE
+    layers.{i}.delta_net.{wq,wk}.weight (nk * dk, H)    linear layers: queries / keys (nk key heads)
+    layers.{i}.delta_net.{wv,wz}.weight (nv * dv, H)    values / output gate (nv value heads)
+    layers.{i}.delta_net.{wb,wa}.weight (nv, H)         write strength beta = sigmoid(b), decay input a
+    layers.{i}.delta_net.{q_conv,k_conv,v_conv}.weight (C, 1, K)   short causal depthwise convolutions
+    layers.{i}.delta_net.decay.{A_log,dt_bias} (nv,)    decay g = -exp(A_log) softplus(a + dt_bias)
+    layers.{i}.delta_net.norm.weight (dv,)               RMSNorm of each head's output, times silu(z)
+    layers.{i}.delta_net.wo.weight (H, nv * dv)
+    layers.{i}.feed_forward.{w1,w2,w3}.weight           dense family (Qwen3.5): SwiGLU
+    layers.{i}.moe.*                                     MoE family: ``models/moe``'s router and stacked
+    layers.{i}.moe.shared_experts.{w1,w2,w3,gate}.weight experts, a shared SwiGLU scaled by sigmoid(gate x)
+    norm.weight, output.weight
+
+The full attention is Llama's ``Attention`` (``models/llama/model.py``) with its swappable core
+(``models/attention.py``: masks, context parallel's all-gather core, the generation KV cache) and
+three changes: a sigmoid output gate per head and channel (from the second half of each head's
+``wq`` rows, so that a column shard of ``wq`` keeps whole heads), zero-centred q/k norms, and RoPE on
+the first ``partial_rotary_factor`` of each head (rotate_half layout) only.
+
+The Gated DeltaNet keeps its token mixing in a swappable core too (``DeltaRuleCore``): the short
+convolutions and the chunked delta rule, with documents restarting at each packed document's start
+under ``attention_mask=block_causal`` (positions restart at 0 there, ``models/attention.py``). The
+generation cache (``RecurrentCacheCore``) keeps the convolutions' last K-1 inputs and the recurrent
+state instead of keys and values; ``generation_cores`` hands both kinds of cache to
+``models/generation.py`` through the spec.
+
+Norms are zero-centred like transformers' ``Qwen3_5RMSNorm`` (gain ``1 + w``, ``w`` initialised to
+0), so the Hugging Face tensors map one to one; the DeltaNet's gated norm has a plain gain (ones).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from models.attention import RecurrentCore, attention_cache_cores, validate_attention_mask
+from models.common import ParamInit, RMSNorm, apply_rotary_emb, precompute_rope_cache
+from models.errors import ConfigError
+from models.llama.model import TP_PLAN as LLAMA_TP_PLAN
+from models.llama.model import Attention, FeedForward, LlamaArgs, Transformer, _positive_int, rope_rows
+from models.moe.model import MoE, MoEArgs, _local
+from models.qwen3_5.delta_rule import (
+    chunk_gated_delta_rule,
+    chunk_terms,
+    recurrent_gated_delta_rule,
+    scan_chunks,
+    short_conv,
+    state_transition,
+)
+from models.spec import ParamCounts
+
+__all__ = [
+    "TP_PLAN",
+    "DeltaRuleCore",
+    "GatedAttention",
+    "GatedDeltaNet",
+    "GatedFeedForward",
+    "Decay",
+    "OffsetRMSNorm",
+    "Qwen3_5Args",
+    "Qwen3_5Block",
+    "Qwen3_5MoeArgs",
+    "Qwen3_5Transformer",
+    "RecurrentCacheCore",
+    "flops_per_token",
+    "generation_cores",
+    "param_counts",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Arguments
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Qwen3_5Args(LlamaArgs):
+    """A Qwen3.5 dense decoder: Llama's shape fields (full-attention heads, SwiGLU) plus the layer
+    pattern, the partial RoPE and the Gated DeltaNet's heads."""
+
+    family: str = "qwen3_5"
+    attn_head_dim: Optional[int] = 256  # full attention: explicit head size
+    qk_norm: bool = True  # always on (zero-centred q/k head norms)
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000000.0
+    partial_rotary_factor: float = 0.25  # RoPE on the first head_dim * factor channels of each head
+    full_attention_interval: int = 4  # block i has full attention when (i + 1) % interval == 0
+    linear_num_key_heads: int = 16  # Gated DeltaNet query/key heads nk
+    linear_num_value_heads: int = 32  # value heads nv (a multiple of nk; each reads key head j // (nv/nk))
+    linear_key_head_dim: int = 128  # dk
+    linear_value_head_dim: int = 128  # dv
+    linear_conv_kernel: int = 4  # K of the short causal convolutions over q, k, v
+    linear_chunk_size: int = 64  # chunk of the chunked delta rule (a speed knob: the result is the same)
+
+    def validate(self) -> None:
+        """Llama's checks, then the hybrid's (``ConfigError`` naming the fix)."""
+        if self.qk_norm is not True:
+            raise ConfigError(
+                f"model.qk_norm={self.qk_norm!r}: every Qwen3.5 full-attention layer normalises its q/k "
+                "heads (Qwen3_5ForCausalLM has no switch); set model.qk_norm=true."
+            )
+        super().validate()
+        for name in (
+            "full_attention_interval",
+            "linear_num_key_heads",
+            "linear_num_value_heads",
+            "linear_key_head_dim",
+            "linear_value_head_dim",
+            "linear_conv_kernel",
+            "linear_chunk_size",
+        ):
+            _positive_int(getattr(self, name), f"model.{name}")
+        if self.linear_conv_kernel < 2:
+            raise ConfigError(
+                f"model.linear_conv_kernel={self.linear_conv_kernel} must be >= 2 (Qwen3.5 uses 4)."
+            )
+        if self.linear_num_value_heads % self.linear_num_key_heads != 0:
+            raise ConfigError(
+                f"model.linear_num_value_heads={self.linear_num_value_heads} is not a multiple of "
+                f"model.linear_num_key_heads={self.linear_num_key_heads}; each value head reads one key "
+                "head: choose nv = r * nk."
+            )
+        if not (isinstance(self.partial_rotary_factor, (int, float)) and 0 < self.partial_rotary_factor <= 1):
+            raise ConfigError(
+                f"model.partial_rotary_factor={self.partial_rotary_factor!r} must be in (0, 1] (Qwen3.5: "
+                "0.25)."
+            )
+        if self.rotary_dim % 2 != 0 or self.rotary_dim == 0:
+            raise ConfigError(
+                f"model.partial_rotary_factor={self.partial_rotary_factor} gives a rotary size of "
+                f"{self.rotary_dim} channels of the head size {self.head_dim}; it must be even and > 0."
+            )
+        validate_attention_mask(self.attention_mask)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each full-attention head that RoPE rotates (the first ones)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_full_attention(self, layer_id: int) -> bool:
+        """Whether block ``layer_id`` has softmax attention (else a Gated DeltaNet)."""
+        return (layer_id + 1) % self.full_attention_interval == 0
+
+    @property
+    def layer_types(self) -> list[str]:
+        """transformers' spelling of the pattern: ``linear_attention`` / ``full_attention`` per block."""
+        return [
+            "full_attention" if self.is_full_attention(i) else "linear_attention"
+            for i in range(self.n_layers)
+        ]
+
+
+@dataclass
+class Qwen3_5MoeArgs(Qwen3_5Args, MoEArgs):
+    """A Qwen3.5-MoE decoder: every block's feed-forward is ``models/moe``'s routed experts (softmax
+    router, top-k renormalised) plus one shared SwiGLU expert scaled by a sigmoid gate."""
+
+    family: str = "qwen3_5_moe"
+    num_experts: int = 256
+    top_k: int = 8
+    moe_hidden_dim: int = 512
+    shared_expert_hidden_dim: int = 512  # the gated shared expert's SwiGLU hidden size (0: none)
+
+    def validate(self) -> None:
+        super().validate()  # Qwen3.5's, then the MoE family's
+        if isinstance(self.shared_expert_hidden_dim, bool) or not isinstance(
+            self.shared_expert_hidden_dim, int
+        ):
+            raise ConfigError(
+                f"model.shared_expert_hidden_dim={self.shared_expert_hidden_dim!r} must be an int."
+            )
+        if self.shared_expert_hidden_dim < 0:
+            raise ConfigError(
+                f"model.shared_expert_hidden_dim={self.shared_expert_hidden_dim} must be >= 0 (0: no shared "
+                "expert)."
+            )
+        if self.num_shared_experts:
+            raise ConfigError(
+                f"model.num_shared_experts={self.num_shared_experts}: Qwen3.5-MoE has one gated shared "
+                "expert sized by model.shared_expert_hidden_dim; leave num_shared_experts at 0."
+            )
+
+
+# --------------------------------------------------------------------------------------------
+# Norms
+# --------------------------------------------------------------------------------------------
+
+
+class OffsetRMSNorm(RMSNorm):
+    """Zero-centred RMSNorm: ``normalise(x) * (1 + weight)`` in fp32, ``weight`` initialised to 0
+    (transformers' ``Qwen3_5RMSNorm``)."""
+
+    def init_weights(self, init: ParamInit, prefix: str) -> None:
+        init.zeros(f"{prefix}.weight", self.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).type_as(x)
+
+
+# --------------------------------------------------------------------------------------------
+# Full attention
+# --------------------------------------------------------------------------------------------
+
+
+class GatedAttention(Attention):
+    """Llama's attention with a per-head sigmoid output gate (``wq``'s rows hold, per head, the query
+    then the gate), zero-centred q/k norms and partial RoPE; the core is the shared one."""
+
+    def __init__(self, args: Qwen3_5Args, core: Optional[nn.Module] = None) -> None:
+        super().__init__(args, core)
+        self.wq = nn.Linear(args.dim, args.n_heads * 2 * self.head_dim, bias=False)
+        self.q_norm = OffsetRMSNorm(self.head_dim, eps=args.norm_eps)
+        self.k_norm = OffsetRMSNorm(self.head_dim, eps=args.norm_eps)
+
+    def forward(self, x: Tensor, *, rope_cache: Tensor, positions: Optional[Tensor] = None) -> Tensor:
+        """``x`` (B, S, H); ``rope_cache`` (max_seq_len, R) for the R rotated channels; positions as
+        in ``Attention``."""
+        B, S, _ = x.shape
+        D = self.head_dim
+        rope = rope_rows(rope_cache, S, positions)  # (S, R) or (B, S, R)
+        q, gate = self.wq(x).view(B, S, -1, 2 * D).chunk(2, dim=-1)  # (B, S, nh, D) each
+        k = self.wk(x).view(B, S, -1, D)  # (B, S, nkv, D)
+        v = self.wv(x).view(B, S, -1, D)
+        q, k = self.norm_qk(q, k)
+        R = rope.shape[-1]
+        q_rot, k_rot = apply_rotary_emb(q[..., :R], k[..., :R], rope)
+        q, k = torch.cat([q_rot, q[..., R:]], dim=-1), torch.cat([k_rot, k[..., R:]], dim=-1)
+        out = self.core(q, k, v, positions=positions)  # (B, S, nh, D)
+        out = out * torch.sigmoid(gate)
+        return self.wo(out.reshape(B, S, -1))
+
+
+# --------------------------------------------------------------------------------------------
+# Gated DeltaNet
+# --------------------------------------------------------------------------------------------
+
+
+def document_starts(positions: Optional[Tensor], batch: int, seq_len: int) -> Optional[Tensor]:
+    """(B, S) bool: where a packed document starts (its position is 0, ``models/attention.py``'s rule);
+    None without positions (one document). A start on the window's first token changes nothing
+    during training (the state starts at zero there); a state handed in from before the window is
+    continued only by a first token whose position is not 0."""
+    if positions is None:
+        return None
+    pos = positions if positions.dim() == 2 else positions[None]
+    return (pos == 0).expand(batch, seq_len)
+
+
+class DeltaRuleCore(RecurrentCore):
+    """Training core of the Gated DeltaNet: short convolutions (+ SiLU) over the projected q, k, v, then
+    the chunked gated delta rule, restarting both at document starts under ``block_causal``.
+    Parameterless and shared by the model's DeltaNet layers (like ``AttentionCore``); generation swaps
+    it for ``RecurrentCacheCore``. Under context parallelism (``handoff`` set: each cp rank holds a
+    contiguous slice) it runs the two-pass form: the convolutions read the previous rank's last K-1
+    inputs (and their document starts); the rule computes this slice's chunk terms and its effect on a
+    handed-in state (``state_transition``: M, S from zero), the hand-off combines the previous ranks'
+    into this rank's incoming state, and the scan runs from it. Cost over one process: per layer and
+    rank an all-gather of nv (dk^2 + dk dv) numbers per sequence (M and S) and of 3 (K-1) tokens of
+    conv inputs, and one dk x dk product per chunk for M; the chunk terms are computed once."""
+
+    def __init__(self, attention_mask: str = "causal", chunk_size: int = 64) -> None:
+        super().__init__()
+        validate_attention_mask(attention_mask)
+        self.attention_mask = attention_mask
+        self.chunk_size = chunk_size
+
+    def resets(self, positions: Optional[Tensor], batch: int, seq_len: int) -> Optional[Tensor]:
+        """Document starts under ``block_causal``, else None (one stream, as softmax attention's
+        causal mask)."""
+        if self.attention_mask != "block_causal":
+            return None
+        return document_starts(positions, batch, seq_len)
+
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        g: Tensor,
+        beta: Tensor,
+        *,
+        conv: Sequence[Tensor],
+        head_dims: tuple[int, int],
+        positions: Optional[Tensor] = None,
+    ) -> Tensor:
+        """``q``/``k`` (B, S, nk*dk), ``v`` (B, S, nv*dv) before the convolutions (weights ``conv``,
+        (C, 1, K) each); ``g``/``beta`` (B, S, nv); ``head_dims`` (dk, dv) -> (B, S, nv, dv)."""
+        B, S, _ = q.shape
+        resets = self.resets(positions, B, S)
+        dk, dv = head_dims
+        if self.handoff is None:
+            q, k, v = (short_conv(t, w, resets=resets)[0] for t, w in zip((q, k, v), conv))
+            o, _ = chunk_gated_delta_rule(
+                q.view(B, S, -1, dk),
+                k.view(B, S, -1, dk),
+                v.view(B, S, -1, dv),
+                g,
+                beta,
+                chunk_size=self.chunk_size,
+                resets=resets,
+            )
+            return o
+        K = conv[0].shape[-1]
+        if S < K - 1:
+            raise ValueError(
+                f"a context-parallel slice of {S} tokens is shorter than the convolution's window of "
+                f"{K - 1}; use fewer cp ranks or longer sequences"
+            )
+        handoff = self.handoff
+        tail_resets = None
+        if resets is not None:
+            before = handoff.previous(resets[:, S - (K - 1) :].float())
+            tail_resets = before > 0.5 if before is not None else None
+        q, k, v = (
+            short_conv(t, w, handoff.previous(t[:, S - (K - 1) :]), resets, tail_resets)[0]
+            for t, w in zip((q, k, v), conv)
+        )
+        terms = chunk_terms(
+            q.view(B, S, -1, dk),
+            k.view(B, S, -1, dk),
+            v.view(B, S, -1, dv),
+            g,
+            beta,
+            chunk_size=self.chunk_size,
+            resets=resets,
+        )
+        m, s = state_transition(terms)
+        o, _ = scan_chunks(terms, handoff.incoming_state(m, s))
+        return o
+
+    def extra_repr(self) -> str:
+        return f"attention_mask={self.attention_mask}, chunk_size={self.chunk_size}"
+
+
+class RecurrentCacheCore(nn.Module):
+    """Generation core of one Gated DeltaNet layer: keeps the K-1 last inputs of each convolution and
+    the recurrent state (B, nv, dk, dv) of the tokens seen so far, instead of keys and values. A call
+    of several tokens (a prefill) runs the chunked rule from the kept state, one token the recurrent
+    step. Call ``reset()`` before a new sequence (``models/generation.py``)."""
+
+    def __init__(self, max_len: int, chunk_size: int = 64) -> None:
+        super().__init__()
+        self.max_len = max_len
+        self.chunk_size = chunk_size
+        self.tails: Optional[list[Tensor]] = None
+        self.state: Optional[Tensor] = None
+        self.length = 0
+
+    def reset(self) -> None:
+        """Forget the sequence (the next call starts from zero state)."""
+        self.tails, self.state, self.length = None, None, 0
+
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        g: Tensor,
+        beta: Tensor,
+        *,
+        conv: Sequence[Tensor],
+        head_dims: tuple[int, int],
+        positions: Optional[Tensor] = None,
+    ) -> Tensor:
+        B, S, _ = q.shape
+        if self.length + S > self.max_len:
+            raise ValueError(
+                f"recurrent cache of {self.max_len} positions is full; reset it and prefill again"
+            )
+        tails = self.tails if self.tails is not None else [None, None, None]
+        outs = [short_conv(t, w, tail) for t, w, tail in zip((q, k, v), conv, tails)]
+        self.tails = [tail for _, tail in outs]
+        dk, dv = head_dims
+        qc, kc, vc = (y.view(B, S, -1, d) for (y, _), d in zip(outs, (dk, dk, dv)))
+        if S == 1 and self.state is not None:
+            o, self.state = recurrent_gated_delta_rule(qc, kc, vc, g, beta, initial_state=self.state)
+        else:
+            o, self.state = chunk_gated_delta_rule(
+                qc, kc, vc, g, beta, chunk_size=self.chunk_size, initial_state=self.state
+            )
+        self.length += S
+        return o
+
+
+class GatedDeltaNet(nn.Module):
+    """Gated DeltaNet token mixer (Qwen3.5's ``linear_attn``): projections, the core (convolutions and
+    delta rule), the gated per-head RMSNorm and the output projection.
+
+    Head counts are read from tensor shapes (``wq`` / ``wv`` rows), so a tensor-parallel column shard
+    of the projections, convolutions, ``A_log`` and ``dt_bias`` yields fewer local heads."""
+
+    def __init__(self, args: Qwen3_5Args, core: Optional[nn.Module] = None) -> None:
+        super().__init__()
+        H, K = args.dim, args.linear_conv_kernel
+        self.head_k_dim, self.head_v_dim = args.linear_key_head_dim, args.linear_value_head_dim
+        key_dim = args.linear_num_key_heads * self.head_k_dim
+        value_dim = args.linear_num_value_heads * self.head_v_dim
+        nv = args.linear_num_value_heads
+        self.wq = nn.Linear(H, key_dim, bias=False)
+        self.wk = nn.Linear(H, key_dim, bias=False)
+        self.wv = nn.Linear(H, value_dim, bias=False)
+        self.wz = nn.Linear(H, value_dim, bias=False)
+        self.wb = nn.Linear(H, nv, bias=False)
+        self.wa = nn.Linear(H, nv, bias=False)
+        self.q_conv = ShortConv(key_dim, K)
+        self.k_conv = ShortConv(key_dim, K)
+        self.v_conv = ShortConv(value_dim, K)
+        self.decay = Decay(nv)
+        self.norm = RMSNorm(self.head_v_dim, eps=args.norm_eps)
+        self.wo = nn.Linear(value_dim, H, bias=False)
+        self.core = core if core is not None else DeltaRuleCore(args.attention_mask, args.linear_chunk_size)
+
+    def init_weights(self, init: ParamInit, prefix: str, std: float, out_std: float) -> None:
+        """Projections like Llama's attention (truncated normal, ``wo`` depth-scaled); convolutions
+        uniform(+-1/sqrt(K)) (``nn.Conv1d``'s default for a depthwise kernel); the decay as ``Decay``;
+        the norm gain ones."""
+        for proj in ("wq", "wk", "wv", "wz", "wb", "wa"):
+            init.trunc_normal(f"{prefix}.{proj}.weight", getattr(self, proj).weight, std, 2.0)
+        init.trunc_normal(f"{prefix}.wo.weight", self.wo.weight, out_std, 2.0)
+        for conv in ("q_conv", "k_conv", "v_conv"):
+            module: ShortConv = getattr(self, conv)
+            module.init_weights(init, f"{prefix}.{conv}")
+        self.decay.init_weights(init, f"{prefix}.decay")
+        self.norm.init_weights(init, f"{prefix}.norm")
+
+    def forward(self, x: Tensor, *, rope_cache: Tensor, positions: Optional[Tensor] = None) -> Tensor:
+        """``x`` (B, S, H) -> (B, S, H); ``rope_cache`` unused (the recurrence is position-free)."""
+        B, S, _ = x.shape
+        z = self.wz(x).view(B, S, -1, self.head_v_dim)  # (B, S, nv, dv)
+        beta = torch.sigmoid(self.wb(x))  # (B, S, nv)
+        g = self.decay(self.wa(x))  # (B, S, nv) fp32, <= 0
+        o = self.core(
+            self.wq(x),
+            self.wk(x),
+            self.wv(x),
+            g,
+            beta,
+            conv=tuple(_local(c.weight) for c in (self.q_conv, self.k_conv, self.v_conv)),
+            head_dims=(self.head_k_dim, self.head_v_dim),
+            positions=positions,
+        )  # (B, S, nv, dv)
+        o = (self.norm(o).float() * F.silu(z.float())).type_as(o)  # gated RMSNorm of each head
+        return self.wo(o.reshape(B, S, -1))
+
+
+class Decay(nn.Module):
+    """The per-value-head decay ``g = -exp(A_log) * softplus(a + dt_bias)`` (fp32, <= 0) of a token's
+    ``a`` (B, S, nv): Mamba-2's discretisation. Its two vectors are per head: tensor parallelism
+    shards them with the heads and this module reads its local rows."""
+
+    def __init__(self, heads: int) -> None:
+        super().__init__()
+        self.A_log = nn.Parameter(torch.empty(heads))
+        self.dt_bias = nn.Parameter(torch.empty(heads))
+
+    def init_weights(self, init: ParamInit, prefix: str) -> None:
+        """As flash-linear-attention initialises Gated DeltaNet (Mamba-2's scheme): ``A`` ~ U(1, 16)
+        (``A_log`` its log), ``dt_bias`` the inverse softplus of ``dt`` ~ logU(1e-3, 1e-1)."""
+        init.fill(f"{prefix}.A_log", self.A_log, lambda t, g: t.uniform_(1.0, 16.0, generator=g).log_())
+
+        def dt_bias(t: Tensor, g: torch.Generator) -> None:
+            dt = torch.exp(t.uniform_(generator=g) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+            t.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
+
+        init.fill(f"{prefix}.dt_bias", self.dt_bias, dt_bias)
+
+    def forward(self, a: Tensor) -> Tensor:
+        A_log, dt_bias = _local(self.A_log), _local(self.dt_bias)
+        return -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+
+
+class ShortConv(nn.Module):
+    """The weight (C, 1, K) of a causal depthwise convolution (``nn.Conv1d``'s layout); the core
+    applies it (``delta_rule.short_conv``), so a cache or a context-parallel hand-off can feed it the
+    inputs that came before."""
+
+    def __init__(self, channels: int, kernel: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
+
+    def init_weights(self, init: ParamInit, prefix: str) -> None:
+        bound = 1.0 / math.sqrt(self.weight.shape[-1])
+        init.fill(f"{prefix}.weight", self.weight, lambda t, g: t.uniform_(-bound, bound, generator=g))
+
+
+# --------------------------------------------------------------------------------------------
+# Feed-forward
+# --------------------------------------------------------------------------------------------
+
+
+class GatedFeedForward(FeedForward):
+    """Qwen3.5-MoE's shared expert: a SwiGLU scaled per token by ``sigmoid(gate x)`` (``gate``: H -> 1)."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__(dim, hidden_dim)
+        self.gate = nn.Linear(dim, 1, bias=False)
+
+    def init_weights(self, init: ParamInit, prefix: str, std: float, out_std: float) -> None:
+        super().init_weights(init, prefix, std, out_std)
+        init.trunc_normal(f"{prefix}.gate.weight", self.gate.weight, std, 2.0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.sigmoid(self.gate(x)) * super().forward(x)
+
+
+class Qwen3_5MoE(MoE):
+    """``models/moe``'s routed experts with Qwen3.5's gated shared expert."""
+
+    def __init__(self, args: Qwen3_5MoeArgs) -> None:
+        super().__init__(args)
+        self.shared_experts = (
+            GatedFeedForward(args.dim, args.shared_expert_hidden_dim)
+            if args.shared_expert_hidden_dim
+            else None
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Blocks and model
+# --------------------------------------------------------------------------------------------
+
+
+class Qwen3_5Block(nn.Module):
+    """Pre-norm block: ``h = x + mix(norm(x)); out = h + ffn(norm(h))``; ``mix`` is the gated attention
+    (``attention``) on full-attention layers, the Gated DeltaNet (``delta_net``) on the others; the
+    feed-forward a SwiGLU (dense family) or the MoE (MoE family)."""
+
+    def __init__(self, layer_id: int, args: Qwen3_5Args) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        full = args.is_full_attention(layer_id)
+        self.attention: Optional[GatedAttention] = GatedAttention(args) if full else None
+        self.delta_net: Optional[GatedDeltaNet] = None if full else GatedDeltaNet(args)
+        self.attention_norm = OffsetRMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = OffsetRMSNorm(args.dim, eps=args.norm_eps)
+        self.moe: Optional[MoE] = Qwen3_5MoE(args) if isinstance(args, Qwen3_5MoeArgs) else None
+        self.feed_forward: Optional[FeedForward] = (
+            None if self.moe is not None else FeedForward(args.dim, args.hidden_dim)
+        )
+
+    @property
+    def mixer(self) -> Union[GatedAttention, GatedDeltaNet]:
+        mixer = self.attention if self.attention is not None else self.delta_net
+        assert mixer is not None  # a block has one of the two
+        return mixer
+
+    def init_weights(self, init: ParamInit, prefix: str, init_std: float) -> None:
+        """Llama's scheme (output projections depth-scaled), the DeltaNet's own, norms zero-centred."""
+        out_std = init_std / math.sqrt(2 * (self.layer_id + 1))
+        name = "attention" if self.attention is not None else "delta_net"
+        self.mixer.init_weights(init, f"{prefix}.{name}", init_std, out_std)
+        if self.moe is not None:
+            self.moe.init_weights(init, f"{prefix}.moe", init_std, out_std)
+        elif self.feed_forward is not None:
+            self.feed_forward.init_weights(init, f"{prefix}.feed_forward", init_std, out_std)
+        self.attention_norm.init_weights(init, f"{prefix}.attention_norm")
+        self.ffn_norm.init_weights(init, f"{prefix}.ffn_norm")
+
+    def forward(self, x: Tensor, *, rope_cache: Tensor, positions: Optional[Tensor] = None) -> Tensor:
+        h = x + self.mixer(self.attention_norm(x), rope_cache=rope_cache, positions=positions)
+        ffn = self.moe if self.moe is not None else self.feed_forward
+        assert ffn is not None
+        return h + ffn(self.ffn_norm(h))
+
+
+class Qwen3_5Transformer(Transformer):
+    """Llama's decoder frame (embedding, blocks, final norm, head; pipeline-stage friendly) with
+    Qwen3.5 blocks, a zero-centred final norm and the rotary cache of the rotated channels only."""
+
+    def __init__(self, args: Qwen3_5Args) -> None:
+        super().__init__(args)
+        self.norm = OffsetRMSNorm(args.dim, eps=args.norm_eps)
+        self.share_delta_rule_core()
+
+    def build_block(self, layer_id: int, args: object) -> nn.Module:
+        assert isinstance(args, Qwen3_5Args)  # the model's own args
+        return Qwen3_5Block(layer_id, args)
+
+    def share_delta_rule_core(self) -> None:
+        """One ``DeltaRuleCore`` for every DeltaNet layer (as ``share_attention_core``)."""
+        nets = [m for m in self.modules() if isinstance(m, GatedDeltaNet)]
+        for net in nets[1:]:
+            net.core = nets[0].core
+
+    def reset_rope_cache(self, device: Optional[Union[torch.device, str]] = None) -> None:
+        """The (max_seq_len, rotary_dim) cache: RoPE turns only the first rotary_dim channels."""
+        device = torch.device(device) if device is not None else self.rope_cache.device
+        a = self.args
+        assert isinstance(a, Qwen3_5Args)  # built from them
+        if device.type == "meta":
+            cache = torch.empty((a.max_seq_len, a.rotary_dim), device=device)
+        else:
+            cache = precompute_rope_cache(a.rotary_dim, a.max_seq_len, a.rope_theta, a.rope_scaling).to(
+                device
+            )
+        self.rope_cache = cache
+
+
+def generation_cores(model: nn.Module, max_len: int) -> list[tuple[nn.Module, nn.Module]]:
+    """(module, its generation core) for every core of ``model``: the full-attention layers' KV
+    caches and, for each Gated DeltaNet, a ``RecurrentCacheCore`` (``ModelSpec.generation_cores``)."""
+    pairs = attention_cache_cores(model, max_len)
+    for m in model.modules():
+        if isinstance(m, GatedDeltaNet):
+            chunk = m.core.chunk_size if isinstance(m.core, DeltaRuleCore) else 64
+            pairs.append((m, RecurrentCacheCore(max_len, chunk)))
+    return pairs
+
+
+# --------------------------------------------------------------------------------------------
+# Counting
+# --------------------------------------------------------------------------------------------
+
+
+def _delta_net_params(a: Qwen3_5Args) -> int:
+    key_dim = a.linear_num_key_heads * a.linear_key_head_dim
+    value_dim = a.linear_num_value_heads * a.linear_value_head_dim
+    nv = a.linear_num_value_heads
+    projections = a.dim * (2 * key_dim + 2 * value_dim + 2 * nv) + value_dim * a.dim
+    return projections + (2 * key_dim + value_dim) * a.linear_conv_kernel + 2 * nv + a.linear_value_head_dim
+
+
+def _gated_attention_params(a: Qwen3_5Args) -> int:
+    D = a.head_dim
+    return a.dim * (2 * a.n_heads * D + 2 * a.kv_heads * D) + a.n_heads * D * a.dim + 2 * D
+
+
+def param_counts(args: Qwen3_5Args) -> ParamCounts:
+    """Parameters of ``Qwen3_5Transformer(args)``; ``active``: the top-k routed experts only (MoE)."""
+    H = args.dim
+    n_full = sum(args.is_full_attention(i) for i in range(args.n_layers))
+    mixing = n_full * _gated_attention_params(args) + (args.n_layers - n_full) * _delta_net_params(args)
+    if isinstance(args, Qwen3_5MoeArgs):
+        shared = 3 * H * args.shared_expert_hidden_dim + (H if args.shared_expert_hidden_dim else 0)
+        common_ffn = H * args.num_experts + shared
+        expert = 3 * H * args.moe_hidden_dim
+        ffn_total = args.n_layers * (common_ffn + args.num_experts * expert)
+        ffn_active = args.n_layers * (common_ffn + args.top_k * expert)
+    else:
+        ffn_total = ffn_active = args.n_layers * 3 * H * args.hidden_dim
+    embedding = args.vocab_size * H
+    head = 0 if args.tie_embeddings else embedding
+    common = embedding + head + H + mixing + args.n_layers * 2 * H
+    return ParamCounts(total=common + ffn_total, active=common + ffn_active, embedding=embedding)
+
+
+def flops_per_token(args: Qwen3_5Args, seq_len: int) -> int:
+    """Training FLOPs per token: 6 x the active matmul parameters (the head once, also when tied), the
+    full-attention layers' scores and values (12 nh D S each, as Llama's), and per DeltaNet layer the
+    chunked rule's matmuls per token and value head (forward, times 3 with backward): with chunk C,
+    the intra-chunk products Q K^T, K_beta K^T (2 C dk each), the triangular solve for the values
+    and the decayed keys (C (dv + dk)), the outputs of the chunk attention (2 C dv) and the state
+    reads and writes (6 dk dv)."""
+    counts = param_counts(args)
+    tied_head = args.vocab_size * args.dim if args.tie_embeddings else 0
+    n_matmul = counts.active - counts.embedding + tied_head
+    n_full = sum(args.is_full_attention(i) for i in range(args.n_layers))
+    attention = 12 * n_full * args.n_heads * args.head_dim * seq_len
+    C, dk, dv = min(args.linear_chunk_size, seq_len), args.linear_key_head_dim, args.linear_value_head_dim
+    per_head = 4 * C * dk + C * (dv + dk) + 2 * C * dv + 6 * dk * dv
+    delta = 3 * (args.n_layers - n_full) * args.linear_num_value_heads * per_head
+    return 6 * n_matmul + attention + delta
+
+
+def tp_divisible(args: Qwen3_5Args) -> dict[str, int]:
+    """Sizes tensor parallelism splits evenly (heads of both mixers, hidden sizes, vocabulary)."""
+    sizes = {
+        "model.n_heads": args.n_heads,
+        "model.n_kv_heads": args.kv_heads,
+        "model.linear_num_key_heads": args.linear_num_key_heads,
+        "model.linear_num_value_heads": args.linear_num_value_heads,
+        "model.vocab_size": args.vocab_size,
+    }
+    if not isinstance(args, Qwen3_5MoeArgs):
+        sizes["model FFN hidden size"] = args.hidden_dim
+    return sizes
+
+
+# Tensor parallelism. Full-attention blocks: Llama's plan (wq's rows hold whole heads, query and gate
+# together). Gated DeltaNet blocks: the projections column-parallel by heads (nk / tp key heads and
+# nv / tp value heads per rank, so value head j still reads key head j // (nv / nk) locally), the
+# convolutions' channels and the decay's per-head vectors sharded with them ("shard_params"), the
+# per-head output norm on the local heads, wo row-parallel; the recurrence itself needs no traffic.
+# MoE blocks: models/moe's plan (experts replicated inside tp, expert-parallel over the data axes).
+TP_PLAN: dict[str, str] = {
+    **LLAMA_TP_PLAN,
+    "layers.*.delta_net": "gather_input",
+    "layers.*.delta_net.wq": "colwise",
+    "layers.*.delta_net.wk": "colwise",
+    "layers.*.delta_net.wv": "colwise",
+    "layers.*.delta_net.wz": "colwise",
+    "layers.*.delta_net.wb": "colwise",
+    "layers.*.delta_net.wa": "colwise",
+    "layers.*.delta_net.q_conv": "shard_params",
+    "layers.*.delta_net.k_conv": "shard_params",
+    "layers.*.delta_net.v_conv": "shard_params",
+    "layers.*.delta_net.decay": "shard_params",
+    "layers.*.delta_net.norm": "head_norm",
+    "layers.*.delta_net.wo": "rowwise",
+    "layers.*.moe": "moe_io",
+    "layers.*.moe.router.gate": "replicate",
+    "layers.*.moe.shared_experts": "replicate",
+}
