@@ -110,6 +110,12 @@ class Qwen3_5Args(LlamaArgs):
 
     def validate(self) -> None:
         """Llama's checks, then the hybrid's (``ConfigError`` naming the fix)."""
+        if self.mup.enable:
+            raise ConfigError(
+                f"model.mup.enable=true with model.family={self.family}: µP (models/mup.py) is "
+                "implemented for the dense Llama-style families (llama, qwen3) only; the Gated DeltaNet "
+                "layers (and experts) have no µP rules here. Set model.mup.enable=false."
+            )
         if self.qk_norm is not True:
             raise ConfigError(
                 f"model.qk_norm={self.qk_norm!r}: every Qwen3.5 full-attention layer normalises its q/k "

@@ -7,7 +7,7 @@
 * The pieces against plain expressions: the forward with µP's multipliers equals the standard model's
   with the multipliers folded into its weights; the initialisation is the standard one rescaled; the
   AdamW groups carry lr * base_dim / dim for the blocks' matrices and lr for the rest.
-* Refusals by name: moe / deepseek_v3, tied embeddings, Muon, Hugging Face export.
+* Refusals by name: moe / deepseek_v3 / qwen3_5 / qwen3_5_moe, tied embeddings, Muon, Hugging Face export.
 """
 
 from __future__ import annotations
@@ -142,6 +142,8 @@ def test_mup_initialisation_and_lr_groups() -> None:
     [
         (("model=moe_debug",), "model.mup.enable=true with model.family=moe: µP"),
         (("model=deepseek_v3_debug",), "model.mup.enable=true with model.family=deepseek_v3: µP"),
+        (("model=qwen3_5_debug",), "model.mup.enable=true with model.family=qwen3_5: µP"),
+        (("model=qwen3_5_moe_debug",), "model.mup.enable=true with model.family=qwen3_5_moe: µP"),
         (("model=qwen3_debug",), "model.mup.enable=true with model.tie_embeddings=true"),
         (("optimizer=muon",), "model.mup.enable=true with optimizer.name=muon"),
         (("checkpoint.last_save_in_hf=true",), "model.mup.enable=true with checkpoint.last_save_in_hf=true"),
