@@ -55,7 +55,7 @@ def non_finite_message(grad_norm: torch.Tensor, local_loss: torch.Tensor, step: 
 
 def install_test_nan_hook(model: Any, rank: int, current_step: Callable[[], int]) -> None:
     """Test-only: with ``MESHWRIGHT_TEST_NAN_AT=<rank>@<step>``, this rank's forward returns NaN at that
-    step."""
+    step, once (a step skipped by ``training.spike`` is taken again with the next batch, unpoisoned)."""
     spec = os.environ.get(NAN_ENV)
     if not spec:
         return
@@ -63,8 +63,11 @@ def install_test_nan_hook(model: Any, rank: int, current_step: Callable[[], int]
     if int(want_rank) != rank or not hasattr(model, "register_forward_hook"):
         return
 
+    fired: list[int] = []
+
     def hook(module: Any, args: Any, output: torch.Tensor) -> torch.Tensor:
-        if current_step() == int(want_step):
+        if current_step() == int(want_step) and not fired:
+            fired.append(current_step())
             logger.warning(
                 f"{NAN_ENV}={spec}: rank {rank} returns a NaN forward at step {want_step} (test hook)"
             )

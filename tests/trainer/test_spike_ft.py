@@ -1,0 +1,80 @@
+"""Loss-spike skipping under fault tolerance (``training.spike`` with ``FT_GROUPS=2 ./launch.sh``).
+
+The decision is taken after the replica groups' loss is summed and their gradients averaged, so every
+group skips the same step: a NaN forward on rank 0 of each group at step 5 (the test hook
+``MESHWRIGHT_TEST_NAN_AT``, once) is skipped by both, the batch is consumed, and the run goes on
+exactly as plain DDP x2 with the same injection and the same rule -- the same steps skipped, losses and
+gradient norms within 1e-6, the groups' replicas bitwise equal at every step, the same final weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.configs import TINY, tiny_config
+from tests.ft_harness import FT_FAST, FTJob
+from tests.parity import Case, gather_cases
+from trainer.resilience.fault_tolerance import group_folder
+from trainer.resilience.guards import NAN_ENV
+
+pytest.importorskip("torchft")
+
+FT = "parallelism.fault_tolerance"
+OWN = ("training.steps=7", "checkpoint.enable=true", "checkpoint.interval=100", "training.spike.enable=true")
+POISONED_STEP = 5
+
+
+@pytest.mark.slow
+def test_every_group_skips_the_step_plain_ddp_skips(tmp_path, monkeypatch) -> None:
+    from trainer.checkpoint.load import load_model
+
+    injection = f"0@{POISONED_STEP}"  # rank 0 of each group (FT), rank 0 of the job (DDP)
+    job = FTJob(
+        str(tmp_path / "ft"), (*TINY, *OWN, *FT_FAST, f"{FT}.min_replicas=2"), env={NAN_ENV: injection}
+    )
+    ref_dump = str(tmp_path / "ddp")
+    try:
+        monkeypatch.setenv(NAN_ENV, injection)
+        gather_cases(
+            {"ddp": Case(2, tiny_config(ref_dump, *OWN, "parallelism.dp_replicate=2"), params=False)}, world=2
+        )
+    except BaseException:
+        job.stop()
+        raise
+    try:
+        assert job.wait(timeout=600) == 0, job.log()
+    finally:
+        job.stop()
+
+    def figures(path: str) -> tuple[list[dict], list[int]]:
+        with open(path, encoding="utf-8") as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        return [r for r in records if "loss" in r], [r["step"] for r in records if r.get("skipped")]
+
+    expected, ddp_skipped = figures(os.path.join(ref_dump, "metrics.jsonl"))
+    assert ddp_skipped == [POISONED_STEP]
+    assert [r["step"] for r in expected] == list(range(1, 8))
+    groups = []
+    for g in range(2):
+        records, skipped = figures(os.path.join(group_folder(job.dump, g), "metrics.jsonl"))
+        assert skipped == [POISONED_STEP], (g, skipped)
+        groups.append(records)
+    worst = 0.0
+    for r0, r1, e in zip(*groups, expected, strict=True):
+        assert r0["step"] == r1["step"] == e["step"]
+        assert r0["ft/state_sha"] == r1["ft/state_sha"], "replica groups diverged"
+        assert r0["loss"] == r1["loss"] and r0["grad_norm"] == r1["grad_norm"]
+        for key in ("loss", "grad_norm"):
+            worst = max(worst, abs(r0[key] - e[key]) / abs(e[key]))
+    ft_model, _ = load_model(os.path.join(job.dump, "checkpoints", "step-7"))
+    ddp_model, _ = load_model(os.path.join(ref_dump, "checkpoints", "step-7"))
+    ddp_state = ddp_model.state_dict()
+    weight_err = max((v - ddp_state[k]).abs().max().item() for k, v in ft_model.state_dict().items())
+    print(
+        f"FT 2 groups vs DDP x2, step {POISONED_STEP} skipped by both: loss/grad-norm {worst:.2e}, "
+        f"weights {weight_err:.2e}"
+    )
+    assert worst <= 1e-6 and weight_err <= 1e-6
