@@ -242,9 +242,9 @@ HOOK_BUILDERS: tuple[HookBuilder, ...] = (
     _qk_clip,
     _mtp,
     _comm_ledger,
+    _z_loss,  # before fault tolerance: counts this replica group's own target tokens
     _fault_tolerance,
     _spike_skip,  # after fault tolerance: judges the loss summed over the replica groups
-    _z_loss,
     _layer_stats,  # after fault tolerance: the gradients averaged over the replica groups
     _memory_ledger,
 )

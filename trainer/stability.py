@@ -194,21 +194,27 @@ class ZLossStats:
     weight x mean over the step's target tokens of log Z^2. The loss function keeps this rank's sums
     (``TokenLoss.z_sums``; under a pipeline only the last stage computes the loss); on logged steps they
     are summed over the data/context-parallel ranks and the pipeline stages (tensor-parallel ranks hold
-    the same sum)."""
+    the same sum). Under fault tolerance it is this replica group's own z-loss: the mean over the
+    group's target tokens (counted at ``count_tokens``, before fault tolerance widens the count to every
+    group)."""
 
     def __init__(self, loss: TokenLoss, dims: ParallelDims) -> None:
         self.loss = loss
         self.dims = dims
+        self._tokens = torch.ones(())
 
     def begin_step(self, state: StepState) -> None:
         self.loss.z_sums.clear()
 
-    def metrics(self, state: StepState, device: torch.device) -> dict[str, float]:
+    def count_tokens(self, state: StepState) -> None:
         assert state.num_tokens is not None
+        self._tokens = state.num_tokens.clone()  # this group's target tokens over its dp x cp ranks
+
+    def metrics(self, state: StepState, device: torch.device) -> dict[str, float]:
         total = torch.stack(self.loss.z_sums).sum() if self.loss.z_sums else torch.zeros((), device=device)
         total = total.reshape(1)
         if self.dims.dp_cp > 1:
             dist.all_reduce(total, group=self.dims.loss_mesh.get_group())
         if self.dims.pp > 1:
             dist.all_reduce(total, group=self.dims.get_mesh("pp").get_group())
-        return {"z_loss": (total / state.num_tokens).item()}
+        return {"z_loss": (total / self._tokens.clamp(min=1)).item()}
