@@ -24,6 +24,7 @@ from models import MODEL_SPECS, get_spec
 from models.errors import ConfigError, check_choice
 from models.spec import ModelArgs, decoder_args
 from parallelisms.config import DDPConfig, FSDPConfig, ParallelismConfig
+from parallelisms.float8 import Float8Config
 from parallelisms.utils import DTYPES
 from trainer.checkpoint.hf import parse_size
 from trainer.eval.config import EvalConfig, validate_eval
@@ -162,6 +163,9 @@ class TrainingConfig:
     device: str = "auto"  # auto | cpu | cuda
     eval_freq: int = 0  # steps between evaluations; 0 = never
     eval_steps: int = 4  # validation batches per evaluation
+    float8: Float8Config = field(
+        default_factory=Float8Config
+    )  # float8 / MXFP8 linears (parallelisms/float8.py)
 
 
 @dataclass

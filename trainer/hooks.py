@@ -205,11 +205,22 @@ def _memory_ledger(c: HookContext) -> Optional[LedgerHook]:
     return LedgerHook(ledger, "memory", lambda: ledger.collect(c.parameters), c.parameters)
 
 
+def _float8_scales(c: HookContext) -> Optional[Hook]:
+    """``training.float8.fsdp_float8_all_gather``: the float8 weights' dynamic scales after each step."""
+    f8 = c.cfg.training.float8
+    if not (f8.enable and f8.fsdp_float8_all_gather):
+        return None
+    from parallelisms.float8 import Float8ScaleHook
+
+    return Float8ScaleHook(c.model_parts)
+
+
 # The hooks of a run, in the order they run at every point (and their metrics appear in a record).
 HOOK_BUILDERS: tuple[HookBuilder, ...] = (
     _load_balance,
     _qk_clip,
     _mtp,
+    _float8_scales,
     _comm_ledger,
     _fault_tolerance,
     _memory_ledger,

@@ -17,6 +17,7 @@ from torch import nn
 
 from models import get_spec
 from models.errors import ConfigError
+from parallelisms.float8 import plan_float8
 from parallelisms.parallel_dims import MESH_DIM_NAMES
 from parallelisms.parallelize import PartOptions, model_parts, parallelize, parallelize_pipeline
 from parallelisms.utils import clip_grad_norm_, copy_full_into
@@ -145,6 +146,15 @@ class Trainer:
         )
         # The optimizer registry: does this optimizer run under this layout? (before any process group)
         check_optimizer_layout(cfg.optimizer.name, optimizer_layout(self.dims, self.parallelism))
+        self.float8 = plan_float8(  # training.float8: every check, and the linears that convert
+            t.float8,
+            self.parallelism,
+            self.dims,
+            self.device,
+            self.spec,
+            cfg.model,
+            compute_dtype=torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32,
+        )
         self.grad_accum_steps = self.dims.grad_accum_steps(self.batch_size, t.micro_batch_size)
         if not cfg.checkpoint.create_seed:  # metrics.memory_check: will this layout fit on this host?
             self._check_memory()
@@ -286,6 +296,7 @@ class Trainer:
             compile=t.compile,
             attention_mask=self.attention_mask,
             replica_reducer=self.ft.reducer if self.ft is not None else None,
+            float8=self.float8,
         )
         self.step_context = StepContext(
             device_type=self.device.type,
@@ -434,6 +445,16 @@ class Trainer:
             f"{t.global_batch_size} x {t.seq_len} tokens, micro batch "
             f"{t.micro_batch_size}, {accumulation} | device {self.device}"
         )
+        if (
+            self.float8 is not None
+        ):  # training.float8: which linears run in float8 (also metrics.jsonl's header)
+            f8 = self.float8.summary()
+            logger.info(
+                f"float8 {f8['recipe']} (emulate={f8['emulate']}, fsdp_float8_all_gather="
+                f"{f8['fsdp_float8_all_gather']}): {f8['converted']} linears converted: "
+                + ", ".join(self.float8.linears)
+            )
+            self.metrics.write_header(self.state.step, {"float8": f8})
 
     # -- helpers --------------------------------------------------------------------
     def _train_mode(self, mode: bool) -> None:
