@@ -48,11 +48,13 @@ RTOL = 2e-5  # FSDP, DDP, PP, AC: measured <= 2e-6 (FSDP's sharded grad norm), 0
 TP_RTOL = 1e-4  # TP (the sharded matmuls reduce in another order): measured <= 1.7e-5
 
 DP_SHARD = ("parallelism.dp_shard=2",)
+# The FSDP cases also carry the ledgers (they count; they change no number): the all-gather bytes test.
+LEDGERS = ("metrics.comm_ledger=true", "metrics.memory_ledger=true")
 LAYOUTS = {  # name -> (recipe, overrides): every layout and recipe that runs on gloo
-    "tensorwise/fsdp": ("tensorwise", DP_SHARD),
+    "tensorwise/fsdp": ("tensorwise", (*DP_SHARD, *LEDGERS)),
     "tensorwise/fsdp_f8_all_gather": (
         "tensorwise",
-        (*DP_SHARD, "training.float8.fsdp_float8_all_gather=true"),
+        (*DP_SHARD, *LEDGERS, "training.float8.fsdp_float8_all_gather=true"),
     ),
     "tensorwise/tp_sp": ("tensorwise", ("parallelism.dp_shard=1", "parallelism.tp=2")),
     "tensorwise/ddp": ("tensorwise", ("parallelism.dp_shard=1", "parallelism.dp_replicate=2")),
@@ -73,6 +75,28 @@ LAYOUTS = {  # name -> (recipe, overrides): every layout and recipe that runs on
 
 def _world(overrides: tuple[str, ...]) -> int:
     return 2 if any(o.endswith("=2") and o.startswith("parallelism.") for o in overrides) else 1
+
+
+def _fsdp_gather_bytes(cfg: TrainConfig, float8_names: list[str]) -> int:
+    """The logical bytes FSDP2 all-gathers in one step of the 2-block model, from its parameters alone:
+    per unit, every parameter at 4 bytes (fp32), a float8 weight at 1 byte (float8 all-gather). The
+    units are gathered root, block 0, block 1, head in forward; block 0 and the root again in backward
+    (resharded after forward; the last block is kept); one microbatch per step here."""
+    spec = get_spec(cfg.model.family)
+    with torch.device("meta"):
+        model = spec.build(cfg.model)
+    float8 = {f"{n}.weight" for n in float8_names}
+
+    def unit(prefixes: tuple[str, ...]) -> int:
+        return sum(
+            p.numel() * (1 if name in float8 else 4)
+            for name, p in model.named_parameters()
+            if name.startswith(prefixes)
+        )
+
+    root, head = unit(tuple(spec.first_modules)), unit(tuple(spec.last_modules))
+    block0, block1 = unit(("layers.0.",)), unit(("layers.1.",))
+    return root + block0 + block1 + head + block0 + root
 
 
 def _losses(run: dict) -> list[float]:
@@ -133,6 +157,51 @@ def test_layout_parity_within_recipe(runs: GroupedRuns, layout: str) -> None:
     for rank, history in enumerate(got["rank_histories"]):
         assert step_metrics(history) == step_metrics(got["history"]), f"{layout}: rank {rank} differs"
     print(f"{layout}: loss {worst['loss']:.1e}, grad norm {worst['grad_norm']:.1e} (rtol {rtol:g})")
+
+
+def test_fsdp_float8_all_gather_ledger_bytes(runs: GroupedRuns) -> None:
+    """FSDP x2: the comm ledger's all-gather bytes equal the expected payload exactly, with and without
+    float8 all-gather (float8 weights at 1 byte: a quarter of their fp32 masters), and so does the plan;
+    the scale precompute adds one all-reduce of one fp32 amax per float8 weight."""
+    from trainer.planner.cluster import compose_cluster
+    from trainer.planner.compare import compare_memory, compare_with_ledger
+    from trainer.planner.plan import build_plan
+
+    measured, planned = {}, {}
+    for name in ("tensorwise/fsdp", "tensorwise/fsdp_f8_all_gather"):
+        cfg, run = runs.cases[name].cfg, runs.get(name)
+        last = [r for r in run["history"] if "comm" in r][-1]  # a steady step (scales precomputed)
+        plan = build_plan(cfg, compose_cluster(["cluster=cpu"]))
+        rows = compare_with_ledger(plan, last["comm"])
+        memory = compare_memory(plan, last["memory"])
+        ag = [r for r in rows if r["what"] == "all_gather" and r["kind"] == "comm"]
+        ar = [r for r in rows if r["what"] == "all_reduce" and r["kind"] == "comm"]
+        gathered = [r for r in memory if r["what"] == "fsdp_unsharded_params"]
+        assert all(r["measured"] == ag[0]["measured"] for r in ag), ag  # every rank the same
+        measured[name] = (ag[0]["measured"], ar[0]["measured"], gathered[0]["measured"])
+        planned[name] = (ag[0]["planned"], ar[0]["planned"], gathered[0]["planned"])
+    f8_cfg = runs.cases["tensorwise/fsdp_f8_all_gather"].cfg
+    with open(os.path.join(f8_cfg.job.dump_folder, "metrics.jsonl"), encoding="utf-8") as f:
+        names = json.loads(f.readline())["header"]["float8"]["linears"]
+    off_bytes, f8_bytes = _fsdp_gather_bytes(f8_cfg, []), _fsdp_gather_bytes(f8_cfg, names)
+    (off_ag, off_ar, off_buf), (f8_ag, f8_ar, f8_buf) = (
+        measured["tensorwise/fsdp"],
+        measured["tensorwise/fsdp_f8_all_gather"],
+    )
+    print(
+        f"FSDP x2 all-gather bytes per step: {off_ag:,.0f} without float8 all-gather, {f8_ag:,.0f} with "
+        f"(expected {off_bytes:,} / {f8_bytes:,}; planned {planned['tensorwise/fsdp'][0]:,.0f} / "
+        f"{planned['tensorwise/fsdp_f8_all_gather'][0]:,.0f}); amax all-reduce +{f8_ar - off_ar:.0f} B; "
+        f"gathered buffers {off_buf:,.0f} -> {f8_buf:,.0f} B (planned {planned['tensorwise/fsdp'][2]:,.0f}"
+        f" -> {planned['tensorwise/fsdp_f8_all_gather'][2]:,.0f})"
+    )
+    assert (off_ag, f8_ag) == (off_bytes, f8_bytes)
+    assert f8_ar - off_ar == 4 * N_LINEARS  # one fp32 amax per float8 weight, one all-reduce
+    assert (planned["tensorwise/fsdp"][0], planned["tensorwise/fsdp_f8_all_gather"][0]) == (off_ag, f8_ag)
+    assert planned["tensorwise/fsdp_f8_all_gather"][1] - planned["tensorwise/fsdp"][1] == 4 * N_LINEARS
+    for name in planned:
+        want, got = planned[name][2], measured[name][2]
+        assert abs(got / want - 1) <= 0.05, f"{name}: gathered buffers {got} vs planned {want}"
 
 
 # --------------------------------------------------------------------------------------------
