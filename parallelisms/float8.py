@@ -320,16 +320,28 @@ def convert_to_low_precision(model: nn.Module, plan: Float8Plan, spec: ModelSpec
 
 
 class Float8ScaleHook:
-    """Step hook (``after_optimizer_step``): with ``fsdp_float8_all_gather`` (tensorwise), compute the
-    dynamic float8 scales of every sharded float8 weight for the next step's all-gathers, in one
-    all-reduce of their amaxes (torchao's ``precompute_float8_dynamic_scale_for_fsdp``) instead of
-    one per weight inside each unit's all-gather."""
+    """Step hook: with ``fsdp_float8_all_gather`` (tensorwise), compute the dynamic float8 scales of
+    every sharded float8 weight for the next step's all-gathers, in one all-reduce of their amaxes
+    (torchao's ``precompute_float8_dynamic_scale_for_fsdp``) instead of one per weight inside each
+    unit's all-gather: after every optimizer step, and before the first step of a run (fresh or
+    resumed; the scales are not checkpointed). The precompute reduces over the weight's whole mesh;
+    without it, torchao's all-gather takes the amax over the FSDP mesh only, i.e. per TP shard under
+    TP x FSDP, so the first step of a run would scale differently from the rest."""
 
     def __init__(self, parts: Sequence[nn.Module]) -> None:
         self.parts = list(parts)
+        self._ready = False
 
-    def after_optimizer_step(self, _state: object) -> None:
+    def _precompute(self) -> None:
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
         for part in self.parts:
             precompute_float8_dynamic_scale_for_fsdp(part)
+        self._ready = True
+
+    def begin_step(self, _state: object) -> None:
+        if not self._ready:
+            self._precompute()
+
+    def after_optimizer_step(self, _state: object) -> None:
+        self._precompute()
