@@ -1,6 +1,7 @@
 """Float8 convergence on the built-in corpus: each recipe (emulated on CPU) against high precision.
 
     python benchmarks/bench_float8.py [--steps 300] [--out DIR] [--only fp32,tensorwise,...]
+        [--set KEY=VALUE ...]
 
 Trains the debug model (``+experiment=debug``, one process) for ``--steps`` steps with the same seed,
 data order and schedule in: fp32 (the reference), bf16 autocast, each float8 recipe (``tensorwise``,
@@ -71,7 +72,7 @@ def freeze_weight_scales(model: nn.Module) -> int:
     return frozen
 
 
-def run(name: str, overrides: tuple[str, ...], steps: int, out: str) -> dict[str, Any]:
+def run(name: str, overrides: tuple[str, ...], steps: int, out: str, extra: list[str]) -> dict[str, Any]:
     from tests.configs import make_config
     from trainer.train import Trainer
 
@@ -85,6 +86,7 @@ def run(name: str, overrides: tuple[str, ...], steps: int, out: str) -> dict[str
         "metrics.log_freq=1",
         "metrics.tensorboard=false",
         f"job.dump_folder={folder}",
+        *extra,
         *overrides,
     )
     trainer = Trainer(cfg)
@@ -110,10 +112,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=os.path.join("outputs", "bench_float8"))
     parser.add_argument("--only", default=",".join(RUNS))
     parser.add_argument("--tolerance", type=float, default=0.02)
+    parser.add_argument(
+        "--set", nargs="*", default=[], help="Hydra overrides for every run (a smaller model)"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     names = ["fp32", *[n for n in args.only.split(",") if n != "fp32"]]
-    results = {n: run(n, RUNS[n], args.steps, args.out) for n in names}
+    results = {n: run(n, RUNS[n], args.steps, args.out, args.set) for n in names}
     ref = results["fp32"]
     flagged = []
     for name, r in results.items():
@@ -126,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     passed = ("broken_scale" not in results or "broken_scale" in flagged) and all(
         n in ("broken_scale", "bf16") for n in flagged
     )
-    print(json.dumps({"steps": args.steps, "runs": results, "flagged": flagged, "passed": passed}, indent=1))
+    summary = {"steps": args.steps, "set": args.set, "runs": results, "flagged": flagged, "passed": passed}
+    print(json.dumps(summary, indent=1))
     return 0 if passed else 1
 
 

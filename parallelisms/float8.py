@@ -34,8 +34,10 @@ FSDP2/HSDP with or without ``fsdp_float8_all_gather`` (tensorwise; the dynamic s
 float8 weights are precomputed after each optimizer step in one all-reduce, :class:`Float8ScaleHook`);
 tensor parallel with torch's plain ``ColwiseParallel`` / ``RowwiseParallel`` over the float8
 linears (the activations are communicated in high precision; torchao's float8 TP styles need
-float8 collectives, which gloo lacks); custom DDP and ZeRO-1 (without float8 all-gather), pipeline
-parallel and activation checkpointing. torchao is imported only when float8 is enabled.
+float8 collectives, which gloo lacks; MXFP8's weight wrapper is bypassed by DTensor, so mxfp8 with
+tp > 1 is refused); custom DDP and ZeRO-1 (without float8 all-gather), pipeline parallel, activation
+checkpointing and context parallel (each rank scales its own sequence chunk's activations). torchao
+is imported only when float8 is enabled.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ import torch
 from torch import nn
 
 from models.errors import ConfigError, check_choice
-from models.spec import ModelSpec
+from models.spec import ModelArgs, ModelSpec
 
 if TYPE_CHECKING:
     from torchao.float8 import Float8LinearConfig
@@ -174,8 +176,12 @@ def check_float8(
                 "or training.float8.fsdp_float8_all_gather=false."
             )
         if not dims.fsdp_enabled:
-            replicated = dims.ddp_enabled or dims.dp_replicate > 1
-            what = "ZeRO-1 / DDP over dp_replicate" if replicated else "no data-parallel sharding"
+            if dims.dp_replicate == 1:
+                what = "no data-parallel sharding"
+            elif parallelism.ddp.sharded_optimizer:
+                what = "ZeRO-1 over dp_replicate"
+            else:
+                what = "DDP over dp_replicate"
             raise ConfigError(
                 f"training.float8.fsdp_float8_all_gather=true with parallelism.dp_shard={dims.dp_shard} "
                 f"({what}): the float8 all-gather is FSDP2's; set parallelism.dp_shard > 1 or "
@@ -243,7 +249,7 @@ def plan_float8(
     dims: ParallelDims,
     device: torch.device,
     spec: ModelSpec,
-    model_args: object,
+    model_args: ModelArgs,
     *,
     compute_dtype: torch.dtype,
 ) -> Optional[Float8Plan]:
@@ -252,7 +258,7 @@ def plan_float8(
     if not cfg.enable:
         return None
     with torch.device("meta"):
-        model = spec.build(model_args)  # type: ignore[arg-type]
+        model = spec.build(model_args)
     names = check_float8(cfg, parallelism, dims, device, model, spec)
     resolved = dataclasses.replace(cfg, emulate=resolve_emulate(cfg, device), exclude=list(cfg.exclude))
     return Float8Plan(resolved, names, compute_dtype)
