@@ -220,9 +220,9 @@ HOOK_BUILDERS: tuple[HookBuilder, ...] = (
     _load_balance,
     _qk_clip,
     _mtp,
-    _float8_scales,
     _comm_ledger,
     _fault_tolerance,
+    _float8_scales,  # after QK-clip's and fault tolerance's weight changes (row scaling, healing)
     _memory_ledger,
 )
 
