@@ -3,16 +3,18 @@
     python benchmarks/bench_float8.py [--steps 300] [--out DIR] [--only fp32,tensorwise,...]
         [--set KEY=VALUE ...]
 
-Trains the debug model (``+experiment=debug``, one process) for ``--steps`` steps with the same seed,
-data order and schedule in: fp32 (the reference), bf16 autocast, each float8 recipe (``tensorwise``,
-``rowwise``, ``rowwise_with_gw_hp``, ``mxfp8``), and ``broken_scale``: tensorwise with every weight's
-scale frozen at its initial amax (the amax is never updated -- what a missing scale precompute after
-the optimizer step does to FSDP's float8 all-gather), so weights that outgrow it saturate at e4m3's
-448. It prints one JSON object: per run the final train loss (mean of the last 20 steps), the
-validation loss (``training.eval_steps`` batches) at the end, their ratios to fp32, the mean step
-time and the emulation cost per step relative to fp32; and ``flagged``: the runs whose final train
-or validation loss is more than ``--tolerance`` (default 2%) above fp32's. The check passes when the
-broken run is flagged and no recipe is. Emulation proves numerics, not speed.
+Trains the debug model (``+experiment=debug``, one process; ``--set`` for a smaller run) for
+``--steps`` steps with the same seed, data order and schedule in: fp32 (the reference), bf16
+autocast, each float8 recipe (``tensorwise``, ``rowwise``, ``rowwise_with_gw_hp``, ``mxfp8``), and
+two tensorwise runs whose weight amax is never updated: ``frozen_scale`` keeps the initial weights'
+amax (what a missing scale precompute after the optimizer step does to FSDP's float8 all-gather;
+weights that outgrow it saturate at e4m3's 448), ``broken_scale`` an amax buffer never written (zero:
+every weight saturates). It prints one JSON object: per run the final train loss (mean of the last
+20 steps), the validation loss (``training.eval_steps`` batches) at the end, their ratios to fp32,
+the mean step time and the emulation cost per step relative to fp32; and ``flagged``: the runs
+whose final train or validation loss is more than ``--tolerance`` (default 2%) above fp32's. The
+check passes when ``broken_scale`` is flagged and no recipe is (``frozen_scale`` is reported either
+way). Emulation proves numerics, not speed.
 """
 
 from __future__ import annotations
@@ -39,13 +41,17 @@ RUNS: dict[str, tuple[str, ...]] = {
     "rowwise": ("training.float8.enable=true", "training.float8.recipe=rowwise"),
     "rowwise_with_gw_hp": ("training.float8.enable=true", "training.float8.recipe=rowwise_with_gw_hp"),
     "mxfp8": ("training.float8.enable=true", "training.float8.recipe=mxfp8"),
+    "frozen_scale": ("training.float8.enable=true", "training.float8.recipe=tensorwise"),
     "broken_scale": ("training.float8.enable=true", "training.float8.recipe=tensorwise"),
 }
+BROKEN = ("frozen_scale", "broken_scale")  # the deliberate bugs; broken_scale must be flagged
 
 
-def freeze_weight_scales(model: nn.Module) -> int:
-    """The deliberate bug: every Float8Linear casts its weight with the scale of its initial amax,
-    never updated. Returns how many linears were frozen."""
+def freeze_weight_scales(model: nn.Module, *, measured: bool) -> int:
+    """The deliberate bugs: every Float8Linear casts its weight with a scale whose amax is never
+    updated: the weight's initial amax (``measured``: ``frozen_scale``), or the amax buffer's initial
+    zero, never written (``broken_scale``: the scale is e4m3's max over torchao's epsilon, so every
+    weight saturates). Returns how many linears were frozen."""
     from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
     from torchao.float8.float8_training_tensor import GemmInputRole, hp_tensor_and_scale_to_float8
     from torchao.float8.float8_utils import tensor_to_scale
@@ -55,7 +61,8 @@ def freeze_weight_scales(model: nn.Module) -> int:
         if not isinstance(module, Float8Linear):
             continue
         dtype = module.config.cast_config_weight.target_dtype
-        scale = tensor_to_scale(module.weight.detach(), dtype).clone()
+        amax_of = module.weight.detach() if measured else torch.zeros_like(module.weight.detach())
+        scale = tensor_to_scale(amax_of, dtype).clone()
 
         def forward(x: torch.Tensor, m: Float8Linear = module, s: torch.Tensor = scale) -> torch.Tensor:
             w_t = hp_tensor_and_scale_to_float8(
@@ -90,8 +97,8 @@ def run(name: str, overrides: tuple[str, ...], steps: int, out: str, extra: list
         *overrides,
     )
     trainer = Trainer(cfg)
-    if name == "broken_scale":
-        assert freeze_weight_scales(trainer.model_parts[0]) > 0
+    if name in BROKEN:
+        assert freeze_weight_scales(trainer.model_parts[0], measured=name == "frozen_scale") > 0
     start = time.perf_counter()
     history = trainer.train()
     seconds = time.perf_counter() - start
@@ -129,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         if worst > 1 + args.tolerance:
             flagged.append(name)
     passed = ("broken_scale" not in results or "broken_scale" in flagged) and all(
-        n in ("broken_scale", "bf16") for n in flagged
+        n in (*BROKEN, "bf16") for n in flagged
     )
     summary = {"steps": args.steps, "set": args.set, "runs": results, "flagged": flagged, "passed": passed}
     print(json.dumps(summary, indent=1))
