@@ -163,9 +163,8 @@ class TrainingConfig:
     device: str = "auto"  # auto | cpu | cuda
     eval_freq: int = 0  # steps between evaluations; 0 = never
     eval_steps: int = 4  # validation batches per evaluation
-    float8: Float8Config = field(
-        default_factory=Float8Config
-    )  # float8 / MXFP8 linears (parallelisms/float8.py)
+    # float8 / MXFP8 linears through torchao (parallelisms/float8.py)
+    float8: Float8Config = field(default_factory=Float8Config)
 
 
 @dataclass
