@@ -4,6 +4,7 @@ model -> parallelize -> optimizer -> checkpoint) and runs the loop."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -17,7 +18,7 @@ from torch import nn
 
 from models import get_spec
 from models.errors import ConfigError
-from parallelisms.float8 import plan_float8
+from parallelisms.float8 import Float8Plan, plan_float8
 from parallelisms.parallel_dims import MESH_DIM_NAMES
 from parallelisms.parallelize import PartOptions, model_parts, parallelize, parallelize_pipeline
 from parallelisms.utils import clip_grad_norm_, copy_full_into
@@ -146,15 +147,7 @@ class Trainer:
         )
         # The optimizer registry: does this optimizer run under this layout? (before any process group)
         check_optimizer_layout(cfg.optimizer.name, optimizer_layout(self.dims, self.parallelism))
-        self.float8 = plan_float8(  # training.float8: every check, and the linears that convert
-            t.float8,
-            self.parallelism,
-            self.dims,
-            self.device,
-            self.spec,
-            cfg.model,
-            compute_dtype=torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32,
-        )
+        _ = self.float8  # training.float8: every check (before any process group), the linears to convert
         self.grad_accum_steps = self.dims.grad_accum_steps(self.batch_size, t.micro_batch_size)
         if not cfg.checkpoint.create_seed:  # metrics.memory_check: will this layout fit on this host?
             self._check_memory()
@@ -280,6 +273,20 @@ class Trainer:
     def attention_mask(self) -> str:
         """The attention mask of the family's args (``ModelSpec.attention_mask``: causal by default)."""
         return self.spec.attention_mask(self.cfg.model)
+
+    @functools.cached_property
+    def float8(self) -> Optional[Float8Plan]:
+        """``training.float8``'s plan (None when off): checked on the meta model; the linears to convert."""
+        t = self.cfg.training
+        return plan_float8(
+            t.float8,
+            self.parallelism,
+            self.dims,
+            self.device,
+            self.spec,
+            self.cfg.model,
+            compute_dtype=torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32,
+        )
 
     def _build_model(self) -> dict[str, torch.Size]:
         """Returns the full (unsharded) shapes of the model's state, for the checkpointer."""
