@@ -19,6 +19,10 @@ outputs/gpu_check); each part's log is ``DIR/logs/<part>.log``, each training ru
   the measured matmul rate), peak ``max_memory_allocated`` against the planner's figure
   (``python -m trainer.plan``), falling loss; the eager run profiles one step
   (``profiling.enable``): a Chrome trace and a CUDA memory snapshot (paths in the summary);
+* the same compiled 1B run with float8 tensorwise linears and with MXFP8 linears (``training.float8``;
+  MXFP8 skipped below SM100): tokens/s and MFU, and their ratio to the bf16 compiled run
+  (``tokens_per_sec_vs_bf16``); on CPU float8 runs only emulated (numerics, not speed:
+  ``tests/trainer/test_float8.py``);
 * KV-cache generation tokens/s with the 1B shapes (``models/generation.py``);
 * with 2+ GPUs, NCCL runs of the debug model (moe_debug for EP) in bf16 whose per-step losses
   must match a 1-GPU reference: FSDP x N, TP x 2, CP x 2 (``cp_impl=ring`` and ``allgather``),
@@ -124,6 +128,23 @@ PARTS = (
     Part(
         "train_1b_compiled",
         "trainer/main.py, 1B preset, bf16, seq 2048, training.compile=true",
+        "train",
+        1,
+        480,
+        300,
+    ),
+    Part(
+        "train_1b_float8",
+        "trainer/main.py, 1B preset, bf16, seq 2048, compiled, float8 tensorwise linears (torchao): "
+        "tokens/s and MFU against train_1b_compiled",
+        "train",
+        1,
+        480,
+        300,
+    ),
+    Part(
+        "train_1b_mxfp8",
+        "the same with MXFP8 linears (SM100+ only: older GPUs report the part as not run)",
         "train",
         1,
         480,
@@ -249,11 +270,17 @@ def train_overrides(part: str, folder: str, quick: bool, micro_batch: int) -> li
         "parallelism.dp_shard=1",
         f"job.dump_folder={folder}",
     ]
-    if part == "train_1b_compiled":
-        o.append("training.compile=true")
-    else:
+    if part == "train_1b_eager":
         o += ["profiling.enable=true", f"profiling.steps=[{profiled}]", "profiling.memory_snapshot=true"]
+    else:  # compiled: bf16, or with float8 / MXFP8 linears (the same shapes)
+        o.append("training.compile=true")
+    if part in FLOAT8_PARTS:
+        o += ["training.float8.enable=true", f"training.float8.recipe={FLOAT8_PARTS[part]}"]
     return o
+
+
+# float8 training parts -> recipe; their tokens/s and MFU are set against train_1b_compiled (bf16)
+FLOAT8_PARTS = {"train_1b_float8": "tensorwise", "train_1b_mxfp8": "mxfp8"}
 
 
 PARITY_LAYOUTS = {
@@ -541,6 +568,9 @@ def part_train(args: argparse.Namespace, part: Part) -> dict[str, Any]:
     import torch
 
     _require_training_packages()
+    if part.name == "train_1b_mxfp8" and torch.cuda.get_device_capability(0) < (10, 0):
+        major, minor = torch.cuda.get_device_capability(0)
+        return {"status": "skip", "reason": f"MXFP8 needs SM100+; this GPU is SM{major}{minor}"}
     folder = os.path.abspath(os.path.join(args.out, "runs", part.name))
     shutil.rmtree(folder, ignore_errors=True)  # a fresh run, not a resume
     memory = torch.cuda.get_device_properties(0).total_memory / 2**30
@@ -562,7 +592,8 @@ def part_train(args: argparse.Namespace, part: Part) -> dict[str, Any]:
         "seq_len": 2048,
         "micro_batch": micro,
         "dtype": "bf16",
-        "compile": part.name == "train_1b_compiled",
+        "float8": FLOAT8_PARTS.get(part.name),
+        "compile": part.name != "train_1b_eager",
         **summarize_training(read_metrics(folder), warmup=warmup, exclude=(profiled,)),
     }
     numbers["planned_memory_gib"] = planned
@@ -812,9 +843,14 @@ def build_summary(
     results = json.loads(json.dumps(finite_json(results), default=str))  # a deep copy; numbers get added
     env = results.get("environment", {})
     matmul = env.get("numbers", {}).get("matmul_bf16_tflops") if env.get("status") == "pass" else None
-    for name in ("train_1b_eager", "train_1b_compiled"):
+    for name in ("train_1b_eager", "train_1b_compiled", *FLOAT8_PARTS):
         if name in results:
             _derive_train(results[name], matmul)
+    bf16 = results.get("train_1b_compiled", {}).get("numbers", {})
+    for name in FLOAT8_PARTS:  # the float8 speed-up: same shapes, same compile, vs bf16
+        numbers = results.get(name, {}).get("numbers")
+        if numbers and numbers.get("tokens_per_sec") and bf16.get("tokens_per_sec"):
+            numbers["tokens_per_sec_vs_bf16"] = numbers["tokens_per_sec"] / bf16["tokens_per_sec"]
     for name, ref in PARITY_REFERENCE.items():
         if name in results:
             _judge_parity(results[name], results.get(ref), ref)

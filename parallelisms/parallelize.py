@@ -3,6 +3,7 @@
 Order (fixed), each step applied only when its axis is active:
 
 1. pipeline split           (pp)           -- parallelisms/pipeline_parallel.py
+   float8 / MXFP8 linears   (training.float8) -- parallelisms/float8.py (before TP and FSDP wrap them)
 2. tensor / sequence par.   (tp)           -- parallelisms/tensor_parallel.py
 3. context parallel         (cp)           -- parallelisms/context_parallel.py (swaps the attention core)
 4. expert parallel          (ep)           -- parallelisms/expert_parallel.py
@@ -40,6 +41,7 @@ from parallelisms.parallel_dims import ParallelDims
 
 if TYPE_CHECKING:
     from parallelisms.fault_tolerance import ReplicaReducer
+    from parallelisms.float8 import Float8Plan
     from parallelisms.pipeline_parallel import Pipeline
 
 
@@ -57,6 +59,7 @@ class PartOptions:
     # Fault tolerance: the collective across torchft replica groups. A group that only replicates
     # (no FSDP, no PP) gets BucketedDDP with it; other layouts all-reduce after backward instead.
     replica_reducer: Optional[ReplicaReducer] = None
+    float8: Optional[Float8Plan] = None  # training.float8: the linears to convert (parallelisms/float8.py)
 
 
 def reshard_after_forward(cfg: ParallelismConfig, dims: ParallelDims) -> bool:
@@ -93,6 +96,10 @@ def parallelize_part(
     """Steps 2-9 on one module (a whole model or a pipeline stage, on meta): TP -> CP -> EP -> AC ->
     compile -> FSDP -> to_empty + init_weights -> DDP (when ``wrap_ddp``). Meshes come from ``dims``."""
     device = options.device
+    if options.float8 is not None:
+        from parallelisms.float8 import convert_to_low_precision
+
+        convert_to_low_precision(model, options.float8, spec)
     if dims.tp > 1:
         from parallelisms.tensor_parallel import apply_tp
 

@@ -24,6 +24,7 @@ from models import MODEL_SPECS, get_spec
 from models.errors import ConfigError, check_choice
 from models.spec import ModelArgs, decoder_args
 from parallelisms.config import DDPConfig, FSDPConfig, ParallelismConfig
+from parallelisms.float8 import Float8Config
 from parallelisms.utils import DTYPES
 from trainer.checkpoint.hf import parse_size
 from trainer.data.batch_ramp import BatchStage, validate_batch_ramp
@@ -188,6 +189,8 @@ class TrainingConfig:
     seq_len_warmup: list[SeqLenStage] = field(default_factory=list)
     z_loss_weight: float = 0.0  # weight x mean log Z^2 of the output logits added to the loss (PaLM); 0 = off
     spike: SpikeConfig = field(default_factory=SpikeConfig)  # loss-spike skipping (off by default)
+    # float8 / MXFP8 linears through torchao (parallelisms/float8.py)
+    float8: Float8Config = field(default_factory=Float8Config)
 
 
 @dataclass

@@ -236,6 +236,16 @@ def _memory_ledger(c: HookContext) -> Optional[LedgerHook]:
     return LedgerHook(ledger, "memory", lambda: ledger.collect(c.parameters), c.parameters)
 
 
+def _float8_scales(c: HookContext) -> Optional[Hook]:
+    """``training.float8.fsdp_float8_all_gather``: the float8 weights' dynamic scales after each step."""
+    f8 = c.cfg.training.float8
+    if not (f8.enable and f8.fsdp_float8_all_gather):
+        return None
+    from parallelisms.float8 import Float8ScaleHook
+
+    return Float8ScaleHook(c.model_parts)
+
+
 # The hooks of a run, in the order they run at every point (and their metrics appear in a record).
 HOOK_BUILDERS: tuple[HookBuilder, ...] = (
     _load_balance,
@@ -246,6 +256,7 @@ HOOK_BUILDERS: tuple[HookBuilder, ...] = (
     _fault_tolerance,
     _spike_skip,  # after fault tolerance: judges the loss summed over the replica groups
     _layer_stats,  # after fault tolerance: the gradients averaged over the replica groups
+    _float8_scales,  # after QK-clip's and fault tolerance's weight changes (row scaling, healing)
     _memory_ledger,
 )
 

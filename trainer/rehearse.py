@@ -620,6 +620,13 @@ def _plan_inputs(args: _Args) -> tuple[TrainConfig, int, list[int], str]:
         raise ConfigError(
             f"--ranks: rank {bad[0]} is outside the world of {world} ranks; use 0..{world - 1}."
         )
+    f8 = cfg.training.float8
+    if f8.enable and f8.fsdp_float8_all_gather:  # torchao 0.18 tests `if tensor:` on the precomputed scale
+        raise ConfigError(
+            "training.float8.fsdp_float8_all_gather=true is not rehearsed: torchao's float8 weight reads "
+            "its precomputed scale on the host (bool(tensor)), which fake tensors have no value for; "
+            "rehearse with training.float8.fsdp_float8_all_gather=false (trainer.plan plans both)."
+        )
     return cfg, world, ranks, experiment
 
 

@@ -4,6 +4,7 @@ model -> parallelize -> optimizer -> checkpoint) and runs the loop."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -17,6 +18,7 @@ from torch import nn
 
 from models import get_spec
 from models.errors import ConfigError
+from parallelisms.float8 import Float8Plan, plan_float8
 from parallelisms.parallel_dims import MESH_DIM_NAMES
 from parallelisms.parallelize import PartOptions, model_parts, parallelize, parallelize_pipeline
 from parallelisms.utils import clip_grad_norm_, copy_full_into
@@ -147,6 +149,7 @@ class Trainer:
         )
         # The optimizer registry: does this optimizer run under this layout? (before any process group)
         check_optimizer_layout(cfg.optimizer.name, optimizer_layout(self.dims, self.parallelism))
+        _ = self.float8  # training.float8: every check (before any process group), the linears to convert
         self.grad_accum_steps = self.dims.grad_accum_steps(self.batch_size, t.micro_batch_size)
         # training.batch_ramp / training.seq_len_warmup: each step's rows and their cut
         divisor = self.dims.seq_len_divisor(
@@ -289,6 +292,20 @@ class Trainer:
         """The attention mask of the family's args (``ModelSpec.attention_mask``: causal by default)."""
         return self.spec.attention_mask(self.cfg.model)
 
+    @functools.cached_property
+    def float8(self) -> Optional[Float8Plan]:
+        """``training.float8``'s plan (None when off): checked on the meta model; the linears to convert."""
+        t = self.cfg.training
+        return plan_float8(
+            t.float8,
+            self.parallelism,
+            self.dims,
+            self.device,
+            self.spec,
+            self.cfg.model,
+            compute_dtype=torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32,
+        )
+
     def _build_model(self) -> dict[str, torch.Size]:
         """Returns the full (unsharded) shapes of the model's state, for the checkpointer."""
         cfg, t, p = self.cfg, self.cfg.training, self.parallelism
@@ -304,6 +321,7 @@ class Trainer:
             compile=t.compile,
             attention_mask=self.attention_mask,
             replica_reducer=self.ft.reducer if self.ft is not None else None,
+            float8=self.float8,
         )
         self.step_context = StepContext(
             device_type=self.device.type,
@@ -459,6 +477,16 @@ class Trainer:
             f"{t.global_batch_size} x {t.seq_len} tokens, micro batch "
             f"{t.micro_batch_size}, {accumulation} | device {self.device}"
         )
+        if (
+            self.float8 is not None
+        ):  # training.float8: which linears run in float8 (also metrics.jsonl's header)
+            f8 = self.float8.summary()
+            logger.info(
+                f"float8 {f8['recipe']} (emulate={f8['emulate']}, fsdp_float8_all_gather="
+                f"{f8['fsdp_float8_all_gather']}): {f8['converted']} linears converted: "
+                + ", ".join(self.float8.linears)
+            )
+            self.metrics.write_header(self.state.step, {"float8": f8})
 
     # -- helpers --------------------------------------------------------------------
     def _train_mode(self, mode: bool) -> None:

@@ -107,15 +107,27 @@ def storage_bytes(tensors: Iterable[Optional[torch.Tensor]]) -> int:
     the storage; a view into a larger temporary (e.g. one tensor-parallel gradient without
     sequence parallel is a slice of a 2x buffer) counts its elements only."""
     from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-    seen: dict[tuple[int, int], int] = {}
-    for t in tensors:
-        if t is None:
-            continue
+    def plain(t: torch.Tensor) -> Iterable[torch.Tensor]:
+        """The tensors holding ``t``'s storage: a DTensor's local shard, a wrapper subclass's inner
+        tensors (float8 training weights wrap their fp32 master; a wrapper has no storage of its own)."""
         if isinstance(t, DTensor):
             t = t._local_tensor
-        nbytes = t.numel() * t.element_size()
-        seen[(t.data_ptr(), nbytes)] = nbytes
+        if is_traceable_wrapper_subclass(t):
+            names, _ = t.__tensor_flatten__()
+            for name in names:
+                yield from plain(getattr(t, name))
+        else:
+            yield t
+
+    seen: dict[tuple[int, int], int] = {}
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        for t in plain(tensor):
+            nbytes = t.numel() * t.element_size()
+            seen[(t.data_ptr(), nbytes)] = nbytes
     return sum(seen.values())
 
 

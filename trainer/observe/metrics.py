@@ -207,6 +207,13 @@ class MetricsLogger:
         """Write a record of the caller's own (a skipped step's figures) as it is."""
         self._write(record, step)
 
+    def write_header(self, step: int, entries: dict[str, object]) -> None:
+        """A run-description record (``{"step": step, "header": entries}``, e.g. the float8 linears) in
+        ``metrics.jsonl`` only, at the start of a run (``step``: the resumed step, so a resume keeps it)."""
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps({"step": step, "header": entries}) + "\n")
+            self._jsonl.flush()
+
     def _write(self, record: dict[str, Any], step: int) -> None:
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record) + "\n")

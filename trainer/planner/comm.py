@@ -8,6 +8,7 @@ import math
 
 from parallelisms.parallel_dims import DP_REPLICATE_CP, FLAT_VIEWS, MESH_DIM_NAMES, OPTIONAL_VIEWS
 from trainer.planner.context import Collective, PlanContext, link_kind, make_collective
+from trainer.planner.low_precision import AMAX_BYTES, float8_gathered, float8_weights
 
 __all__ = ["rank_collectives"]
 
@@ -45,15 +46,18 @@ class _Rows:
         )
 
 
-def _fsdp_units(c: PlanContext, pp_rank: int) -> tuple[list[float], list[float], float, float]:
-    """(dense params per block, expert params per block, head unit, root unit) local counts of
-    ``pp_rank``, in forward order: FSDP's units (``parallelisms/fsdp.py``)."""
+def _fsdp_units(c: PlanContext, pp_rank: int) -> tuple[list[float], list[float], float, float, list[float]]:
+    """(dense params per block, expert params per block, head unit, root unit, float8-gathered
+    elements per block) local counts of ``pp_rank``, in forward order: FSDP's units
+    (``parallelisms/fsdp.py``; float8: ``trainer/planner/low_precision.py``)."""
     tp, ep, t = c.dims.tp, c.dims.ep, c.table
-    dense, experts, head, root = [], [], 0.0, 0.0
+    dense, experts, head, root, f8 = [], [], 0.0, 0.0, []
+    gathered_f8 = float8_gathered(c)
     for st in c.ranks[pp_rank]:
         for b in st.blocks:  # without ep the experts belong to their block's unit
             dense.append(t.blocks[b].dense_local(tp) if ep > 1 else t.blocks[b].local(tp))
             experts.append(t.blocks[b].experts / ep if ep > 1 else 0.0)
+            f8.append(gathered_f8[b])
         if st.first:
             root += t.first.local(tp, ep)
         if st.last:
@@ -61,7 +65,7 @@ def _fsdp_units(c: PlanContext, pp_rank: int) -> tuple[list[float], list[float],
                 root += t.last.local(tp, ep)
             else:
                 head += t.last.local(tp, ep)
-    return dense, experts, head, root
+    return dense, experts, head, root, f8
 
 
 def _fsdp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
@@ -70,7 +74,10 @@ def _fsdp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
     gradients -- every microbatch (the trainer does not skip gradient sync while accumulating),
     except under PP, where the schedule syncs once after the last microbatch."""
     dims = c.dims
-    dense, experts, head, root = _fsdp_units(c, pp_rank)
+    dense, experts, head, root, f8 = _fsdp_units(c, pp_rank)
+    g = c.param_gather_bytes
+    # bytes of one gather of each unit: float8 weights (fsdp_float8_all_gather) travel as 1 byte
+    dense_bytes = [n * g - f * (g - 1) for n, f in zip(dense, f8, strict=True)]
     per_step = dims.pp > 1 and not c.reshard_after_forward
     m = 1 if per_step else c.accum
     syncs = 1 if dims.pp > 1 else c.accum
@@ -78,28 +85,44 @@ def _fsdp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
     # MTP modules share the head's unit and call the head again: backward passes through the unit
     # twice, and FSDP reshards it after the first, so it is gathered again.
     mtp = [head] if c.spec.mtp_depth(c.cfg.model) > 0 else []
-    units = [
+    units = [  # (label, axis, axes, fwd elements, bwd elements, fwd bytes, bwd bytes)
         (
             "",
             "dp_shard_cp",
             FLAT_VIEWS["dp_shard_cp"],
             [*dense, head, root],
             ([*dense[:-1], root] if again else []) + mtp,
+            [*dense_bytes, head * g, root * g],
+            ([*dense_bytes[:-1], root * g] if again else []) + [u * g for u in mtp],
         ),
-        (" (experts)", "dp_shard_mod_ep", ("dp_shard_mod_ep",), experts, experts[:-1] if again else []),
+        (
+            " (experts)",
+            "dp_shard_mod_ep",
+            ("dp_shard_mod_ep",),
+            experts,
+            experts[:-1] if again else [],
+            [u * g for u in experts],
+            [u * g for u in experts[:-1]] if again else [],
+        ),
     ]
-    for label, axis, axes, fwd, bwd in units:
-        fwd, bwd = [u for u in fwd if u > 0], [u for u in bwd if u > 0]
+    float8 = "; float8 weights" if any(f8) else ""
+    for label, axis, axes, fwd_all, bwd_all, fwd_b, bwd_b in units:
+        fwd = [u for u in fwd_all if u > 0]
+        gathered = [b for u, b in zip(fwd_all, fwd_b, strict=True) if u > 0]
+        gathered += [b for u, b in zip(bwd_all, bwd_b, strict=True) if u > 0]
         if not fwd:
             continue
-        calls = len(fwd) + len(bwd)
+        calls = len(gathered)
         rows.add(
-            f"FSDP all_gather{label} (params, fwd" + (" + bwd)" if bwd else ")"),
+            f"FSDP all_gather{label} (params, fwd"
+            + (" + bwd" if calls > len(fwd) else "")
+            + (float8 if not label else "")
+            + ")",
             "all_gather",
             axis,
             axes,
             m * calls,
-            (sum(fwd) + sum(bwd)) / calls * c.param_gather_bytes,
+            sum(gathered) / calls,
             "forward+backward",
             "compute_s",
         )
@@ -125,6 +148,27 @@ def _fsdp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
                 "backward",
                 "backward_s",
             )
+
+
+def _float8_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
+    """``fsdp_float8_all_gather``: after each optimizer step the float8 weights' amaxes, one fp32 each,
+    in one all-reduce per model part over the FSDP mesh (``Float8ScaleHook``); with TP also over tp."""
+    owned = {b for st in c.ranks[pp_rank] for b in st.blocks}
+    n = sum(1 for b, _ in float8_weights(c) if b in owned)
+    parts = len(c.ranks[pp_rank])
+    if n == 0:
+        return
+    for axis, axes in (("dp_shard_cp", FLAT_VIEWS["dp_shard_cp"]), ("tp", ("tp",))):
+        rows.add(
+            "float8 amax all_reduce (scales for the next all-gathers)",
+            "all_reduce",
+            axis,
+            axes,
+            parts,
+            n / parts * AMAX_BYTES,
+            "none: after the step",
+            "",
+        )
 
 
 def _ddp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
@@ -455,6 +499,7 @@ def rank_collectives(c: PlanContext, pp_rank: int, comp: dict[str, float]) -> li
         _ddp_rows(rows, c, pp_rank)
     if c.dims.fsdp_enabled:
         _fsdp_rows(rows, c, pp_rank)
+        _float8_rows(rows, c, pp_rank)
     if c.dims.tp > 1:
         _tp_rows(rows, c, pp_rank)
     _cp_ep_rows(rows, c, pp_rank)

@@ -20,6 +20,7 @@ from typing import Optional
 from models.spec import BlockLayout, ModelArgs, ModelSpec
 from trainer.planner.cluster import ADAM_BYTES, DTYPE_BYTES
 from trainer.planner.context import PlanContext, PlannedStage, StageMemory, planner_terms_of
+from trainer.planner.low_precision import float8_gathered
 
 INT64 = 8
 
@@ -411,13 +412,17 @@ def buffer_bytes(c: PlanContext, pp_rank: int) -> dict[str, float]:
     if dims.fsdp_enabled:
         root, blocks, head = _unit_params(c, pp_rank)
         g = c.param_gather_bytes
+        # a block's gathered bytes: its float8 weights (fsdp_float8_all_gather) are gathered as 1 byte
+        f8 = float8_gathered(c)
+        owned = [b for st in c.ranks[pp_rank] for b in st.blocks]
+        blocks = [n * g - f8[b] * (g - 1) for n, b in zip(blocks, owned, strict=True)]
         if not c.reshard_after_forward:  # nothing is freed before backward: every unit stays gathered
-            gathered = root + sum(blocks) + head
+            gathered = (root + head) * g + sum(blocks)
         else:  # the root, the head and the last block at the end of forward (measured on gloo); on CUDA
             # FSDP2 also prefetches the next block's all-gather on a side stream during backward
             top = sorted(blocks, reverse=True) + [0.0, 0.0]
-            gathered = root + head + top[0] + (top[1] if c.cluster.backend == "nccl" else 0.0)
-        out["fsdp_unsharded_params"] = gathered * g
+            gathered = (root + head) * g + top[0] + (top[1] if c.cluster.backend == "nccl" else 0.0)
+        out["fsdp_unsharded_params"] = gathered  # (+ 4 bytes of fp32 scale per float8 weight: not planned)
         out["fsdp_grad_reduce"] = _largest_unit(c, pp_rank) * c.sync_bytes
     if dims.pp > 1:
         sp = dims.tp if c.tp_sp[1] else 1
