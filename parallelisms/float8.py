@@ -139,6 +139,28 @@ def float8_weight_names(model: nn.Module, cfg: Float8Config, spec: ModelSpec) ->
     return [f"{name}.weight" for name in _convertible(model, cfg, spec)]
 
 
+def _check_float8_all_gather(cfg: Float8Config, parallelism: ParallelismConfig, dims: ParallelDims) -> None:
+    """``training.float8.fsdp_float8_all_gather``: tensorwise scales, under FSDP2."""
+    if cfg.recipe != "tensorwise":
+        raise ConfigError(
+            f"training.float8.fsdp_float8_all_gather=true with training.float8.recipe={cfg.recipe}: only "
+            "tensorwise scales let FSDP all-gather float8 weights; set training.float8.recipe=tensorwise "
+            "or training.float8.fsdp_float8_all_gather=false."
+        )
+    if not dims.fsdp_enabled:
+        if dims.dp_replicate == 1:
+            what = "no data-parallel sharding"
+        elif parallelism.ddp.sharded_optimizer:
+            what = "ZeRO-1 over dp_replicate"
+        else:
+            what = "DDP over dp_replicate"
+        raise ConfigError(
+            f"training.float8.fsdp_float8_all_gather=true with parallelism.dp_shard={dims.dp_shard} "
+            f"({what}): the float8 all-gather is FSDP2's; set parallelism.dp_shard > 1 or "
+            "training.float8.fsdp_float8_all_gather=false."
+        )
+
+
 def check_float8(
     cfg: Float8Config,
     parallelism: ParallelismConfig,
@@ -169,24 +191,7 @@ def check_float8(
             "training.float8.enable=false."
         )
     if cfg.fsdp_float8_all_gather:
-        if cfg.recipe != "tensorwise":
-            raise ConfigError(
-                f"training.float8.fsdp_float8_all_gather=true with training.float8.recipe={cfg.recipe}: only "
-                "tensorwise scales let FSDP all-gather float8 weights; set training.float8.recipe=tensorwise "
-                "or training.float8.fsdp_float8_all_gather=false."
-            )
-        if not dims.fsdp_enabled:
-            if dims.dp_replicate == 1:
-                what = "no data-parallel sharding"
-            elif parallelism.ddp.sharded_optimizer:
-                what = "ZeRO-1 over dp_replicate"
-            else:
-                what = "DDP over dp_replicate"
-            raise ConfigError(
-                f"training.float8.fsdp_float8_all_gather=true with parallelism.dp_shard={dims.dp_shard} "
-                f"({what}): the float8 all-gather is FSDP2's; set parallelism.dp_shard > 1 or "
-                "training.float8.fsdp_float8_all_gather=false."
-            )
+        _check_float8_all_gather(cfg, parallelism, dims)
     if cfg.recipe == "mxfp8" and dims.tp > 1:
         raise ConfigError(
             f"training.float8.recipe=mxfp8 with parallelism.tp={dims.tp}: torchao's MXFP8 weight wrapper is "
