@@ -2,7 +2,8 @@
 
 Against an independent formula (autograd of a plain PyTorch expression): the loss function's value and
 gradient, the capped head of every family, and the z-loss of vocab-sharded logits (loss parallel).
-Then every layout equals one process with both on (1 process vs FSDP x2 and TP x2 with loss parallel).
+Then every layout equals one process with both on (1 process vs FSDP x2, TP x2 with loss parallel,
+custom DDP x2, PP x2 and CP x2).
 """
 
 from __future__ import annotations
@@ -139,6 +140,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> GroupedRuns:
         "one": (1, ()),
         "fsdp_x2": (2, ("parallelism.dp_shard=2",)),
         "tp_x2": (2, ("parallelism.tp=2", "parallelism.dp_shard=1")),  # loss parallel (the default)
+        "ddp_x2": (2, ("parallelism.dp_replicate=2", "parallelism.dp_shard=1")),  # the custom bucketed DDP
+        "pp_x2": (2, ("parallelism.pp=2", "parallelism.dp_shard=1")),  # the loss on the last stage
+        "cp_x2": (2, ("parallelism.cp=2", "parallelism.dp_shard=1")),
     }
     return GroupedRuns(
         {
@@ -149,7 +153,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> GroupedRuns:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["fsdp_x2", "tp_x2"])
+@pytest.mark.parametrize("layout", ["fsdp_x2", "tp_x2", "ddp_x2", "pp_x2", "cp_x2"])
 def test_layouts_equal_one_process(runs: GroupedRuns, layout: str) -> None:
     """Losses, pre-clip grad norms, final weights (tests/parity.py tolerances) and the logged z_loss."""
     ref, got = runs.get("one"), runs.get(layout)
