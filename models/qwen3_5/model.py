@@ -59,6 +59,7 @@ from models.llama.model import Attention, FeedForward, LlamaArgs, Transformer, _
 from models.llama.model import attention_saved as llama_attention_saved
 from models.llama.model import planner_terms as llama_planner_terms
 from models.moe.model import MoE, MoEArgs, _local
+from models.moe.model import ffn_saved as moe_ffn_saved_routed
 from models.moe.model import planner_terms as moe_planner_terms
 from models.qwen3_5.delta_rule import (
     chunk_gated_delta_rule,
@@ -790,11 +791,25 @@ def delta_net_handoff(args: Qwen3_5Args, compute: int) -> list[tuple[str, float]
     return calls
 
 
+def moe_ffn_saved(args: Qwen3_5MoeArgs, layout: BlockLayout, moe: bool) -> dict[str, float]:
+    """Qwen3.5-MoE's feed-forward per local token: ``models/moe``'s routed experts, and the gated shared
+    expert (``GatedFeedForward``): its SwiGLU (as ``models/moe`` counts shared experts), the gate's
+    sigmoid (one per token) and the SwiGLU's output kept by the gating product (compute dtype)."""
+    terms = moe_ffn_saved_routed(args, layout, moe)
+    if moe and args.shared_expert_hidden_dim:
+        cb = layout.compute
+        terms["shared_expert"] = 4 * cb * args.shared_expert_hidden_dim / layout.tp + cb * (args.dim + 1)
+    return terms
+
+
 def planner_terms(args: Qwen3_5Args) -> PlannerTerms:
     """The planner's view of Qwen3.5 blocks: Llama's attention (MoE family: ``models/moe``'s routed
     feed-forward) on the full-attention blocks, the Gated DeltaNet (``delta_net_saved``, its input
     norm feeding six projections, the CP hand-off) on the others."""
-    base = moe_planner_terms(args) if isinstance(args, Qwen3_5MoeArgs) else llama_planner_terms(args)
+    if isinstance(args, Qwen3_5MoeArgs):
+        base = dataclasses.replace(moe_planner_terms(args), ffn_saved=functools.partial(moe_ffn_saved, args))
+    else:
+        base = llama_planner_terms(args)
     return dataclasses.replace(
         base,
         rope_dim=args.rotary_dim,
