@@ -16,6 +16,8 @@ from trainer.planner.context import build_context
 from trainer.planner.memory import block_bytes_per_token, block_constant
 from trainer.planner.plan import build_plan
 
+pytestmark = pytest.mark.slow
+
 TOLERANCE = 0.05
 QWEN = (
     "model=qwen3_5_debug",
