@@ -1,8 +1,8 @@
 """The planner's Qwen3.5 terms (``models/qwen3_5/model.py``: ``planner_terms``, ``delta_net_saved``,
 ``delta_net_handoff``) against what runs: the memory ledger's bytes saved by each block of a real
-training (Gated DeltaNet blocks and the gated full-attention block, dense and MoE families, fp32 and
-bf16 FSDP parameters) and the communication ledger's context-parallel hand-off (one all-gather per
-conv tail and one of the state transition per DeltaNet layer), each within 5% of the plan."""
+training (Gated DeltaNet blocks and the gated full-attention block: fp32 DDP, bf16 FSDP parameters
+with a padded last chunk, TP + SP, CP) and the communication ledger's context-parallel hand-off (one
+all-gather per conv tail and one of the state transition per DeltaNet layer), each within 5%."""
 
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ LAYOUTS: dict[str, tuple[int, tuple[str, ...]]] = {
             "model.linear_chunk_size=24",
         ),
     ),
+    "tp_sp": (2, ("parallelism.tp=2", "parallelism.dp_shard=1")),
     "cp": (
         2,
         (
