@@ -37,6 +37,8 @@ SUITE: dict[str, list[str]] = {
     "70b_tp_fsdp": ["model.n_layers=1", "training.global_batch_size=8"],
     "llama3_8b_128k_cp": ["model.n_layers=1"],
     "qwen3_30b_a3b_ep": ["model.n_layers=1"],
+    "qwen3_5_debug": ["training.global_batch_size=8"],  # all 4 blocks: 3 Gated DeltaNet + 1 attention
+    "qwen3_5_35b_a3b_ep": ["model.n_layers=1"],  # one Gated DeltaNet block with its MoE
     "debug_pp": [],
     # pipeline presets: one block per virtual stage, the fewest microbatches the schedule allows (one per
     # pipeline rank); the first rank of the first stage and the last of the last (all four default

@@ -58,6 +58,7 @@ __all__ = [
     "HFAdapter",
     "ModelArgs",
     "ModelSpec",
+    "RecurrentMixerTerms",
     "ParamCounts",
     "PlannerTerms",
 ]
@@ -281,6 +282,22 @@ class AttentionShape:
 
 
 @dataclass(frozen=True)
+class RecurrentMixerTerms:
+    """The planner's view of a recurrent token mixer (linear attention: Qwen3.5's Gated DeltaNet), on
+    the blocks that have one instead of softmax attention (``PlannerTerms.recurrent_blocks``).
+
+    ``saved(layout)``: what the mixer saves for backward per local token, by term, after the block's
+    input norm (which feeds ``norm_consumers`` matmuls); no rotary rows. ``cp_handoff(compute)``: the
+    all-gathers of the context-parallel hand-off per layer and forward (``RecurrentCore`` with a
+    ``StateHandoff``), as (what, bytes per sequence of one rank's input) for each call, given the
+    compute dtype's bytes; each is reduce-scattered back in backward."""
+
+    saved: Callable[[BlockLayout], dict[str, float]]
+    norm_consumers: int
+    cp_handoff: Callable[[int], list[tuple[str, float]]]
+
+
+@dataclass(frozen=True)
 class PlannerTerms:
     """The planner's view of a family's blocks (``ModelSpec.planner_terms(args)``): the family's own
     numbers and arithmetic; the generic parts (the blocks' input norms, the rotary rows, the dtype
@@ -299,6 +316,12 @@ class PlannerTerms:
     ffn_saved: Callable[[BlockLayout, bool], dict[str, float]]
     attention_norm_consumers: int = 3  # matmuls the attention's input norm feeds (Llama: wq, wk, wv)
     experts_per_token: int = 0  # routed copies of each token (top_k); 0 without experts
+    # Hybrid families: the blocks whose token mixer is recurrent (``recurrent``) rather than attention
+    recurrent: Optional[RecurrentMixerTerms] = None
+    # the blocks' and the final RMSNorms keep their normalised input in fp32 (a zero-centred fp32 gain
+    # 1 + w multiplies it before the cast: Qwen3.5), not in the stream's dtype (Llama's RMSNorm)
+    norm_normed_fp32: bool = False
+    recurrent_blocks: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)

@@ -23,16 +23,29 @@ _TOTAL = "Total"  # MemTracker's key of a device's total in its snapshots
 def flop_counter() -> Counting:
     """FLOPs of the ops this rank runs, by torch's ``flop_counter`` formulas: DTensor ops are let
     through to their local ops (torch's ``FlopCounterMode`` would count a DTensor matmul at its global
-    shape), and the CPU attention kernels count as the fused kernels they stand for."""
+    shape), and the CPU attention kernels count as the fused kernels they stand for. A convolution's
+    backward counts each gradient it computes (input, weight) as one forward convolution: torch's
+    formula ignores ``groups`` there and counts a depthwise convolution's backward (Qwen3.5's short
+    convolutions) as a dense one, channels times too many."""
     from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop
+    from torch.utils.flop_counter import conv_flop_count, flop_registry, sdpa_backward_flop, sdpa_flop
 
     aten = torch.ops.aten
+
+    def conv_backward_flop(
+        grad_out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, *args: object, **kwargs: object
+    ) -> int:
+        transposed, output_mask = args[4], args[7]
+        assert isinstance(transposed, bool) and isinstance(output_mask, (list, tuple))
+        forward = conv_flop_count(list(x.shape), list(w.shape), list(grad_out.shape), transposed)
+        return forward * (int(bool(output_mask[0])) + int(bool(output_mask[1])))
+
     formulas = {
         **flop_registry,
         aten._scaled_dot_product_flash_attention_for_cpu: sdpa_flop,
         aten._scaled_dot_product_flash_attention_for_cpu_backward: sdpa_backward_flop,
+        aten.convolution_backward: conv_backward_flop,
     }
 
     class LocalFlops(TorchDispatchMode):

@@ -21,6 +21,7 @@ from models.qwen3_5.model import (
     flops_per_token,
     generation_cores,
     param_counts,
+    planner_terms,
     tp_divisible,
 )
 from models.spec import ModelSpec
@@ -50,6 +51,7 @@ QWEN3_5_SPEC = ModelSpec(
     qk_clip=False,  # the gated attention's wq rows interleave queries and gates; QK-clip is not built for it
     generation_cores=generation_cores,
     sequential_state=True,  # the Gated DeltaNet's state and conv window: CP hands them rank to rank
+    planner_terms=planner_terms,  # Llama's attention / the MoE feed-forward, and the DeltaNet blocks
 )
 
 QWEN3_5_MOE_SPEC = ModelSpec(
@@ -69,4 +71,5 @@ QWEN3_5_MOE_SPEC = ModelSpec(
     qk_clip=False,
     generation_cores=generation_cores,
     sequential_state=True,  # the Gated DeltaNet's state and conv window: CP hands them rank to rank
+    planner_terms=planner_terms,  # Llama's attention / the MoE feed-forward, and the DeltaNet blocks
 )

@@ -40,6 +40,8 @@ Norms are zero-centred like transformers' ``Qwen3_5RMSNorm`` (gain ``1 + w``, ``
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -54,7 +56,11 @@ from models.common import ParamInit, RMSNorm, apply_rotary_emb, precompute_rope_
 from models.errors import ConfigError
 from models.llama.model import TP_PLAN as LLAMA_TP_PLAN
 from models.llama.model import Attention, FeedForward, LlamaArgs, Transformer, _positive_int, rope_rows
+from models.llama.model import attention_saved as llama_attention_saved
+from models.llama.model import planner_terms as llama_planner_terms
 from models.moe.model import MoE, MoEArgs, _local
+from models.moe.model import ffn_saved as moe_ffn_saved_routed
+from models.moe.model import planner_terms as moe_planner_terms
 from models.qwen3_5.delta_rule import (
     chunk_gated_delta_rule,
     chunk_terms,
@@ -63,7 +69,7 @@ from models.qwen3_5.delta_rule import (
     short_conv,
     state_transition,
 )
-from models.spec import ParamCounts
+from models.spec import BlockLayout, ParamCounts, PlannerTerms, RecurrentMixerTerms
 
 __all__ = [
     "TP_PLAN",
@@ -81,6 +87,7 @@ __all__ = [
     "flops_per_token",
     "generation_cores",
     "param_counts",
+    "planner_terms",
 ]
 
 
@@ -684,6 +691,137 @@ def flops_per_token(args: Qwen3_5Args, seq_len: int) -> int:
     per_head = 4 * C * dk + C * (dv + dk) + 2 * C * dv + 6 * dk * dv
     delta = 3 * (args.n_layers - n_full) * args.linear_num_value_heads * per_head
     return 6 * n_matmul + attention + delta
+
+
+def gated_attention_saved(args: Qwen3_5Args, layout: BlockLayout) -> dict[str, float]:
+    """What ``GatedAttention`` saves per local token, after the input norm: Llama's attention (q, K/V,
+    log-sum-exp, output, the q/k head norms; ``models/llama/model.py``) plus the gate's sigmoid and
+    the gated output (the input of ``wo``), per local head in the compute dtype; in fp32 the q norm's
+    input is a view of ``wq``'s output, whose storage (queries and gates) stays alive: + the gates. The
+    zero-centred q/k norms keep their normalised heads in fp32 (Llama's: in the compute dtype)."""
+    nh_d = args.n_heads / layout.tp * args.head_dim
+    terms = llama_attention_saved(args, layout)
+    heads = (args.n_heads + args.kv_heads) / layout.tp
+    terms["qk_norm"] += heads * (4 - layout.compute) * args.head_dim
+    terms["attention_gate"] = 2 * layout.compute * nh_d + (4 * nh_d if layout.compute == 4 else 0)
+    return terms
+
+
+def delta_net_saved(args: Qwen3_5Args, layout: BlockLayout) -> dict[str, float]:
+    """What a ``GatedDeltaNet`` saves for backward per local token, after the block's input norm, read
+    off the code (``DeltaRuleCore`` without a hand-off, ``delta_rule.chunk_terms`` / ``scan_chunks``):
+
+    - projections and convolutions (compute dtype ``cb``): each convolution's input with the K-1 tokens
+      before it (the ``cat``), its output (SiLU's input); beta (sigmoid's output), the decay's fp32
+      softplus input and output; the L2 norms' fp32 q, k (their input) and rsqrt per key head;
+    - the rule, fp32, on the sequence padded to whole chunks (``r`` = padded / local tokens): v and beta
+      (their fp32 copies, or the tensors themselves when already fp32 and unpadded), q and k repeated
+      to the value heads, k * beta; the chunk matrices (C x C per token and value head: the two decay
+      masks' ``exp``, K_beta K^T, I + A, Q K^T and the masked scores); the read / write decays; the
+      triangular solve's result (dv + dk); per chunk the state entering it (dk x dv), the written
+      values U (C x dv). Without padding q, k and their products are strided views of the token-major
+      projections, so each batched matmul saves a contiguous copy of its strided operands: q and k^T
+      (twice), k * beta, the chunks' q * read decay (not the first: its state is a constant zero) and
+      k * write decay; padded (``F.pad`` makes them contiguous), the chunk slices are views and two
+      copies remain (measured: one per intra-chunk product);
+    - the gated head norm and output: the rule's output in fp32 (its storage itself when fp32), the
+      rsqrt per value head, the normalised heads (compute dtype), the norm's output and z in fp32,
+      silu(z), and the output projection's input (compute dtype).
+
+    Heads split by tp (column-parallel projections). Under CP (``layout.cp``: each rank a contiguous
+    slice of S / cp tokens) the two-pass form adds ``delta_cp_handoff`` (below). Document restarts
+    (``block_causal``) add per-chunk masks not counted."""
+    cb, tp = layout.compute, layout.tp
+    nk, nv = args.linear_num_key_heads / tp, args.linear_num_value_heads / tp
+    dk, dv, C, K = (
+        args.linear_key_head_dim,
+        args.linear_value_head_dim,
+        args.linear_chunk_size,
+        args.linear_conv_kernel,
+    )
+    kd, vd = nk * dk, nv * dv
+    S = max(layout.keys // layout.cp, 1)  # local tokens of a sequence
+    n = -(-S // C)  # chunks
+    r = n * C / S
+    padded = n * C != S
+    fp32_views = cb == 4 and not padded  # the rule's v / beta are the projections' own tensors
+    # strided operands copied by the batched matmuls, and the scan's q * read decay, k * write decay
+    copies = 4 * nv * dk * r * 2 if padded else 4 * nv * dk * (4 + (n - 1) / n + 1)
+    terms = {
+        "delta_conv_inputs": cb * (2 * kd + vd) * (S + K - 1) / S,
+        "delta_conv_outputs": cb * (2 * kd + vd),
+        "delta_gates": cb * nv + 2 * 4 * nv + (0 if fp32_views else 4 * nv * r),
+        "delta_qk_l2norm": 4 * 2 * kd + 4 * 2 * nk,
+        "delta_values": 4 * vd * r,
+        "delta_qk_heads": 3 * 4 * nv * dk * r,
+        "delta_matmul_copies": copies,
+        "delta_chunk_matrices": 6 * 4 * nv * C * r,
+        "delta_decays": 2 * 4 * nv * r + 4 * nv * r / C,
+        "delta_solved": 4 * nv * (dk + dv) * r,
+        "delta_scan": 4 * nv * r * (dk * dv / C + dv),
+        "delta_out": 4 * vd * (r if cb == 4 else 1) + 4 * nv + cb * vd + 3 * 4 * vd + cb * vd,
+    }
+    cp = layout.cp
+    if cp > 1:  # the two-pass hand-off (DeltaRuleCore with a StateHandoff), per sequence, over S tokens
+        # state_transition: per chunk the contiguous copies of k * write decay for its two products
+        # (dk x C each), the state part S entering it (dk x dv), and after the first chunk the
+        # transition A and the product M so far (dk x dk each); the scan's first chunk now reads a
+        # state with a gradient: its q * read decay copy (C x dk)
+        transition = 2 * n * dk * C + n * dk * dv + 2 * (n - 1) * dk * dk + C * dk
+        # the hand-off: rank j > 0 folds the gathered (M, S) of the ranks before it (keeping the
+        # gathered tensor and j states): planned as the mean over the cp ranks
+        gathered = (cp - 1) / 2 * dk * dv + (cp - 1) * dk * (dk + dv)
+        terms["delta_cp_handoff"] = 4 * nv * (transition + gathered) / S
+    return terms
+
+
+def delta_net_handoff(args: Qwen3_5Args, compute: int) -> list[tuple[str, float]]:
+    """The context-parallel hand-off of one Gated DeltaNet layer (``DeltaRuleCore`` with a hand-off),
+    per sequence of one rank: each convolution's last K-1 inputs (q, k, v; compute dtype), the
+    document starts among them under ``block_causal`` (fp32), and the fp32 (M, S) of
+    ``state_transition``: nv x dk x (dk + dv)."""
+    kd = args.linear_num_key_heads * args.linear_key_head_dim
+    vd = args.linear_num_value_heads * args.linear_value_head_dim
+    tail = args.linear_conv_kernel - 1
+    calls = [("conv tail", float(compute * tail * c)) for c in (kd, kd, vd)]
+    if args.attention_mask == "block_causal":
+        calls.insert(0, ("conv tail document starts", 4.0 * tail))
+    dk, dv = args.linear_key_head_dim, args.linear_value_head_dim
+    calls.append(("state transition (M, S)", 4.0 * args.linear_num_value_heads * dk * (dk + dv)))
+    return calls
+
+
+def moe_ffn_saved(args: Qwen3_5MoeArgs, layout: BlockLayout, moe: bool) -> dict[str, float]:
+    """Qwen3.5-MoE's feed-forward per local token: ``models/moe``'s routed experts, and the gated shared
+    expert (``GatedFeedForward``): its SwiGLU (as ``models/moe`` counts shared experts), the gate's
+    sigmoid (one per token) and the SwiGLU's output kept by the gating product (compute dtype)."""
+    terms = moe_ffn_saved_routed(args, layout, moe)
+    if moe and args.shared_expert_hidden_dim:
+        cb = layout.compute
+        terms["shared_expert"] = 4 * cb * args.shared_expert_hidden_dim / layout.tp + cb * (args.dim + 1)
+    return terms
+
+
+def planner_terms(args: Qwen3_5Args) -> PlannerTerms:
+    """The planner's view of Qwen3.5 blocks: Llama's attention (MoE family: ``models/moe``'s routed
+    feed-forward) on the full-attention blocks, the Gated DeltaNet (``delta_net_saved``, its input
+    norm feeding six projections, the CP hand-off) on the others."""
+    if isinstance(args, Qwen3_5MoeArgs):
+        base = dataclasses.replace(moe_planner_terms(args), ffn_saved=functools.partial(moe_ffn_saved, args))
+    else:
+        base = llama_planner_terms(args)
+    return dataclasses.replace(
+        base,
+        rope_dim=args.rotary_dim,
+        attention_saved=functools.partial(gated_attention_saved, args),
+        recurrent=RecurrentMixerTerms(
+            saved=functools.partial(delta_net_saved, args),
+            norm_consumers=6,  # wq, wk, wv, wz, wb, wa
+            cp_handoff=functools.partial(delta_net_handoff, args),
+        ),
+        norm_normed_fp32=True,  # OffsetRMSNorm: normed * (1 + w) in fp32, then the cast
+        recurrent_blocks=frozenset(i for i in range(args.n_layers) if not args.is_full_attention(i)),
+    )
 
 
 def tp_divisible(args: Qwen3_5Args) -> dict[str, int]:

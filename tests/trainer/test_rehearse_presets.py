@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.rehearse_presets import SUITE, presets, rehearse_preset
+from benchmarks.rehearse_presets import SUITE, presets
 from trainer import rehearse
 from trainer.rehearse_pp import default_ranks
 
@@ -50,15 +50,8 @@ KNOWN: dict[str, dict[str, tuple[float, float]]] = {
 }
 
 
-# Presets the rehearsal cannot plan yet, with the reason (the planner refuses them by name).
-NOT_YET = {"qwen3_5_debug": "the planner has no terms for the Qwen3.5 hybrid blocks yet (issue #35)"}
-
-
 def test_every_preset_is_rehearsed_in_the_suite() -> None:
-    assert set(presets()) == set(SUITE) | set(NOT_YET)
-    for preset in NOT_YET:  # refused by name, not crashing
-        code, report, _ = rehearse_preset(preset, [])
-        assert code != 0 and "declares no planner_terms" in report.get("error", ""), (preset, report)
+    assert set(presets()) == set(SUITE)
 
 
 @pytest.mark.parametrize("preset", sorted(SUITE))

@@ -374,6 +374,23 @@ def _cp_ep_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
     dims, p, args = c.dims, c.cfg.parallelism, c.cfg.model
     blocks = [b for st in c.ranks[pp_rank] for b in st.blocks]
     fwd_repeat = 2 if c.recompute else 1
+    recurrent = [b for b in blocks if b in c.terms.recurrent_blocks]
+    if dims.cp > 1 and recurrent and c.terms.recurrent is not None:
+        # hybrid families: each recurrent layer hands its state and conv tails on (RecurrentMixerTerms):
+        # one all-gather per piece in forward (again when recomputed), reduce-scattered in backward
+        for what, per_seq in c.terms.recurrent.cp_handoff(c.act_bytes):
+            for op, calls in (("all_gather", fwd_repeat), ("reduce_scatter", 1)):
+                rows.add(
+                    f"CP {op} (hand-off: {what})",
+                    op,
+                    "cp",
+                    ("cp",),
+                    calls * len(recurrent) * c.accum,
+                    c.micro_batch * dims.cp * per_seq,
+                    "none: critical path",
+                    "",
+                )
+        blocks = [b for b in blocks if b not in c.terms.recurrent_blocks]
     if dims.cp > 1:
         # (b, S, 2 kv_dim) of K and V; MLA: (b, S, C + R) of latents
         kv = c.micro_tokens * dims.cp * c.terms.comm.cp_gather_dim * c.act_bytes
@@ -399,7 +416,7 @@ def _cp_ep_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
             kv,
             *overlap,
         )
-    moe = [b for b in blocks if b in c.table.moe_layers]
+    moe = [b for st in c.ranks[pp_rank] for b in st.blocks if b in c.table.moe_layers]
     if dims.ep > 1 and moe:
         # this rank's token copies (mean)
         routed = c.micro_tokens * c.terms.experts_per_token * args.dim * c.act_bytes

@@ -111,14 +111,15 @@ def _norm_terms(c: PlanContext, pol: DtypePolicy, name: str, consumers: int) -> 
     """RMSNorm (``models/common.py``) feeding ``consumers`` matmuls: its fp32 input ``x.float()``
     (x itself when the stream is fp32), the rsqrt statistic, the normalised ``x`` saved by the gain
     multiply, and what the matmuls save of its output. The first three run on S/tp tokens under
-    SP; the output is whole under TP (replicated) and SP (all-gathered before the matmuls)."""
+    SP; the output is whole under TP (replicated) and SP (all-gathered before the matmuls). The
+    normalised ``x`` is fp32 when the family's norms say so (``PlannerTerms.norm_normed_fp32``)."""
     H = c.cfg.model.dim
     sp = c.dims.tp if c.tp_sp[1] else 1
     linear_in = consumers * pol.compute * H if pol.cast_each else pol.stream * H  # one tensor, shared
     return {
         f"{name}_input": 4 * H / sp,
         f"{name}_rsqrt": 4 / sp,
-        f"{name}_normed": pol.stream * H / sp,
+        f"{name}_normed": (4 if c.terms.norm_normed_fp32 else pol.stream) * H / sp,
         f"{name}_out": linear_in,
     }
 
@@ -144,12 +145,19 @@ def masked_attention(c: PlanContext) -> bool:
     return masked_cp or c.spec.attention_mask(c.cfg.model) == "block_causal"
 
 
-def attention_terms(c: PlanContext, pol: DtypePolicy, keys: Optional[int] = None) -> dict[str, float]:
+def attention_terms(
+    c: PlanContext, pol: DtypePolicy, keys: Optional[int] = None, block: int = -1
+) -> dict[str, float]:
     """Attention: its input norm (feeding the family's ``attention_norm_consumers`` matmuls), what the
     family's attention saves (``PlannerTerms.attention_saved``: Llama's q, K/V, log-sum-exp and output;
     MLA's latents and per-head tensors), and the rotary rows gathered per token when positions are
-    passed (CP, packed documents)."""
+    passed (CP, packed documents). A hybrid family's recurrent block (``PlannerTerms.recurrent_blocks``)
+    saves its mixer's terms instead (``RecurrentMixerTerms``: no rotary rows)."""
     t = c.terms
+    if t.recurrent is not None and block in t.recurrent_blocks:
+        terms = _norm_terms(c, pol, "attention_norm", t.recurrent.norm_consumers)
+        terms.update(t.recurrent.saved(block_layout(c, pol, keys)))
+        return terms
     terms = _norm_terms(c, pol, "attention_norm", t.attention_norm_consumers)
     terms.update(t.attention_saved(block_layout(c, pol, keys)))
     if c.dims.cp > 1 or c.spec.attention_mask(c.cfg.model) == "block_causal":
@@ -170,16 +178,19 @@ def block_terms(c: PlanContext, block: int = 0, keys: Optional[int] = None) -> d
     """Bytes block ``block`` saves for backward per local token, by term (no checkpointing);
     ``keys``: the sequence length attention sees when it is not the training's (MTP)."""
     pol = dtype_policy(c)
-    return {**attention_terms(c, pol, keys), **mlp_terms(c, pol, block)}
+    return {**attention_terms(c, pol, keys, block), **mlp_terms(c, pol, block)}
 
 
 def block_bytes_per_token(c: PlanContext, block: int = 0, keys: Optional[int] = None) -> float:
     return sum(block_terms(c, block, keys).values())
 
 
-def block_constant(c: PlanContext) -> float:
+def block_constant(c: PlanContext, block: Optional[int] = None) -> float:
     """Per block and microbatch, independent of tokens: FSDP's bf16 cast of the block's inputs
-    includes the whole rotary table (max_seq_len x the family's ``rope_dim``), which RoPE then saves."""
+    includes the whole rotary table (max_seq_len x the family's ``rope_dim``), which RoPE then saves
+    (a recurrent block, ``block`` given, never reads it; a checkpointed block keeps it as an input)."""
+    if block is not None and block in c.terms.recurrent_blocks:
+        return 0.0
     return 2.0 * c.cfg.model.max_seq_len * c.terms.rope_dim if dtype_policy(c).fsdp_bf16 else 0.0
 
 
@@ -255,7 +266,7 @@ def stage_saved(c: PlanContext, stage: PlannedStage, *, receives: bool) -> dict[
         per_tok = block_bytes_per_token(c, b)
         if first_received and pol.stream == 4:
             per_tok -= block_terms(c, b)["attention_norm_input"]  # x.float() is the received x
-        out["blocks"] += T * per_tok + block_constant(c)
+        out["blocks"] += T * per_tok + block_constant(c, b)
         out["weight_copies"] += weight_copy_bytes(c, b)
     if stage.last:
         h = head_terms(c)

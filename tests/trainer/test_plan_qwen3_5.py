@@ -1,0 +1,105 @@
+"""The planner's Qwen3.5 terms (``models/qwen3_5/model.py``: ``planner_terms``, ``delta_net_saved``,
+``delta_net_handoff``) against what runs: the memory ledger's bytes saved by each block of a real
+training (Gated DeltaNet blocks and the gated full-attention block: fp32 DDP, bf16 FSDP parameters
+with a padded last chunk, TP + SP, CP) and the communication ledger's context-parallel hand-off (one
+all-gather per conv tail and one of the state transition per DeltaNet layer), each within 5%."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.configs import tiny_config
+from tests.parity import Case, GroupedRuns
+from trainer.planner.cluster import compose_cluster
+from trainer.planner.compare import compare_with_ledger
+from trainer.planner.context import build_context
+from trainer.planner.memory import block_bytes_per_token, block_constant
+from trainer.planner.plan import build_plan
+
+pytestmark = pytest.mark.slow
+
+TOLERANCE = 0.05
+QWEN = (
+    "model=qwen3_5_debug",
+    "model.attn_head_dim=32",
+    "model.linear_key_head_dim=16",
+    "model.linear_value_head_dim=24",
+    "model.linear_chunk_size=16",
+    "metrics.comm_ledger=true",
+    "metrics.memory_ledger=true",
+    "training.steps=1",
+    "training.global_batch_size=4",
+    "checkpoint.enable=false",
+)
+MOE = ("model=qwen3_5_moe_debug",)
+LAYOUTS: dict[str, tuple[int, tuple[str, ...]]] = {
+    "ddp": (2, ("parallelism.dp_replicate=2", "parallelism.dp_shard=1")),
+    # bf16 FSDP parameters: the projections and convolutions in bf16, the rule in fp32; a padded last chunk
+    "fsdp_bf16_padded": (
+        2,
+        (
+            "parallelism.dp_shard=2",
+            "parallelism.fsdp.param_dtype=bfloat16",
+            "training.mixed_precision=bf16",
+            "model.linear_chunk_size=24",
+        ),
+    ),
+    "tp_sp": (2, ("parallelism.tp=2", "parallelism.dp_shard=1")),
+    "cp": (
+        2,
+        (
+            "parallelism.cp=2",
+            "parallelism.dp_shard=1",
+            "parallelism.cp_load_balance=none",
+            "training.seq_len=64",
+        ),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
+    tmp = tmp_path_factory.mktemp("qwen3_5_ledger")
+    cases = {
+        name: Case(world, tiny_config(str(tmp / name), *QWEN, *overrides), params=False)
+        for name, (world, overrides) in LAYOUTS.items()
+    }
+    grouped = GroupedRuns(cases)
+    return {name: (cases[name].cfg, grouped.get(name)) for name in LAYOUTS}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_blocks_saved_match_plan(layout: str, runs: dict) -> None:
+    cfg, result = runs[layout]
+    memory = [r for r in result["history"] if "memory" in r][-1]["memory"]
+    c = build_context(cfg, compose_cluster(["cluster=cpu"]))
+    assert c.terms.recurrent_blocks == {0, 1, 2}
+    for rank, rec in memory["ranks"].items():
+        for b in range(cfg.model.n_layers):
+            got = sum(sum(by_dtype.values()) for by_dtype in rec["saved"][f"block.{b}"].values())
+            want = c.accum * (c.micro_tokens * block_bytes_per_token(c, b) + block_constant(c, b))
+            print(f"{layout} rank {rank} block.{b} planned {want:,.0f} measured {got:,.0f} {want / got:.4f}")
+            assert abs(want / got - 1) <= TOLERANCE, (layout, rank, b, want, got)
+
+
+@pytest.mark.parametrize("layout", ["cp", "ddp"])
+def test_collectives_match_plan(layout: str, runs: dict) -> None:
+    """Every collective the plan counts (CP: the DeltaNet layers' hand-off all-gathers of the conv tails
+    and the state transition, their reduce-scatters, the attention layer's K/V) within 5% per op."""
+    cfg, result = runs[layout]
+    ledger = [r for r in result["history"] if "comm" in r][-1]["comm"]
+    plan = build_plan(cfg, compose_cluster(["cluster=cpu"]))
+    handoff = [c for c in plan.collectives if "hand-off" in c.name]
+    assert len(handoff) == (8 if layout == "cp" else 0), [c.name for c in plan.collectives]
+    rows = compare_with_ledger(plan, ledger)
+    for r in rows:
+        print(
+            f"{layout} rank {r['rank']} {r['what']} planned {r['planned']:,.0f} measured {r['measured']:,.0f}"
+        )
+    total = {r["rank"]: r["planned"] for r in rows if r["what"] == "total"}
+    assert total, rows
+    for r in rows:
+        if r["kind"] == "memory" or r["planned"] >= 0.01 * total[r["rank"]]:
+            assert abs(r["ratio"] - 1) <= TOLERANCE, r
+        else:
+            assert abs(r["measured"] - r["planned"]) < 1e-3 * total[r["rank"]], r
