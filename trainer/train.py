@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from models import get_spec
+from models.common import OutputHead
 from models.errors import ConfigError
 from parallelisms.parallel_dims import MESH_DIM_NAMES
 from parallelisms.parallelize import PartOptions, model_parts, parallelize, parallelize_pipeline
@@ -344,10 +345,23 @@ class Trainer:
         else:
             self.model = parallelize(model, self.spec, self.dims, p, options)
         self.model_parts = model_parts(self.model)
+        self._deferred_heads: list[OutputHead] = []
+        if t.loss_chunk_size > 0:  # the loss runs the (deferred) head chunk by chunk: no (B, S, V) logits
+            heads = [m for part in self.model_parts for m in part.modules() if isinstance(m, OutputHead)]
+            self._deferred_heads = heads
+            self._defer_heads(True)
+            self.step_context.loss.chunk_size = t.loss_chunk_size
+            self.step_context.loss.head = heads[0] if heads else None  # None: a stage without the head
         self._train_mode(True)
         # Every parameter of this rank's parts, each once: what the optimizer, clipping and the ledger see.
         self.parameters = list(dict.fromkeys(p for part in self.model_parts for p in part.parameters()))
         return full_shapes
+
+    def _defer_heads(self, deferred: bool) -> None:
+        """``training.loss_chunk_size``: the models return hidden states for the chunked loss (True) or
+        logits (False: task evaluation scores the logits themselves)."""
+        for head in self._deferred_heads:
+            head.deferred = deferred
 
     def _init_weights(self, model: nn.Module) -> None:
         """The deterministic initialisation of a materialised part (the same weights under any layout)."""
@@ -601,12 +615,19 @@ class Trainer:
         """Per-row task statistics (``trainer.eval.scoring.ROW_STATS``) of one (B, S) batch: this
         rank's share (its context-parallel shard), on every pp rank."""
         batch = self.step_context.shard_batch(StepBatch(inputs, labels))
+        self._defer_heads(False)  # row statistics read the logits (no backward: memory as evaluation's)
+        try:
+            return self._row_stats_of(batch)
+        finally:
+            self._defer_heads(self.cfg.training.loss_chunk_size > 0)
+
+    def _row_stats_of(self, batch: StepBatch) -> torch.Tensor:
         if self.pipeline is not None:
             return self.pipeline.forward_loss_sum(
                 batch.inputs,
                 batch.labels,
                 loss_fn=row_stats,
-                out_shape=(len(inputs), len(ROW_STATS)),
+                out_shape=(len(batch.inputs), len(ROW_STATS)),
                 **batch.model_kwargs(),
             )
         with self.step_context():
