@@ -345,13 +345,14 @@ class Trainer:
         else:
             self.model = parallelize(model, self.spec, self.dims, p, options)
         self.model_parts = model_parts(self.model)
-        self._deferred_heads: list[OutputHead] = []
         if t.loss_chunk_size > 0:  # the loss runs the (deferred) head chunk by chunk: no (B, S, V) logits
-            heads = [m for part in self.model_parts for m in part.modules() if isinstance(m, OutputHead)]
-            self._deferred_heads = heads
-            self._defer_heads(True)
+            # one head per rank (DeepSeek-V3's MTP shares it); None: a pipeline stage without the head
+            head = next(
+                (m for part in self.model_parts for m in part.modules() if isinstance(m, OutputHead)), None
+            )
             self.step_context.loss.chunk_size = t.loss_chunk_size
-            self.step_context.loss.head = heads[0] if heads else None  # None: a stage without the head
+            self.step_context.loss.head = head
+            self._defer_heads(True)
         self._train_mode(True)
         # Every parameter of this rank's parts, each once: what the optimizer, clipping and the ledger see.
         self.parameters = list(dict.fromkeys(p for part in self.model_parts for p in part.parameters()))
@@ -360,7 +361,8 @@ class Trainer:
     def _defer_heads(self, deferred: bool) -> None:
         """``training.loss_chunk_size``: the models return hidden states for the chunked loss (True) or
         logits (False: task evaluation scores the logits themselves)."""
-        for head in self._deferred_heads:
+        head = self.step_context.loss.head
+        if isinstance(head, OutputHead):
             head.deferred = deferred
 
     def _init_weights(self, model: nn.Module) -> None:
