@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Optional, Union
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DeviceMesh, DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.checkpoint import checkpoint
 
@@ -69,8 +69,17 @@ def log_z_squared_sum(logits: Tensor, labels: Tensor) -> Tensor:
     return (log_z.square() * mask).sum()
 
 
-def _chunk_sums(head: nn.Module, z_loss: bool, hidden: Tensor, labels: Tensor) -> Tensor:
-    """(2,) cross-entropy sum and log-Z^2 sum (0 without z-loss) of one chunk of tokens."""
+def _chunk_sums(
+    head: nn.Module,
+    z_loss: bool,
+    layout: Optional[tuple[DeviceMesh, tuple[Placement, ...]]],
+    hidden: Tensor,
+    labels: Tensor,
+) -> Tensor:
+    """(2,) cross-entropy sum and log-Z^2 sum (0 without z-loss) of one chunk of tokens; ``layout``:
+    the DTensor layout the chunk of local ``hidden`` had (sequence parallelism)."""
+    if layout is not None:
+        hidden = DTensor.from_local(hidden, *layout)
     logits = head(hidden)  # (B, c, V); a vocab-sharded DTensor under loss parallel
     ce = token_loss_sum(logits, labels)
     z = log_z_squared_sum(logits, labels) if z_loss else torch.zeros_like(ce)
@@ -83,24 +92,39 @@ def chunked_loss_sums(
     """(2,): the cross-entropy sum and the log-Z^2 sum of ``head(hidden)`` against (B, S) ``labels``,
     computed ``chunk_size`` positions of the sequence at a time (all B rows of a chunk together) so
     the (B, S, V) logits never exist: each chunk's logits live only inside a non-reentrant
-    ``torch.utils.checkpoint`` and are recomputed, chunk by chunk, in backward. Equal to
-    ``token_loss_sum`` / ``log_z_squared_sum`` of the full logits up to the order of the fp32 sums.
+    ``torch.utils.checkpoint`` (which keeps the chunk's input and labels, views of the whole) and are
+    recomputed, chunk by chunk, in backward. Equal to ``token_loss_sum`` / ``log_z_squared_sum`` of
+    the full logits up to the order of the fp32 sums.
 
     ``hidden`` (B, S, H) is the model's final hidden state (``OutputHead.deferred``). Under sequence
-    parallelism it is a sequence-sharded DTensor: it is gathered once (the (B, S, H) the unchunked
-    head gathers too; its backward is the same reduce-scatter) and each chunk enters the
-    column-parallel head replicated, so each chunk's logits are a vocab-sharded DTensor that torch's
-    ``loss_parallel`` cross-entropy takes as it takes the whole."""
+    parallelism it is a DTensor sharded on the sequence over n ranks: each rank takes ``chunk_size``
+    positions of its own shard, and the column-parallel head all-gathers them (backward:
+    reduce-scatters their gradient) as it does the whole, so the gathered chunk holds positions
+    ``r * S/n + [start, start + chunk_size)`` of every rank r, and so do the chunk's labels; each
+    chunk's logits are a vocab-sharded DTensor that torch's ``loss_parallel`` cross-entropy takes as
+    it takes the whole. The communication is the unchunked head's, in chunks."""
+    layout: Optional[tuple[DeviceMesh, tuple[Placement, ...]]] = None
+    shards = 1
     if isinstance(hidden, DTensor):
-        hidden = hidden.redistribute(placements=[Replicate()] * hidden.device_mesh.ndim)
-    seq = labels.shape[1]
+        layout = (hidden.device_mesh, tuple(hidden.placements))
+        for dim, placement in enumerate(hidden.placements):
+            if isinstance(placement, Shard) and placement.dim in (1, -2):
+                shards *= hidden.device_mesh.size(dim)
+            elif not isinstance(placement, Replicate):
+                raise ValueError(
+                    f"the chunked loss takes a sequence-sharded or replicated input, not {placement}"
+                )
+        hidden = hidden.to_local()  # (B, S / shards, H)
+    local_seq = hidden.shape[1]
+    by_rank = labels.unflatten(1, (shards, local_seq))  # (B, shards, S / shards): each rank's positions
     sums = []
-    for start in range(0, seq, chunk_size):
-        h, y = hidden[:, start : start + chunk_size], labels[:, start : start + chunk_size]
+    for start in range(0, local_seq, chunk_size):
+        h = hidden[:, start : start + chunk_size]
+        y = by_rank[:, :, start : start + chunk_size].flatten(1)  # the gathered chunk's order
         if torch.is_grad_enabled():
-            sums.append(checkpoint(_chunk_sums, head, z_loss, h, y, use_reentrant=False))
+            sums.append(checkpoint(_chunk_sums, head, z_loss, layout, h, y, use_reentrant=False))
         else:
-            sums.append(_chunk_sums(head, z_loss, h, y))
+            sums.append(_chunk_sums(head, z_loss, layout, h, y))
     return torch.stack(sums).sum(0)
 
 
