@@ -78,8 +78,9 @@ def _fsdp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
     # MTP modules share the head's unit and call the head again: backward passes through the unit
     # twice, and FSDP reshards it after the first, so it is gathered again.
     # So does the chunked loss (training.loss_chunk_size): its chunks' recomputes run after the first
-    # chunk's backward has resharded the unit (measured: once more per microbatch).
-    mtp = [head] if c.spec.mtp_depth(c.cfg.model) > 0 or c.cfg.training.loss_chunk_size > 0 else []
+    # chunk's backward has resharded the unit (measured: once more per microbatch, with MTP twice more).
+    regathers = (c.spec.mtp_depth(c.cfg.model) > 0) + (c.cfg.training.loss_chunk_size > 0)
+    mtp = [head] * regathers
     units = [
         (
             "",

@@ -5,13 +5,14 @@ chunks. On CUDA: ``torch.cuda.max_memory_allocated``. On the CPU (no allocator s
 of live tensor storages created during the call, seen by a ``TorchDispatchMode`` (every op's outputs,
 each storage counted once until it is freed).
 
-    python benchmarks/chunked_loss_memory.py [--vocab 32768] [--seq 512] [--dim 256] [--batch 1] [--chunk 64]
+    python benchmarks/bench_chunked_loss.py [--vocab 32768] [--seq 512] [--dim 256] [--batch 1] [--chunk 64]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import weakref
 from typing import Any
 
@@ -82,14 +83,18 @@ def main() -> None:
     labels = torch.randint(0, a.vocab, (a.batch, a.seq), device=a.device)
     whole, loss_whole = peak_bytes(head, hidden, labels, 0)
     chunked, loss_chunked = peak_bytes(head, hidden, labels, a.chunk)
-    logits = a.batch * a.seq * a.vocab * 4
-    print(
-        f"B={a.batch} S={a.seq} H={a.dim} V={a.vocab} chunk={a.chunk} ({a.device}); "
-        f"fp32 logits {logits / 2**20:.1f} MiB"
-    )
-    print(f"peak whole logits: {whole / 2**20:8.1f} MiB  (loss {loss_whole:.6f})")
-    print(f"peak chunked:      {chunked / 2**20:8.1f} MiB  (loss {loss_chunked:.6f})")
-    print(f"saving: {(whole - chunked) / 2**20:.1f} MiB ({whole / chunked:.1f}x lower peak)")
+    mib = 2.0**20
+    result = {
+        "shape": {"batch": a.batch, "seq": a.seq, "dim": a.dim, "vocab": a.vocab, "chunk": a.chunk},
+        "device": a.device,
+        "fp32_logits_mib": round(a.batch * a.seq * a.vocab * 4 / mib, 1),
+        "peak_whole_mib": round(whole / mib, 1),
+        "peak_chunked_mib": round(chunked / mib, 1),
+        "saving_mib": round((whole - chunked) / mib, 1),
+        "peak_ratio": round(whole / chunked, 2),
+        "loss_rel_diff": abs(loss_chunked - loss_whole) / abs(loss_whole),
+    }
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":
