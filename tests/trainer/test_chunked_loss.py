@@ -137,3 +137,23 @@ def test_layouts_equal_one_process(runs: GroupedRuns, layout: str) -> None:
     z_got = [r["z_loss"] for r in got["history"] if "z_loss" in r]
     assert len(z_ref) == len(z_got) > 0
     torch.testing.assert_close(z_got, z_ref, rtol=1e-5, atol=0)
+
+
+@pytest.mark.slow
+def test_evaluation_and_tasks_unchanged(tmp_path) -> None:  # noqa: ANN001
+    """Validation (the chunked loss without gradients) and task scoring (which switches the head back
+    to whole logits for its forwards) equal the unchunked run's, one process (rtol 1e-5)."""
+    from tests.eval.test_eval_parity import _evaluate, _loglik_rows
+
+    extra = (
+        "training.eval_freq=1",
+        "training.eval_steps=2",
+        "eval.tasks=[next_line,complete_word]",
+        "eval.limit=6",
+        "eval.batch_size=3",
+    )
+    ref = _evaluate(tiny_config(str(tmp_path / "off"), *extra))
+    got = _evaluate(tiny_config(str(tmp_path / "on"), *extra, "training.loss_chunk_size=5"))
+    torch.testing.assert_close(got["validation"], ref["validation"], rtol=RTOL, atol=0)
+    torch.testing.assert_close(_loglik_rows(got), _loglik_rows(ref), rtol=RTOL, atol=0)
+    assert got["tasks"] == ref["tasks"]
