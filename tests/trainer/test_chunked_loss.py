@@ -4,8 +4,8 @@ a few positions of the sequence at a time, recomputed in backward, so the (B, S,
 Against the unchunked loss of the same model (the full logits, ``TokenLoss``): the value and every
 parameter's gradient in one process for each family with z-loss and soft-capping on (DeepSeek-V3 with
 its MTP head), a chunk size that does not divide the sequence, and ignored targets; then whole runs with
-the option on (1 process, FSDP x2, TP x2 with loss parallel and sequence parallel, PP x2) against one
-process with it off.
+the option on (1 process, FSDP x2, TP x2 with loss parallel with and without sequence parallel, PP x2,
+CP x2) against one process with it off; validation and task scoring.
 """
 
 from __future__ import annotations
@@ -116,7 +116,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> GroupedRuns:
         "one_chunked": (1, CHUNK),
         "fsdp_x2": (2, (*CHUNK, "parallelism.dp_shard=2")),
         "tp_x2": (2, (*CHUNK, "parallelism.tp=2", "parallelism.dp_shard=1")),  # loss parallel + SP
+        "tp_x2_no_sp": (
+            2,
+            (*CHUNK, "parallelism.tp=2", "parallelism.dp_shard=1", "parallelism.sequence_parallel=false"),
+        ),
         "pp_x2": (2, (*CHUNK, "parallelism.pp=2", "parallelism.dp_shard=1")),
+        "cp_x2": (2, (*CHUNK, "parallelism.cp=2", "parallelism.dp_shard=1")),
     }
     return GroupedRuns(
         {
@@ -127,7 +132,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> GroupedRuns:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["one_chunked", "fsdp_x2", "tp_x2", "pp_x2"])
+@pytest.mark.parametrize("layout", ["one_chunked", "fsdp_x2", "tp_x2", "tp_x2_no_sp", "pp_x2", "cp_x2"])
 def test_layouts_equal_one_process(runs: GroupedRuns, layout: str) -> None:
     """Chunked runs against one process unchunked: losses, pre-clip grad norms, final weights
     (tests/parity.py tolerances) and the logged z_loss (rtol 1e-5)."""
