@@ -297,11 +297,17 @@ class OutputHead(nn.Linear):
     Every family's head is this module, so capping reaches each one (and DeepSeek-V3's MTP heads,
     which share it) through this one place. The cap is elementwise: under tensor parallelism it runs
     on the vocab-sharded logits (a DTensor under loss parallel) with no communication. ``softcap``
-    None (the default) is the plain projection, bitwise."""
+    None (the default) is the plain projection, bitwise.
+
+    ``deferred`` (set by the trainer under ``training.loss_chunk_size``): the model does not call the
+    head and returns the final hidden states (B, S, H) instead of the logits; the loss then runs this
+    module chunk by chunk over the tokens (``trainer/step.py``), so the (B, S, V) logits never exist
+    at once. Every family reads it through :func:`head_deferred`."""
 
     def __init__(self, dim: int, vocab_size: int, softcap: Optional[float] = None) -> None:
         super().__init__(dim, vocab_size, bias=False)
         self.softcap = softcap
+        self.deferred = False
 
     def forward(self, x: Tensor) -> Tensor:
         logits = super().forward(x)  # (B, S, V)
@@ -311,6 +317,12 @@ class OutputHead(nn.Linear):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (f", softcap={self.softcap}" if self.softcap is not None else "")
+
+
+def head_deferred(head: Optional[nn.Module]) -> bool:
+    """Whether the model's forward returns the final hidden states instead of calling ``head``
+    (an :class:`OutputHead` the trainer deferred to a chunked loss)."""
+    return isinstance(head, OutputHead) and head.deferred
 
 
 # --------------------------------------------------------------------------------------------

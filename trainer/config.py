@@ -188,6 +188,9 @@ class TrainingConfig:
     # dividing seq_len; the final windows are split; [] = off
     seq_len_warmup: list[SeqLenStage] = field(default_factory=list)
     z_loss_weight: float = 0.0  # weight x mean log Z^2 of the output logits added to the loss (PaLM); 0 = off
+    # the loss runs the output head over this many positions of the sequence at a time, recomputed in
+    # backward, so the (B, S, V) logits are never materialised (trainer/step.py); 0 = off
+    loss_chunk_size: int = 0
     spike: SpikeConfig = field(default_factory=SpikeConfig)  # loss-spike skipping (off by default)
     # float8 / MXFP8 linears through torchao (parallelisms/float8.py)
     float8: Float8Config = field(default_factory=Float8Config)
@@ -284,6 +287,11 @@ def _validate_training(t: TrainingConfig, max_seq_len: int) -> None:
     if not t.z_loss_weight >= 0:
         raise ConfigError(
             f"training.z_loss_weight={t.z_loss_weight} must be >= 0 (0 disables the z-loss; PaLM: 1e-4)."
+        )
+    if isinstance(t.loss_chunk_size, bool) or not isinstance(t.loss_chunk_size, int) or t.loss_chunk_size < 0:
+        raise ConfigError(
+            f"training.loss_chunk_size={t.loss_chunk_size!r} must be an integer >= 0 (positions of the "
+            "sequence per loss chunk; 0 computes the loss on the whole logits)."
         )
     _validate_spike(t.spike)
 

@@ -175,7 +175,9 @@ def _mtp(c: HookContext) -> Optional[Hook]:
     """Multi-token prediction (DeepSeek-V3): its gradient weight per step and its logged mtp_loss."""
     from trainer.observe.mtp import MTPStats
 
-    return MTPStats.build(c.model_parts, c.spec, c.cfg.model, c.dims, tokens_per_step=c.tokens_per_step)
+    return MTPStats.build(
+        c.model_parts, c.spec, c.cfg.model, c.dims, tokens_per_step=c.tokens_per_step, loss=c.loss
+    )
 
 
 def _comm_ledger(c: HookContext) -> Optional[LedgerHook]:

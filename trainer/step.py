@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
-from torch.distributed.tensor import DTensor
+from torch import Tensor, nn
+from torch.distributed.tensor import DeviceMesh, DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import loss_parallel
+from torch.utils.checkpoint import checkpoint
 
 from models.common import IGNORE_INDEX
 
@@ -34,6 +35,7 @@ __all__ = [
     "StepContext",
     "StepState",
     "TokenLoss",
+    "chunked_loss_sums",
     "document_positions",
     "log_z_squared_sum",
     "token_loss_sum",
@@ -67,6 +69,65 @@ def log_z_squared_sum(logits: Tensor, labels: Tensor) -> Tensor:
     return (log_z.square() * mask).sum()
 
 
+def _chunk_sums(
+    head: nn.Module,
+    z_loss: bool,
+    layout: Optional[tuple[DeviceMesh, tuple[Placement, ...]]],
+    hidden: Tensor,
+    labels: Tensor,
+) -> Tensor:
+    """(2,) cross-entropy sum and log-Z^2 sum (0 without z-loss) of one chunk of tokens; ``layout``:
+    the DTensor layout the chunk of local ``hidden`` had (sequence parallelism)."""
+    if layout is not None:
+        hidden = DTensor.from_local(hidden, *layout)
+    logits = head(hidden)  # (B, c, V); a vocab-sharded DTensor under loss parallel
+    ce = token_loss_sum(logits, labels)
+    z = log_z_squared_sum(logits, labels) if z_loss else torch.zeros_like(ce)
+    return torch.stack([ce, z])
+
+
+def chunked_loss_sums(
+    head: nn.Module, hidden: Tensor, labels: Tensor, chunk_size: int, *, z_loss: bool
+) -> Tensor:
+    """(2,): the cross-entropy sum and the log-Z^2 sum of ``head(hidden)`` against (B, S) ``labels``,
+    computed ``chunk_size`` positions of the sequence at a time (all B rows of a chunk together) so
+    the (B, S, V) logits never exist: each chunk's logits live only inside a non-reentrant
+    ``torch.utils.checkpoint`` (which keeps the chunk's input and labels, views of the whole) and are
+    recomputed, chunk by chunk, in backward. Equal to ``token_loss_sum`` / ``log_z_squared_sum`` of
+    the full logits up to the order of the fp32 sums.
+
+    ``hidden`` (B, S, H) is the model's final hidden state (``OutputHead.deferred``). Under sequence
+    parallelism it is a DTensor sharded on the sequence over n ranks: each rank takes ``chunk_size``
+    positions of its own shard, and the column-parallel head all-gathers them (backward:
+    reduce-scatters their gradient) as it does the whole, so the gathered chunk holds positions
+    ``r * S/n + [start, start + chunk_size)`` of every rank r, and so do the chunk's labels; each
+    chunk's logits are a vocab-sharded DTensor that torch's ``loss_parallel`` cross-entropy takes as
+    it takes the whole. The communication is the unchunked head's, in chunks."""
+    layout: Optional[tuple[DeviceMesh, tuple[Placement, ...]]] = None
+    shards = 1
+    if isinstance(hidden, DTensor):
+        layout = (hidden.device_mesh, tuple(hidden.placements))
+        for dim, placement in enumerate(hidden.placements):
+            if isinstance(placement, Shard) and placement.dim in (1, -2):
+                shards *= hidden.device_mesh.size(dim)
+            elif not isinstance(placement, Replicate):
+                raise ValueError(
+                    f"the chunked loss takes a sequence-sharded or replicated input, not {placement}"
+                )
+        hidden = hidden.to_local()  # (B, S / shards, H)
+    local_seq = hidden.shape[1]
+    by_rank = labels.unflatten(1, (shards, local_seq))  # (B, shards, S / shards): each rank's positions
+    sums = []
+    for start in range(0, local_seq, chunk_size):
+        h = hidden[:, start : start + chunk_size]
+        y = by_rank[:, :, start : start + chunk_size].flatten(1)  # the gathered chunk's order
+        if torch.is_grad_enabled():
+            sums.append(checkpoint(_chunk_sums, head, z_loss, layout, h, y, use_reentrant=False))
+        else:
+            sums.append(_chunk_sums(head, z_loss, layout, h, y))
+    return torch.stack(sums).sum(0)
+
+
 @dataclass
 class TokenLoss:
     """The training loss of every step (plain, pipelined, evaluation): ``token_loss_sum`` and, with
@@ -74,14 +135,31 @@ class TokenLoss:
     gradient only: the returned value is the cross-entropy sum bitwise (``+ (z - z.detach())`` adds an
     exact 0), so the logged loss stays the cross-entropy; the z-loss sums are kept in ``z_sums`` for
     the step's ``z_loss`` record (``trainer/stability.ZLossStats``). The step normalises both by the
-    global number of target tokens: the objective is CE mean + weight * mean log Z^2."""
+    global number of target tokens: the objective is CE mean + weight * mean log Z^2.
+
+    With ``chunk_size > 0`` (``training.loss_chunk_size``) and ``head`` (this rank's deferred
+    ``OutputHead``; None on a pipeline stage without it, which never computes the loss) the first
+    argument is the final hidden state (B, S, H) and the loss runs the head chunk by chunk
+    (:func:`chunked_loss_sums`): the same value and gradients up to the order of the fp32 sums."""
 
     z_loss_weight: float = 0.0
     z_sums: list[Tensor] = field(default_factory=list)  # this rank's weighted z-loss sums of the step
+    chunk_size: int = 0  # tokens of the sequence per loss chunk (training.loss_chunk_size); 0 = off
+    head: Optional[nn.Module] = None  # the deferred output head the chunked loss runs
 
     def __call__(self, logits: Tensor, labels: Tensor) -> Tensor:
+        z_on = self.z_loss_weight != 0.0 and torch.is_grad_enabled()
+        if self.chunk_size > 0:
+            if self.head is None:
+                raise RuntimeError("the chunked loss (training.loss_chunk_size) has no output head")
+            ce, z_sum = chunked_loss_sums(self.head, logits, labels, self.chunk_size, z_loss=z_on)
+            if not z_on:
+                return ce
+            z = self.z_loss_weight * z_sum
+            self.z_sums.append(z.detach())
+            return ce + (z - z.detach())
         loss = token_loss_sum(logits, labels)
-        if self.z_loss_weight == 0.0 or not torch.is_grad_enabled():
+        if not z_on:
             return loss
         z = self.z_loss_weight * log_z_squared_sum(logits, labels)
         self.z_sums.append(z.detach())

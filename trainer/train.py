@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from models import get_spec
+from models.common import OutputHead
 from models.errors import ConfigError
 from parallelisms.float8 import Float8Plan, plan_float8
 from parallelisms.parallel_dims import MESH_DIM_NAMES
@@ -362,10 +363,25 @@ class Trainer:
         else:
             self.model = parallelize(model, self.spec, self.dims, p, options)
         self.model_parts = model_parts(self.model)
+        if t.loss_chunk_size > 0:  # the loss runs the (deferred) head chunk by chunk: no (B, S, V) logits
+            # one head per rank (DeepSeek-V3's MTP shares it); None: a pipeline stage without the head
+            head = next(
+                (m for part in self.model_parts for m in part.modules() if isinstance(m, OutputHead)), None
+            )
+            self.step_context.loss.chunk_size = t.loss_chunk_size
+            self.step_context.loss.head = head
+            self._defer_heads(True)
         self._train_mode(True)
         # Every parameter of this rank's parts, each once: what the optimizer, clipping and the ledger see.
         self.parameters = list(dict.fromkeys(p for part in self.model_parts for p in part.parameters()))
         return full_shapes
+
+    def _defer_heads(self, deferred: bool) -> None:
+        """``training.loss_chunk_size``: the models return hidden states for the chunked loss (True) or
+        logits (False: task evaluation scores the logits themselves)."""
+        head = self.step_context.loss.head
+        if isinstance(head, OutputHead):
+            head.deferred = deferred
 
     def _init_weights(self, model: nn.Module) -> None:
         """The deterministic initialisation of a materialised part (the same weights under any layout)."""
@@ -629,12 +645,19 @@ class Trainer:
         """Per-row task statistics (``trainer.eval.scoring.ROW_STATS``) of one (B, S) batch: this
         rank's share (its context-parallel shard), on every pp rank."""
         batch = self.step_context.shard_batch(StepBatch(inputs, labels))
+        self._defer_heads(False)  # row statistics read the logits (no backward: memory as evaluation's)
+        try:
+            return self._row_stats_of(batch)
+        finally:
+            self._defer_heads(self.cfg.training.loss_chunk_size > 0)
+
+    def _row_stats_of(self, batch: StepBatch) -> torch.Tensor:
         if self.pipeline is not None:
             return self.pipeline.forward_loss_sum(
                 batch.inputs,
                 batch.labels,
                 loss_fn=row_stats,
-                out_shape=(len(inputs), len(ROW_STATS)),
+                out_shape=(len(batch.inputs), len(ROW_STATS)),
                 **batch.model_kwargs(),
             )
         with self.step_context():

@@ -65,7 +65,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.attention import LatentAttentionCore
-from models.common import IGNORE_INDEX, CopyFn, ParamInit, RMSNorm, apply_rotary_emb, yarn_softmax_scale
+from models.common import (
+    IGNORE_INDEX,
+    CopyFn,
+    ParamInit,
+    RMSNorm,
+    apply_rotary_emb,
+    head_deferred,
+    yarn_softmax_scale,
+)
 from models.errors import ConfigError
 from models.llama.model import _positive_int, rope_rows
 from models.moe.model import TP_PLAN as MOE_TP_PLAN
@@ -424,6 +432,7 @@ class DeepSeekV3Transformer(MoETransformer):
                 "raise model.max_seq_len or lower training.seq_len."
             )
         train_mtp = torch.is_grad_enabled()
+        deferred = head_deferred(output)  # the loss runs the head chunk by chunk (mtp_loss_fn too)
         if train_mtp:  # one embedding call for the window and the D shifted windows (B, S, D) -> (D*B, S)
             if mtp_inputs is None:
                 mtp_inputs, mtp_labels = shifted_tokens(tokens, self.args.mtp_depth)
@@ -440,7 +449,7 @@ class DeepSeekV3Transformer(MoETransformer):
                 mtp_labels,
                 rope_cache=self.rope_cache,
                 positions=positions,
-                head=lambda x: output(norm(x)),
+                head=(lambda x: norm(x)) if deferred else (lambda x: output(norm(x))),
                 loss_fn=self.mtp_loss_fn,
             )  # (D, 2)
             if not _recomputing():
@@ -450,7 +459,7 @@ class DeepSeekV3Transformer(MoETransformer):
             scale = self.mtp_grad_scale if self.mtp_grad_scale is not None else 1.0 / tokens.numel()
             weight = self.args.mtp_loss_weight / self.args.mtp_depth * scale
             h = AddAuxGrad.apply(h, stats[:, 0].sum() * weight)  # h unchanged; backward adds d(MTP loss)
-        return output(norm(h))  # (B, S, V)
+        return norm(h) if deferred else output(norm(h))  # (B, S, V), or (B, S, H) deferred
 
     def reset_mtp_stats(self) -> None:
         """Forget the recorded MTP losses (start of an optimizer step)."""

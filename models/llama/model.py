@@ -52,6 +52,7 @@ from models.common import (
     RMSNorm,
     RopeScaling,
     apply_rotary_emb,
+    head_deferred,
     precompute_rope_cache,
     repeat_kv,
 )
@@ -426,6 +427,13 @@ class Transformer(nn.Module):
             h = layer(h, rope_cache=self.rope_cache, positions=positions)  # (B, S, H)
         h = self.norm(h) if self.norm is not None else h
         if self.output is None:
+            return h  # (B, S, H)
+        if head_deferred(self.output):  # the chunked loss runs the head (training.loss_chunk_size)
+            if mup.enable:
+                raise ConfigError(
+                    "training.loss_chunk_size > 0 with model.mup.enable=true is not supported (the µP logit "
+                    "scale follows the head); set training.loss_chunk_size=0 or model.mup.enable=false."
+                )
             return h  # (B, S, H)
         logits = self.output(h)  # (B, S, V)
         return logits * mup.logit_scale(self.args.dim) if mup.enable else logits

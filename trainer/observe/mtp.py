@@ -12,16 +12,16 @@ MTP cross-entropy per target, over microbatches and data/context-parallel ranks.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Optional, cast
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from models.spec import ModelArgs, ModelSpec, MTPModel
 from parallelisms.parallel_dims import ParallelDims
-from trainer.step import StepState, token_loss_sum
+from trainer.step import StepState, TokenLoss, token_loss_sum
 
 __all__ = ["MTPStats"]
 
@@ -30,8 +30,22 @@ class MTPStats:
     """A step hook (``trainer/hooks.py``): ``begin_step`` before the first forward of a step; ``metrics``
     on logging steps (collective over dp x cp)."""
 
-    def __init__(self, parts: Sequence[MTPModel], dims: ParallelDims, *, tokens_per_step: int) -> None:
+    def __init__(
+        self,
+        parts: Sequence[MTPModel],
+        dims: ParallelDims,
+        *,
+        tokens_per_step: int,
+        loss: Optional[TokenLoss] = None,
+    ) -> None:
         self.parts = parts
+        # the MTP heads' cross-entropy: chunked like the step's loss under training.loss_chunk_size (the
+        # model then hands the MTP loss the normed hidden state), never with the z-loss
+        self.loss_fn: Callable[[Tensor, Tensor], Tensor] = (
+            TokenLoss(chunk_size=loss.chunk_size, head=loss.head)
+            if loss is not None and loss.chunk_size > 0
+            else token_loss_sum
+        )
         self.grad_scale = dims.dp_cp / tokens_per_step
         self.group = dims.loss_mesh.get_group() if dims.dp_cp > 1 else None
         self.dp_cp = dims.dp_cp
@@ -45,18 +59,19 @@ class MTPStats:
         dims: ParallelDims,
         *,
         tokens_per_step: int,
+        loss: Optional[TokenLoss] = None,
     ) -> Optional[MTPStats]:
         """A hook for models with MTP modules, None otherwise."""
         if spec.mtp_depth(args) < 1:
             return None
         # every part (a stage too, with or without the MTP modules) is the family's MTP model class
-        return cls([cast(MTPModel, part) for part in parts], dims, tokens_per_step=tokens_per_step)
+        return cls([cast(MTPModel, part) for part in parts], dims, tokens_per_step=tokens_per_step, loss=loss)
 
     def begin_step(self, _state: StepState) -> None:
         for part in self.parts:
             part.reset_mtp_stats()
             part.mtp_grad_scale = self.grad_scale
-            part.mtp_loss_fn = token_loss_sum
+            part.mtp_loss_fn = self.loss_fn
 
     @torch.no_grad()
     def metrics(self, _state: StepState, device: torch.device) -> dict[str, Any]:

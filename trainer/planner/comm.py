@@ -84,7 +84,10 @@ def _fsdp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
     again = c.reshard_after_forward  # backward gathers every block but the last, and the root, again
     # MTP modules share the head's unit and call the head again: backward passes through the unit
     # twice, and FSDP reshards it after the first, so it is gathered again.
-    mtp = [head] if c.spec.mtp_depth(c.cfg.model) > 0 else []
+    # So does the chunked loss (training.loss_chunk_size): its chunks' recomputes run after the first
+    # chunk's backward has resharded the unit (measured: once more per microbatch, with MTP twice more).
+    regathers = (c.spec.mtp_depth(c.cfg.model) > 0) + (c.cfg.training.loss_chunk_size > 0)
+    mtp = [head] * regathers
     units = [  # (label, axis, axes, fwd elements, bwd elements, fwd bytes, bwd bytes)
         (
             "",
@@ -256,6 +259,10 @@ def _tp_counts(c: PlanContext, pp_rank: int) -> dict[str, float]:
                 counts["reduce_scatter" if sp else "all_reduce"] -= 1
         count(c.table.first_kinds if st.first else [], 1)
         count(c.table.last_kinds if st.last else [], 1)  # MTP modules (their blocks) included
+        # the chunked loss (training.loss_chunk_size) recomputes the heads' forwards in backward: their
+        # input's all-gather again, chunk by chunk (the main head and the D MTP head calls)
+        recomputed_heads = (1 + mtp) if st.last and c.cfg.training.loss_chunk_size > 0 else 0
+        counts["all_gather"] += recomputed_heads if sp else 0
         if st.last and mtp:  # MTP: the embedding looks up D shifted windows too, the head runs D more times
             count(["embedding", "head"] * mtp, 1)
             if not attn.tp_entry_partial:  # the MTP blocks' attention entries, as the blocks'

@@ -204,7 +204,10 @@ def weight_copy_bytes(c: PlanContext, block: int) -> float:
 
 def head_terms(c: PlanContext) -> dict[str, float]:
     """Final RMSNorm + output projection, per local token; the loss: ``log_softmax`` of fp32 logits
-    (vocab-sharded under loss parallel)."""
+    (vocab-sharded under loss parallel). With ``training.loss_chunk_size`` the head and the loss run
+    chunk by chunk under torch's checkpoint (``trainer/step.py``): nothing of the logits is saved,
+    only the checkpoint's input, the norm's output (this rank's sequence shard under SP), and the
+    labels (counted with the loss's ids); one chunk's logits are transient (``loss_backward_bytes``)."""
     pol = dtype_policy(c)
     terms = {
         k.replace("attention_norm", "final_norm"): v
@@ -213,6 +216,9 @@ def head_terms(c: PlanContext) -> dict[str, float]:
     tp = c.dims.tp
     vocab_split = tp if (tp > 1 and c.cfg.parallelism.loss_parallel) else 1
     terms["log_softmax"] = 4.0 * c.cfg.model.vocab_size / vocab_split
+    if c.cfg.training.loss_chunk_size > 0:
+        terms["final_norm_out"] = pol.stream * c.cfg.model.dim / (tp if c.tp_sp[1] else 1)
+        terms["log_softmax"] = 0.0
     return terms
 
 
@@ -447,6 +453,8 @@ def buffer_bytes(c: PlanContext, pp_rank: int) -> dict[str, float]:
         tp = dims.tp
         logits = (
             c.micro_tokens * c.cfg.model.vocab_size / (tp if p.loss_parallel and tp > 1 else 1) * pol.compute
+            if c.cfg.training.loss_chunk_size == 0
+            else boundary  # the chunked loss: the last stage outputs its final hidden state
         )
         out["pp_stage_outputs"] = sum(
             f * (logits if st.last else boundary) for st, f in zip(stages, in_flight(c, pp_rank))
@@ -503,7 +511,13 @@ def loss_backward_bytes(c: PlanContext, pp_rank: int) -> float:
     context (``llama3_8b_128k_cp``) it was 1.43x the plan without this term."""
     if not any(st.last for st in c.ranks[pp_rank]):
         return 0.0
-    return 2.0 * c.micro_tokens * head_terms(c)["log_softmax"]
+    tp, t = c.dims.tp, c.cfg.training
+    vocab_split = tp if (tp > 1 and c.cfg.parallelism.loss_parallel) else 1
+    log_softmax = 4.0 * c.cfg.model.vocab_size / vocab_split  # per token, fp32
+    if t.loss_chunk_size > 0:  # one chunk at a time: its recomputed logits and log-softmax and their
+        seq = t.seq_len // c.dims.cp  # gradients, on the chunk's positions of every row
+        return 4.0 * c.micro_tokens * min(t.loss_chunk_size, seq) / seq * log_softmax
+    return 2.0 * c.micro_tokens * log_softmax
 
 
 def stage_memory_of(c: PlanContext, pp_rank: int) -> StageMemory:

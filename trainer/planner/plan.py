@@ -52,7 +52,8 @@ def executed_flops(c: PlanContext) -> float:
     AC). The differences: a fused attention's backward recomputes the scores (5 matmuls, not 4:
     10/8 of the convention's backward), and torch's checkpoint stops recomputing once the tensors
     backward reads are back (early stop), so a dense block's feed-forward output projection is not
-    run again; the head is never recomputed. The attention share is the sequence-dependent part
+    run again; the head is never recomputed, but by the chunked loss (``training.loss_chunk_size``:
+    its forward again in backward, the MTP heads' too). The attention share is the sequence-dependent part
     of the family's ``flops_per_token``, so every family's attention counts as its own."""
     t, args = c.cfg.training, c.cfg.model
     tokens = t.global_batch_size * t.seq_len / c.dims.world_size
@@ -64,6 +65,8 @@ def executed_flops(c: PlanContext) -> float:
         dense = [b for b in range(len(c.table.blocks)) if b not in c.table.moe_layers]
         skipped = 2.0 * len(dense) * args.dim * c.terms.ffn_hidden_dim  # early stop: the FFN output
         out += matmul / 3 - 2.0 * head - skipped + attention / 3
+    if t.loss_chunk_size > 0:
+        out += 2.0 * args.vocab_size * args.dim * (1 + c.spec.mtp_depth(args))
     return out * tokens
 
 
