@@ -108,7 +108,16 @@ def _fsdp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
             [u * g for u in experts[:-1]] if again else [],
         ),
     ]
-    float8 = "; float8 weights" if any(f8) else ""
+    _fsdp_unit_rows(rows, c, units, m, syncs, "; float8 weights" if any(f8) else "")
+
+
+_Unit = tuple[str, str, tuple[str, ...], list[float], list[float], list[float], list[float]]
+
+
+def _fsdp_unit_rows(rows: _Rows, c: PlanContext, units: list[_Unit], m: int, syncs: int, float8: str) -> None:
+    """The rows of each FSDP unit group: (label, axis, axes, fwd elements, bwd elements, fwd bytes,
+    bwd bytes), gathered ``m`` times and gradient-synced ``syncs`` times per step."""
+    dims = c.dims
     for label, axis, axes, fwd_all, bwd_all, fwd_b, bwd_b in units:
         fwd = [u for u in fwd_all if u > 0]
         gathered = [b for u, b in zip(fwd_all, fwd_b, strict=True) if u > 0]
