@@ -154,3 +154,27 @@ def stalls(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def first(records: list[dict[str, Any]], key: str) -> Optional[dict[str, Any]]:
     return next((r for r in records if r.get(key) is not None), None)
+
+
+def compare_with_ddp(groups: list[list[dict[str, Any]]], expected: list[dict[str, Any]]) -> float:
+    """Two replica groups' step records against plain DDP's, step by step: the groups bitwise equal to
+    each other (replica digest, loss, grad norm); returns the worst relative loss / grad-norm error
+    against DDP."""
+    worst = 0.0
+    for r0, r1, e in zip(*groups, expected, strict=True):
+        assert r0["step"] == r1["step"] == e["step"]
+        assert r0["ft/participants"] == r1["ft/participants"] == 2
+        assert r0["ft/state_sha"] == r1["ft/state_sha"], "replica groups diverged"
+        assert r0["loss"] == r1["loss"] and r0["grad_norm"] == r1["grad_norm"]
+        for key in ("loss", "grad_norm"):
+            worst = max(worst, abs(r0[key] - e[key]) / abs(e[key]))
+    return worst
+
+
+def weight_error(ft_checkpoint: str, ddp_checkpoint: str) -> float:
+    """Largest absolute difference between the weights of two checkpoint folders (step-N)."""
+    from trainer.checkpoint.load import load_model
+
+    ft_model, _ = load_model(ft_checkpoint)
+    ddp_state = load_model(ddp_checkpoint)[0].state_dict()
+    return max((v - ddp_state[k]).abs().max().item() for k, v in ft_model.state_dict().items())

@@ -20,7 +20,7 @@ import signal
 import pytest
 
 from tests.configs import TINY, tiny_config
-from tests.ft_harness import FT_FAST, FTJob, stalls
+from tests.ft_harness import FT_FAST, FTJob, compare_with_ddp, stalls, weight_error
 from trainer.checkpoint.checkpointer import complete_steps, read_marker
 from trainer.config import ConfigError, compose_config
 from trainer.resilience.fault_tolerance import KILL_ENV, check_environment
@@ -65,7 +65,6 @@ def test_two_groups_match_ddp(tmp_path) -> None:
     reference: the same config with parallelism.dp_replicate=2 on 2 ranks of the test harness, while
     the FT job runs; the same Trainer as under ./launch.sh, without its 3 interpreters)."""
     from tests.parity import Case, gather_cases
-    from trainer.checkpoint.load import load_model
 
     job = FTJob(str(tmp_path / "ft"), (*RUN, f"{FT}.min_replicas=2"))
     ref_dump = str(tmp_path / "ddp")
@@ -85,17 +84,10 @@ def test_two_groups_match_ddp(tmp_path) -> None:
         expected = [r for r in map(json.loads, f) if "loss" in r]
     groups = [job.records(0), job.records(1)]
     assert [r["step"] for r in groups[0]] == [r["step"] for r in expected] == list(range(1, 9))
-    worst = 0.0
-    for r0, r1, e in zip(*groups, expected):
-        assert r0["ft/participants"] == r1["ft/participants"] == 2
-        assert r0["ft/state_sha"] == r1["ft/state_sha"], "replica groups diverged"
-        assert r0["loss"] == r1["loss"] and r0["grad_norm"] == r1["grad_norm"]
-        for key in ("loss", "grad_norm"):
-            worst = max(worst, abs(r0[key] - e[key]) / abs(e[key]))
-    ft_model, _ = load_model(os.path.join(job.dump, "checkpoints", "step-8"))
-    ddp_model, _ = load_model(os.path.join(ref_dump, "checkpoints", "step-8"))
-    ddp_state = ddp_model.state_dict()
-    weight_err = max((v - ddp_state[k]).abs().max().item() for k, v in ft_model.state_dict().items())
+    worst = compare_with_ddp(groups, expected)
+    weight_err = weight_error(
+        os.path.join(job.dump, "checkpoints", "step-8"), os.path.join(ref_dump, "checkpoints", "step-8")
+    )
     print(
         f"FT 2 groups vs DDP x2: max relative loss/grad-norm error {worst:.2e}, max weight error "
         f"{weight_err:.2e}"

@@ -15,7 +15,7 @@ import os
 import pytest
 
 from tests.configs import TINY, tiny_config
-from tests.ft_harness import FT_FAST, FTJob
+from tests.ft_harness import FT_FAST, FTJob, compare_with_ddp, weight_error
 from tests.parity import Case, gather_cases
 from trainer.resilience.fault_tolerance import group_folder
 from trainer.resilience.guards import NAN_ENV
@@ -29,8 +29,6 @@ POISONED_STEP = 5
 
 @pytest.mark.slow
 def test_every_group_skips_the_step_plain_ddp_skips(tmp_path, monkeypatch) -> None:
-    from trainer.checkpoint.load import load_model
-
     injection = f"0@{POISONED_STEP}"  # rank 0 of each group (FT), rank 0 of the job (DDP)
     job = FTJob(
         str(tmp_path / "ft"), (*TINY, *OWN, *FT_FAST, f"{FT}.min_replicas=2"), env={NAN_ENV: injection}
@@ -62,17 +60,10 @@ def test_every_group_skips_the_step_plain_ddp_skips(tmp_path, monkeypatch) -> No
         records, skipped = figures(os.path.join(group_folder(job.dump, g), "metrics.jsonl"))
         assert skipped == [POISONED_STEP], (g, skipped)
         groups.append(records)
-    worst = 0.0
-    for r0, r1, e in zip(*groups, expected, strict=True):
-        assert r0["step"] == r1["step"] == e["step"]
-        assert r0["ft/state_sha"] == r1["ft/state_sha"], "replica groups diverged"
-        assert r0["loss"] == r1["loss"] and r0["grad_norm"] == r1["grad_norm"]
-        for key in ("loss", "grad_norm"):
-            worst = max(worst, abs(r0[key] - e[key]) / abs(e[key]))
-    ft_model, _ = load_model(os.path.join(job.dump, "checkpoints", "step-7"))
-    ddp_model, _ = load_model(os.path.join(ref_dump, "checkpoints", "step-7"))
-    ddp_state = ddp_model.state_dict()
-    weight_err = max((v - ddp_state[k]).abs().max().item() for k, v in ft_model.state_dict().items())
+    worst = compare_with_ddp(groups, expected)
+    weight_err = weight_error(
+        os.path.join(job.dump, "checkpoints", "step-7"), os.path.join(ref_dump, "checkpoints", "step-7")
+    )
     print(
         f"FT 2 groups vs DDP x2, step {POISONED_STEP} skipped by both: loss/grad-norm {worst:.2e}, "
         f"weights {weight_err:.2e}"
