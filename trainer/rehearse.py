@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    from parallelisms.pipeline_parallel import Pipeline
     from trainer.config import TrainConfig
     from trainer.planner.context import Plan
 
@@ -355,6 +356,8 @@ def _run_steps(
     trainer.probe = probe
     parts = trainer.model_parts if trainer.pipeline is not None else []
     handles = [part.register_forward_hook(probe.forward_done) for part in parts]
+    if trainer.pipeline is not None:  # the last stage's loss runs inside torch's schedule, after the
+        handles.append(_after_pipeline_loss(trainer.pipeline, probe.record_saved))  # part's forward
     handles += gathered_units_tagged(tracker, trainer.model_parts)
     flops = flop_counter()
     with propagation_marked(), fused_attention_stand_in(), trainer.fake, tracker, flops:
@@ -372,6 +375,30 @@ def _run_steps(
         {str(getattr(k, "value", k)): float(v) for k, v in next(iter(peak.values())).items()} if peak else {}
     )
     return by_category, counts, probe
+
+
+class _Restore:
+    """A handle that undoes an attribute replacement (``remove()``, like a hook's)."""
+
+    def __init__(self, obj: object, name: str, value: object) -> None:
+        self.obj, self.name, self.value = obj, name, value
+
+    def remove(self) -> None:
+        setattr(self.obj, self.name, self.value)
+
+
+def _after_pipeline_loss(pipeline: Pipeline, record: Callable[[], None]) -> _Restore:
+    """Call ``record`` each time the pipeline's loss returns on the last stage (what backward reads
+    then includes the loss's log-softmax, as the plan's saved term does)."""
+    loss_fn = pipeline.loss_fn
+
+    def recorded(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        out = loss_fn(logits, labels)
+        record()
+        return out
+
+    pipeline.loss_fn = recorded
+    return _Restore(pipeline, "loss_fn", loss_fn)
 
 
 # The planner's names of the axes, first: axes that span the same ranks are one group of collectives
@@ -401,13 +428,15 @@ def _canonical_axes(dims: ParallelDims) -> dict[str, str]:
 
 
 def _memory_rows(
-    plan: Plan, pp_rank: int, peak: dict[str, float], probe: _StateProbe, trainer: Trainer
+    plan: Plan, pp_rank: int, peak: dict[str, float], probe: _StateProbe, trainer: Trainer, steps: int
 ) -> list[Row]:
     """Model states when each is defined (checked), the saved activations when the forward returns
-    (checked), and the peak: its total and MemTracker's categories at that instant next to the
-    planner's nearest terms (shown, not checked: the planner adds every term's own maximum, which
-    happen at different instants; see ``PEAK_NOT_SETTLED``)."""
+    (checked), and the peak: its total (checked where the plan's peak is one instant of the step,
+    ``StageMemory.peak_instant``) and MemTracker's categories at that instant next to the planner's
+    nearest terms (shown). The first step's forward and backward run before the optimizer has any
+    state: rehearsing one step, the planned peak is compared without it."""
     stage = plan.stages[pp_rank]
+    planned_peak = stage.total_bytes - (stage.optimizer_bytes if steps == 1 else 0.0)
     params = _local_bytes(trainer.parameters)
     gathered = stage.buffers.get("fsdp_unsharded_params", 0.0)
     other_buffers = sum(v for k, v in stage.buffers.items() if k != "fsdp_unsharded_params")
@@ -419,7 +448,7 @@ def _memory_rows(
         _row("memory", "grads", stage.grads_bytes, probe.grads),
         _row("memory", "optimizer", stage.optimizer_bytes, probe.optimizer),
         _row("memory", "activations saved (end of forward)", stage.peak_saved + pipeline, probe.saved),
-        _row("memory", "peak: total", stage.total_bytes, peak.get("Total", 0.0), False),
+        _row("memory", "peak: total", planned_peak, peak.get("Total", 0.0), stage.peak_instant),
         _row(
             "memory",
             "at peak: parameters (+ gathered)",
@@ -541,7 +570,7 @@ def rehearse_rank(
         if inspect is not None:
             inspect(trainer, counts)
         pp_rank = pp_rank_of(plan, rank)
-        rows = _memory_rows(plan, pp_rank, peak, probe, trainer) + _compute_rows(plan, probe)
+        rows = _memory_rows(plan, pp_rank, peak, probe, trainer, steps) + _compute_rows(plan, probe)
         rows += _comm_rows(plan, pp_rank, counts, probe.axes)
         rows += _checkpoint_rows(plan, rank, trainer)
     finally:

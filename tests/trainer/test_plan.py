@@ -222,7 +222,8 @@ def test_recommend_70b_on_4_nodes_of_8_h100(capsys: pytest.CaptureFixture[str]) 
     all-gathers would need the whole compute time on InfiniBand. The article then takes TP=8 x FSDP=4
     without checkpointing; with the activations our Llama really saves (426 KB per token and layer
     with bf16 FSDP parameters, not 34 H = 272 KB: SwiGLU keeps four F-wide tensors, each RMSNorm an fp32
-    copy of its input) it needs 88 GiB of 79.6, and no layout both fits and hides its communication:
+    copy of its input; loss parallel's log-softmax backward three fp32 logits-sized tensors) it needs 89 GiB
+    of 79.6, and no layout both fits and hides its communication:
     the fastest that fits is FSDP 32 with full checkpointing (TP 8 x FSDP 4 with full checkpointing
     recomputes as much and is slower: its TP collectives are on the critical path)."""
     from trainer.planner.recommend import recommend
@@ -238,7 +239,7 @@ def test_recommend_70b_on_4_nodes_of_8_h100(capsys: pytest.CaptureFixture[str]) 
     assert "hidden communication needs" in fsdp32[-1].reason
     tp8 = [c for c in tried if c.label == "TP 8 x FSDP 4"]
     assert [c.ac for c in tp8] == ["none", "full"] and not tp8[0].plan.verdict["fits"]
-    assert tp8[0].plan.verdict["peak_bytes"] / GIB == pytest.approx(88, abs=1)
+    assert tp8[0].plan.verdict["peak_bytes"] / GIB == pytest.approx(89.2, abs=0.5)
     assert chosen is fsdp32[-1], [(c.label, c.ac, c.reason) for c in tried]
     assert main(["+experiment=70b_tp_fsdp", "cluster.nodes=4", "--recommend"]) == 0
     out = capsys.readouterr().out

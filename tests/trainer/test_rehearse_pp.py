@@ -64,13 +64,14 @@ def test_debug_pp_at_its_world_size_agrees_with_the_plan(capsys: pytest.CaptureF
         # 4 microbatches of (2, 256, 256) fp32 activations forward, their gradients backward
         assert rows["send pp calls"]["rehearsed"] == rows["send pp calls"]["planned"] == 4
         assert rows["send pp bytes"]["rehearsed"] == 4 * 2 * 256 * 256 * 4
-        # saved activations with the stages' receive buffers and kept outputs (1F1B: exact)
-        assert rows["activations saved (end of forward)"]["ratio"] == pytest.approx(1.0, abs=1e-4)
+        # saved activations with the stages' receive buffers and kept outputs (1F1B: exact; the last
+        # stage's, read when the loss returns, with the loss's few scalars: 4 KB of 28 MB)
+        assert rows["activations saved (end of forward)"]["ratio"] == pytest.approx(1.0, abs=3e-4)
 
 
 def test_pure_pp_under_bf16_autocast_sends_the_fp32_stream(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["+experiment=debug_pp", "--world=2", "training.mixed_precision=bf16"]
-    # report only: the saved activations of interleaved schedules are off (0.94 here, see the 405b_4d test)
+    # report only: without FSDP, the saved activations of interleaved 1F1B on rank 0 are 0.92 of the plan
     rc, report, err = _run(
         [*args, "parallelism.pp_schedule=Interleaved1F1B", "--ranks=1", "--report-only"], capsys
     )
@@ -93,14 +94,11 @@ def test_405b_4d_rehearses_its_default_ranks(capsys: pytest.CaptureFixture[str])
 # The suite rehearses ranks 0 and 1023; 63 and 960 (the other ends of those stages) here, 960 slow-marked.
 @pytest.mark.parametrize("rank", [63, pytest.param(960, marks=pytest.mark.slow)])
 def test_405b_4d_agrees_with_the_plan_term_by_term(rank: int, capsys: pytest.CaptureFixture[str]) -> None:
-    rc, report, err = _run([*SMALL_405B, f"--ranks={rank}", "--report-only"], capsys)
-    assert rc == 0, err
-    # every checked term within 5% but one, measured and not settled (the planner's saved activations
-    # under interleaved 1F1B + full AC; README and test_rehearse_presets.py's KNOWN)
-    failing = _failing(report)
-    assert set(failing) <= {(rank, "activations saved (end of forward)")}, failing
-    assert all(0.85 < ratio < 0.93 for ratio in failing.values()), failing
+    rc, report, err = _run([*SMALL_405B, f"--ranks={rank}"], capsys)
+    assert rc == 0, (_failing(report), err)  # every checked term within 5%, the peak included
     rows = _rows(report, rank)
+    # the peak is an instant of torch's interleaved schedule (the planner walks it): checked
+    assert rows["peak: total"]["checked"]
     checked = [w for w, r in rows.items() if r["checked"]]
     # TP (+ SP, full AC), FSDP and the pipeline's boundaries are all sizeable: all are checked
     for what in (

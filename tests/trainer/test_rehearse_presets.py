@@ -41,13 +41,7 @@ EXACT: dict[str, dict[str, float]] = {
     },
 }
 # Measured disagreements not settled yet (README): preset -> {row (or row@rank): (low, high) ratio}
-KNOWN: dict[str, dict[str, tuple[float, float]]] = {
-    # with the pipeline's buffers (exact on 1F1B's first stages): interleaved 1F1B under full AC (the
-    # planner counts a stage's received input both as a receive buffer and as its first block's
-    # checkpointed input), and the last stage's logits
-    "405b_4d": {"activations saved (end of forward)": (0.85, 0.93)},
-    "deepseek_v3_ep_pp": {"activations saved (end of forward)@2047": (0.7, 0.8)},
-}
+KNOWN: dict[str, dict[str, tuple[float, float]]] = {}
 
 
 def test_every_preset_is_rehearsed_in_the_suite() -> None:

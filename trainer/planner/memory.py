@@ -21,6 +21,7 @@ from models.spec import BlockLayout, ModelArgs, ModelSpec
 from trainer.planner.cluster import ADAM_BYTES, DTYPE_BYTES
 from trainer.planner.context import PlanContext, PlannedStage, StageMemory, planner_terms_of
 from trainer.planner.low_precision import float8_gathered
+from trainer.planner.pipeline_memory import ScheduleWalk, StageBytes, schedule_actions, walk_schedule
 
 INT64 = 8
 
@@ -263,9 +264,9 @@ def stage_saved(c: PlanContext, stage: PlannedStage, *, receives: bool) -> dict[
     out = {"blocks": 0.0, "ac_inputs": 0.0, "weight_copies": 0.0, "embedding": 0.0, "head": 0.0, "loss": 0.0}
     for i, b in enumerate(stage.blocks):
         mode = _checkpointed(c, i)
-        first_received = i == 0 and receives  # its input is the receive buffer (counted there)
-        if mode in ("full", "op"):
-            if not (first_received and not pol.fsdp_bf16):
+        first_received = i == 0 and receives  # its input is the receive buffer (counted there): the
+        if mode in ("full", "op"):  # boundary travels in the stream dtype, so FSDP's cast keeps it
+            if not first_received:
                 out["ac_inputs"] += T * ac_input_bytes(c)
             out["ac_inputs"] += block_constant(c)
             continue
@@ -322,27 +323,83 @@ def ids_bytes(c: PlanContext) -> float:
 
 
 def in_flight(c: PlanContext, pp_rank: int) -> list[int]:
-    """Microbatches each of ``pp_rank``'s virtual stages holds at the rank's peak: one without PP;
-    GPipe and LoopedBFS all M; 1F1B min(M, pp - rank); interleaved 1F1B the forwards of torch's
-    warm-up plus one, round-robin over the local stages in rounds of ``M / rounds`` microbatches
-    (``(v-1) R + 2 (pp-1-rank)`` warm-up forwards, R = microbatches per round); zero-bubble
-    schedules all M per stage, an upper bound (their split backward keeps each microbatch's graph
-    from F until its weight-gradient pass W; measured on ZBV: 0.5-0.65 of the bound)."""
-    dims, M, v = c.dims, c.accum, c.stages_per_rank
-    if dims.pp == 1:
+    """Microbatches each of ``pp_rank``'s virtual stages holds when its saved bytes peak: one
+    without PP; for GPipe, LoopedBFS, 1F1B and interleaved 1F1B the instant found by walking torch's
+    order of the rank's forwards and backwards (``pipeline_memory.walk_schedule``: 1F1B holds
+    min(M, pp - rank); interleaved 1F1B a mix of its local stages that the walk weighs by their
+    bytes); zero-bubble schedules all M per stage, an upper bound (their split backward keeps each
+    microbatch's graph from F until its weight-gradient pass W; measured on ZBV: 0.5-0.65 of it)."""
+    if c.dims.pp == 1:
         return [1]
-    name = c.schedule.lower()
-    if name in ("gpipe", "loopedbfs") or "zerobubble" in name:
-        return [M] * v
-    if v == 1:
-        return [min(M, dims.pp - pp_rank)]
-    rounds = max(1, M // dims.pp)
-    per_round = M // rounds
-    forwards = min(v * M, (v - 1) * per_round + 2 * (dims.pp - 1 - pp_rank) + 1)
-    counts = [0] * v
-    for k in range(forwards):
-        counts[(k // per_round) % v] += 1
-    return counts
+    walk = schedule_walk(c, pp_rank)
+    return walk.flight if walk is not None else [c.accum] * c.stages_per_rank
+
+
+def _boundary_bytes(c: PlanContext) -> float:
+    """One microbatch's activation between stages (the stream, sequence-sharded under SP)."""
+    sp = c.dims.tp if c.tp_sp[1] else 1
+    return c.micro_tokens * c.cfg.model.dim * dtype_policy(c).stream / sp
+
+
+def _stage_output_bytes(c: PlanContext, st: PlannedStage) -> float:
+    """What a stage's forward returns per microbatch (kept in torch's ``fwd_cache`` until its
+    backward): the boundary, or the last stage's logits (its final hidden state under the chunked loss)."""
+    if not st.last or c.cfg.training.loss_chunk_size > 0:
+        return _boundary_bytes(c)
+    tp = c.dims.tp
+    split = tp if c.cfg.parallelism.loss_parallel and tp > 1 else 1
+    return c.micro_tokens * c.cfg.model.vocab_size / split * dtype_policy(c).compute
+
+
+def _stage_units(c: PlanContext, st: PlannedStage) -> list[tuple[float, float]]:
+    """(local parameters, local elements of its unsharded gradient) of each FSDP unit of ``st``: its
+    blocks, then the root and the head units. The vocab-sharded embedding's gradient comes back
+    replicated over tp (torch's embedding backward)."""
+    tp, ep = c.dims.tp, c.dims.ep
+    units = [(c.table.blocks[b].local(tp, ep),) * 2 for b in st.blocks]
+    if st.first:
+        first = c.table.first
+        whole = first.tp_sharded if "embedding" in c.table.first_kinds else first.tp_sharded / tp
+        root = (first.local(tp, ep), whole + first.replicated + first.experts / ep)
+        if c.table.tied and st.last:
+            last = c.table.last.local(tp, ep)
+            root = (root[0] + last, root[1] + last)
+        units.append(root)
+    if st.last and not c.table.tied:
+        units.append((c.table.last.local(tp, ep),) * 2)
+    return units
+
+
+def _stage_bytes(c: PlanContext, pp_rank: int, st: PlannedStage) -> StageBytes:
+    dims = c.dims
+    units = _stage_units(c, st)
+    local = sum(n for n, _ in units)
+    rank_local = c.group(pp_rank).local(dims.tp, dims.ep)  # the stage's share of the rank's gradients
+    grads_b = 4 * _held_params(c, pp_rank) * local / rank_local if rank_local else 0.0
+    fsdp = dims.fsdp_enabled
+    saved = stage_saved(c, st, receives=st.index > 0)
+    output = _stage_output_bytes(c, st)
+    return StageBytes(
+        micro=sum(saved.values()) + output,
+        head=saved["head"] + saved["loss"] + saved.get("mtp", 0.0) + output if st.last else 0.0,
+        loss_transient=loss_backward_bytes(c, pp_rank) if st.last else 0.0,
+        unsharded_grads=sum(g for _, g in units) * c.sync_bytes if fsdp else 0.0,
+        grad_transient=max((g for _, g in units[: len(st.blocks)]), default=0.0) * c.param_gather_bytes,
+        root_transient=max((g for _, g in units[len(st.blocks) :]), default=0.0) * c.param_gather_bytes,
+        sharded_grads=grads_b,
+        gathered=local * c.param_gather_bytes if fsdp and not c.reshard_after_forward else 0.0,
+    )
+
+
+def schedule_walk(c: PlanContext, pp_rank: int) -> Optional[ScheduleWalk]:
+    """The rank's schedule walked (``pipeline_memory``); None without PP or for a schedule not walked."""
+    if c.dims.pp == 1:
+        return None
+    actions = schedule_actions(c, pp_rank)
+    if not actions:
+        return None
+    stages = [_stage_bytes(c, pp_rank, st) for st in c.ranks[pp_rank]]
+    return walk_schedule(actions, stages, _recompute_bytes(c, pp_rank), c.dims.fsdp_enabled)
 
 
 @dataclass
@@ -377,12 +434,18 @@ def saved_plan(c: PlanContext, pp_rank: int) -> SavedPlan:
                 per_step[key] += times * ids_bytes(c)
                 peak += ids_bytes(c)
     blocks = [b for st in stages for b in st.blocks]
-    recompute = sac = 0.0
-    if blocks and any(_checkpointed(c, i) == "full" for i in range(len(blocks))):
-        recompute = c.micro_tokens * max(block_bytes_per_token(c, b) for b in blocks)
+    recompute, sac = _recompute_bytes(c, pp_rank), 0.0
     if blocks and c.cfg.training.activation_checkpoint == "selective" and c.cfg.training.ac_selective == "op":
         sac = sum(flights) * c.micro_tokens * sum(sac_cache_bytes(c, b) for b in blocks) / len(stages)
     return SavedPlan(per_step=per_step, peak=peak, recompute=recompute, sac_cache=sac)
+
+
+def _recompute_bytes(c: PlanContext, pp_rank: int) -> float:
+    """Full AC: one block's activations while its backward recomputes it (the rank's largest)."""
+    blocks = [b for st in c.ranks[pp_rank] for b in st.blocks]
+    if blocks and any(_checkpointed(c, i) == "full" for i in range(len(blocks))):
+        return c.micro_tokens * max(block_bytes_per_token(c, b) for b in blocks)
+    return 0.0
 
 
 # -- buffers -----------------------------------------------------------------------------------
@@ -517,7 +580,35 @@ def loss_backward_bytes(c: PlanContext, pp_rank: int) -> float:
     if t.loss_chunk_size > 0:  # one chunk at a time: its recomputed logits and log-softmax and their
         seq = t.seq_len // c.dims.cp  # gradients, on the chunk's positions of every row
         return 4.0 * c.micro_tokens * min(t.loss_chunk_size, seq) / seq * log_softmax
-    return 2.0 * c.micro_tokens * log_softmax
+    # loss parallel's vocab-sharded log-softmax backward (torch.distributed.tensor.parallel.loss_parallel)
+    # holds a third fp32 (tokens x vocab / tp) tensor beside them (measured: 405b_4d's last stage)
+    return (3.0 if vocab_split > 1 else 2.0) * c.micro_tokens * log_softmax
+
+
+def _held_params(c: PlanContext, pp_rank: int) -> float:
+    """Parameters this rank stores: FSDP shards the dense ones over dp_shard x cp and the experts'
+    ep share over what is left of it (dp_shard x cp / ep)."""
+    dims = c.dims
+    group = c.group(pp_rank)
+    local = group.local(dims.tp, dims.ep)
+    if not dims.fsdp_enabled:
+        return local
+    experts = group.experts / dims.ep
+    return (local - experts) / (dims.dp_shard * dims.cp) + experts / (dims.dp_shard * dims.cp // dims.ep)
+
+
+def _walked_total(
+    c: PlanContext, pp_rank: int, walk: ScheduleWalk, states: float, buffers: dict[str, float]
+) -> float:
+    """A pipeline rank's peak from its schedule walk: the parameters and optimizer state (``states``),
+    the receive buffers (allocated once for every microbatch) and the token ids, plus the walk's
+    peak (saved activations and outputs in flight, gradients, gathered parameters, transients);
+    gathered parameters resharded after each forward stay a static term."""
+    static = sum(v for k, v in buffers.items() if k in ("pp_act_recv", "pp_grad_recv", "ddp_wire_cast"))
+    if c.reshard_after_forward:
+        static += buffers.get("fsdp_unsharded_params", 0.0)
+    ids = ids_bytes(c) * sum(int(st.first) + int(st.last) for st in c.ranks[pp_rank])
+    return states + static + ids + walk.peak
 
 
 def stage_memory_of(c: PlanContext, pp_rank: int) -> StageMemory:
@@ -525,13 +616,8 @@ def stage_memory_of(c: PlanContext, pp_rank: int) -> StageMemory:
     sharded kinds) and EP (1/ep of the experts); FSDP divides all by dp_shard x cp (experts: their
     ep share by dp_shard x cp / ep); DDP's gradients live in its flat buckets (param dtype)."""
     dims, p = c.dims, c.cfg.parallelism
-    tp = dims.tp
-    group = c.group(pp_rank)
-    local = group.local(tp, dims.ep)
-    held = local  # parameters this rank stores: FSDP shards the dense ones over dp_shard x cp and the
-    if dims.fsdp_enabled:  # experts' ep share over what is left of it (dp_shard x cp / ep)
-        experts = group.experts / dims.ep
-        held = (local - experts) / (dims.dp_shard * dims.cp) + experts / (dims.dp_shard * dims.cp // dims.ep)
+    local = c.group(pp_rank).local(dims.tp, dims.ep)
+    held = _held_params(c, pp_rank)
     params_b, grads_b, opt_b = 4 * held, 4 * held, ADAM_BYTES * held
     if dims.ddp_enabled and p.ddp.sharded_optimizer:
         from trainer.planner.owners import replica_of, zero1_optimizer_bytes
@@ -549,7 +635,10 @@ def stage_memory_of(c: PlanContext, pp_rank: int) -> StageMemory:
     acts = saved.peak + saved.recompute + saved.sac_cache
     total = params_b + grads_b + opt_b + acts + sum(buffers.values())
     loss_backward = loss_backward_bytes(c, pp_rank)
-    if loss_backward:  # the other candidate instant for the peak: the loss's backward (README)
+    walk = schedule_walk(c, pp_rank)
+    if walk is not None:  # the schedule's own instants (pipeline_memory.py)
+        total = _walked_total(c, pp_rank, walk, params_b + opt_b, buffers)
+    elif loss_backward:  # the other candidate instant for the peak: the loss's backward (README)
         grads_then = grads_b if c.accum > 1 else 0.0  # earlier microbatches' gradients
         gathered = buffers.get("fsdp_unsharded_params", 0.0)
         total = max(total, params_b + opt_b + grads_then + gathered + saved.peak + loss_backward)
@@ -569,4 +658,5 @@ def stage_memory_of(c: PlanContext, pp_rank: int) -> StageMemory:
         recompute_bytes=saved.recompute,
         sac_cache_bytes=saved.sac_cache,
         loss_backward_bytes=loss_backward,
+        peak_instant=walk is not None,
     )
