@@ -611,6 +611,59 @@ def _walked_total(
     return states + static + ids + walk.peak
 
 
+def _fsdp_backward_peak(
+    c: PlanContext, pp_rank: int, states: float, grads_b: float, saved: SavedPlan, buffers: dict[str, float]
+) -> float:
+    """Without PP, under FSDP: the most live at one of the instants of the last microbatch's
+    backward, on top of the parameters and optimizer state (``states``) and the non-FSDP buffers.
+    The loss's: everything saved, the loss's gradients, the units still gathered after the forward
+    (the head and the last block: ``parallelisms/fsdp.py`` reshards neither; the root is). The
+    blocks' (at the last block's): the blocks' saved bytes (the head's and the loss's are freed), one
+    block recomputed (full AC) or torch's cache (op-level), that block and, on CUDA, the next one
+    prefetched gathered, the block's unsharded gradient in the parameter dtype and its reduce-scatter
+    input; then the first block's (its own saved bytes, every later unit's sharded gradient). The
+    root's (the embedding's, last): every sharded gradient, the root gathered, the
+    embedding's unsharded gradient -- the whole table's under tp: torch's embedding backward returns
+    it replicated -- and its tp shard's copy, beside the first block's reduce-scatter input (FSDP2
+    frees one when the next is issued). Without resharding after forward every unit stays gathered.
+    Gradients of earlier microbatches are held at each of them when there are several."""
+    (st,) = c.ranks[pp_rank]
+    grads_then = grads_b if c.accum > 1 else 0.0
+    base = states + sum(v for k, v in buffers.items() if not k.startswith("fsdp_"))
+    micro = stage_saved(c, st, receives=False)
+    head = micro["head"] + micro["loss"] + micro.get("mtp", 0.0)
+    units = _stage_units(c, st)
+    blocks, (root, *head_unit) = units[: len(st.blocks)], units[len(st.blocks) :]
+    pb, sb = c.param_gather_bytes, c.sync_bytes
+    sizes = sorted((n * pb for n, _ in blocks), reverse=True) + [0.0, 0.0]
+    prefetch = sizes[1] if c.cluster.backend == "nccl" else 0.0
+    gathered = {  # per instant: loss, blocks, root
+        "loss": sum(n * pb for n, _ in head_unit) + sizes[0],
+        "block": sizes[0] + prefetch,
+        "root": root[0] * pb,
+    }
+    if not c.reshard_after_forward:  # every unit stays gathered but the root, gathered for its backward
+        kept = buffers.get("fsdp_unsharded_params", 0.0) - root[0] * pb
+        gathered = {"loss": kept, "block": kept, "root": kept + root[0] * pb}
+    tp, ep = c.dims.tp, c.dims.ep  # a block's experts are an FSDP unit of their own under ep
+    parts = [
+        x for b in st.blocks for x in ((c.table.blocks[b].dense_local(tp), c.table.blocks[b].experts / ep))
+    ]
+    largest = max(parts if ep > 1 else [n for n, _ in blocks], default=0.0)
+    # its unsharded gradient, beside the last reduce-scatter's input (the head's, or a block unit's)
+    block_grad = largest * pb + max([largest, *(n for n, _ in head_unit)]) * sb
+    loss = gathered["loss"] + grads_then + saved.peak + loss_backward_bytes(c, pp_rank)
+    blocks_saved = saved.peak - head
+    # the blocks' backward runs from the last block (all their saved bytes) to the first (every later
+    # unit's gradient made): its two ends
+    first = blocks_saved / max(1, len(blocks)) + grads_b
+    block = gathered["block"] + max(grads_then + blocks_saved, first) + saved.recompute + saved.sac_cache
+    block += block_grad
+    # the embedding's gradient, its tp shard's copy (Replicate -> Shard), the first block's reduce input
+    root_grad = root[1] * pb + (root[0] * pb if tp > 1 else 0.0) + (blocks[0][0] * sb if blocks else 0.0)
+    return base + max(loss, block, gathered["root"] + grads_b + root_grad)
+
+
 def stage_memory_of(c: PlanContext, pp_rank: int) -> StageMemory:
     """Model states, saved activations and buffers of ``pp_rank``: parameters after TP (1/tp of the
     sharded kinds) and EP (1/ep of the experts); FSDP divides all by dp_shard x cp (experts: their
@@ -638,6 +691,8 @@ def stage_memory_of(c: PlanContext, pp_rank: int) -> StageMemory:
     walk = schedule_walk(c, pp_rank)
     if walk is not None:  # the schedule's own instants (pipeline_memory.py)
         total = _walked_total(c, pp_rank, walk, params_b + opt_b, buffers)
+    elif dims.fsdp_enabled:  # the backward's own instants
+        total = _fsdp_backward_peak(c, pp_rank, params_b + opt_b, grads_b, saved, buffers)
     elif loss_backward:  # the other candidate instant for the peak: the loss's backward (README)
         grads_then = grads_b if c.accum > 1 else 0.0  # earlier microbatches' gradients
         gathered = buffers.get("fsdp_unsharded_params", 0.0)
@@ -658,5 +713,5 @@ def stage_memory_of(c: PlanContext, pp_rank: int) -> StageMemory:
         recompute_bytes=saved.recompute,
         sac_cache_bytes=saved.sac_cache,
         loss_backward_bytes=loss_backward,
-        peak_instant=walk is not None,
+        peak_instant=walk is not None or dims.fsdp_enabled,
     )
