@@ -691,7 +691,7 @@ def stage_memory_of(c: PlanContext, pp_rank: int) -> StageMemory:
     walk = schedule_walk(c, pp_rank)
     if walk is not None:  # the schedule's own instants (pipeline_memory.py)
         total = _walked_total(c, pp_rank, walk, params_b + opt_b, buffers)
-    elif dims.fsdp_enabled:  # the backward's own instants
+    elif dims.fsdp_enabled and dims.pp == 1:  # the backward's own instants
         total = _fsdp_backward_peak(c, pp_rank, params_b + opt_b, grads_b, saved, buffers)
     elif loss_backward:  # the other candidate instant for the peak: the loss's backward (README)
         grads_then = grads_b if c.accum > 1 else 0.0  # earlier microbatches' gradients
@@ -713,5 +713,5 @@ def stage_memory_of(c: PlanContext, pp_rank: int) -> StageMemory:
         recompute_bytes=saved.recompute,
         sac_cache_bytes=saved.sac_cache,
         loss_backward_bytes=loss_backward,
-        peak_instant=walk is not None or dims.fsdp_enabled,
+        peak_instant=walk is not None or (dims.fsdp_enabled and dims.pp == 1),
     )
