@@ -215,6 +215,10 @@ def _no_mtp(_args: Any) -> int:
     return 0
 
 
+def _no_mtp_flops(_args: object, _seq_len: int) -> int:
+    return 0
+
+
 def _no_inputs(
     _args: Any, _inputs: torch.Tensor, _labels: torch.Tensor, _positions: Optional[torch.Tensor]
 ) -> dict[str, torch.Tensor]:
@@ -344,6 +348,9 @@ class ModelSpec:
     ties_embeddings: Callable[[Any], bool] = _untied
     attention_mask: Callable[[Any], str] = _causal
     mtp_depth: Callable[[Any], int] = _no_mtp  # multi-token-prediction modules (0: none)
+    # the share of ``flops_per_token`` that the MTP modules and their passes through the head take
+    # (activation checkpointing wraps the blocks only: that share is never recomputed)
+    mtp_flops_per_token: Callable[..., int] = _no_mtp_flops  # (args, seq_len)
     # The family's extra keyword inputs of a TRAINING window (B, S, ...), built on the whole window
     # before context parallelism splits it (DeepSeek-V3: MTP's shifted ids and targets); the model is
     # called ``model(tokens, positions=..., **extras)`` for training, evaluation and pipeline stages.

@@ -16,6 +16,7 @@ from models.deepseek_v3.model import (
     batch_inputs,
     flops_per_token,
     mtp_depth,
+    mtp_flops_per_token,
     param_counts,
     planner_terms,
     tp_divisible,
@@ -40,6 +41,7 @@ DEEPSEEK_V3_SPEC = ModelSpec(
     ties_embeddings=ties_embeddings,
     attention_mask=attention_mask,
     mtp_depth=mtp_depth,
+    mtp_flops_per_token=mtp_flops_per_token,
     batch_inputs=batch_inputs,
     planner_terms=planner_terms,
     last_modules=("norm", "output", "mtp"),  # MTP modules share the final norm and the head

@@ -520,6 +520,11 @@ def flops_per_token(args: DeepSeekV3Args, seq_len: int) -> int:
     return 6 * n_matmul + attention
 
 
+def mtp_flops_per_token(args: DeepSeekV3Args, seq_len: int) -> int:
+    """The MTP modules' share of ``flops_per_token`` (their blocks, projections and head passes)."""
+    return flops_per_token(args, seq_len) - flops_per_token(dataclasses.replace(args, mtp_depth=0), seq_len)
+
+
 def mtp_depth(args: DeepSeekV3Args) -> int:
     """Multi-token-prediction modules (``ModelSpec.mtp_depth``)."""
     return args.mtp_depth

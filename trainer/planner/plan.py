@@ -60,11 +60,13 @@ def executed_flops(c: PlanContext) -> float:
     matmul = float(c.spec.flops_per_token(args, 0))  # 6 N (forward 2 N, backward 4 N)
     attention = c.spec.flops_per_token(args, t.seq_len) - matmul  # forward 1/3, backward 2/3
     out = matmul + attention * (4 + 10) / 12
-    if c.recompute:
+    if c.recompute:  # the checkpointed blocks' forward again: not the MTP modules (never wrapped)
         head = args.vocab_size * args.dim
         dense = [b for b in range(len(c.table.blocks)) if b not in c.table.moe_layers]
         skipped = 2.0 * len(dense) * args.dim * c.terms.ffn_hidden_dim  # early stop: the FFN output
-        out += matmul / 3 - 2.0 * head - skipped + attention / 3
+        mtp_matmul = float(c.spec.mtp_flops_per_token(args, 0))
+        mtp_attention = c.spec.mtp_flops_per_token(args, t.seq_len) - mtp_matmul
+        out += (matmul - mtp_matmul) / 3 - 2.0 * head - skipped + (attention - mtp_attention) / 3
     if t.loss_chunk_size > 0:
         out += 2.0 * args.vocab_size * args.dim * (1 + c.spec.mtp_depth(args))
     return out * tokens
