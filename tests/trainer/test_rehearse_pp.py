@@ -71,11 +71,10 @@ def test_debug_pp_at_its_world_size_agrees_with_the_plan(capsys: pytest.CaptureF
 
 def test_pure_pp_under_bf16_autocast_sends_the_fp32_stream(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["+experiment=debug_pp", "--world=2", "training.mixed_precision=bf16"]
-    # report only: without FSDP, the saved activations of interleaved 1F1B on rank 0 are 0.92 of the plan
-    rc, report, err = _run(
-        [*args, "parallelism.pp_schedule=Interleaved1F1B", "--ranks=1", "--report-only"], capsys
-    )
-    assert rc == 0, err
+    # every checked term within 5%: bf16 autocast's weight copies are cached for the whole step, held
+    # once whatever the microbatches in flight (0.92 of the plan on rank 0 when counted per microbatch)
+    rc, report, err = _run([*args, "parallelism.pp_schedule=Interleaved1F1B", "--ranks=1"], capsys)
+    assert rc == 0, (_failing(report), err)
     rows = _rows(report, 1)
     assert rows["recv pp bytes"]["ratio"] == pytest.approx(1.0, abs=1e-9)
     # 8 microbatches over 4 virtual stages (rank 1: stages 1 and 3): 3 boundaries each, fp32

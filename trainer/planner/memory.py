@@ -380,7 +380,8 @@ def _stage_bytes(c: PlanContext, pp_rank: int, st: PlannedStage) -> StageBytes:
     saved = stage_saved(c, st, receives=st.index > 0)
     output = _stage_output_bytes(c, st)
     return StageBytes(
-        micro=sum(saved.values()) + output,
+        micro=sum(saved.values()) - saved["weight_copies"] + output,
+        once=saved["weight_copies"],
         head=saved["head"] + saved["loss"] + saved.get("mtp", 0.0) + output if st.last else 0.0,
         loss_transient=loss_backward_bytes(c, pp_rank) if st.last else 0.0,
         unsharded_grads=sum(g for _, g in units) * c.sync_bytes if fsdp else 0.0,
@@ -422,7 +423,9 @@ def saved_plan(c: PlanContext, pp_rank: int) -> SavedPlan:
         micro = stage_saved(c, st, receives=st.index > 0)
         for k, v in micro.items():
             per_step[k] = per_step.get(k, 0.0) + c.accum * v
-        peak += flight * sum(micro.values())
+        # bf16 autocast's weight copies are cached for the whole step: held once, not per microbatch
+        copies = micro["weight_copies"]
+        peak += flight * (sum(micro.values()) - copies) + (copies if flight else 0.0)
         depth = c.spec.mtp_depth(c.cfg.model)
         for key, present in (("embedding", st.first), ("loss", st.last)):
             if key == "embedding" and present and depth:  # MTP: one embedding call on a fresh concatenation

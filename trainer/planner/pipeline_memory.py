@@ -69,6 +69,8 @@ class StageBytes:
     sharded_grads: float  # the gradients the stage holds after its REDUCE_GRAD (FSDP) or first backward
     gathered: float  # FSDP without resharding after forward: its units' gathered parameters, first
     # forward to REDUCE_GRAD (which reshards them)
+    once: float = 0.0  # held once from the stage's first forward to its last backward, whatever the
+    # microbatches in flight (bf16 autocast's weight copies: its cache lives for the whole step)
     head: float = 0.0  # the last stage: what the head and the loss keep per microbatch (logits, log-
     # softmax), freed by the loss's and the head's backward before the blocks' backward
     loss_transient: float = 0.0  # the last stage: the loss's backward (two fp32 tokens x vocab gradients)
@@ -100,7 +102,7 @@ def walk_schedule(
         saved = sum(n * st.micro for n, st in zip(flight, stages))
         if kind == "F":
             if forwards[s] == 0:
-                grads += stages[s].gathered
+                grads += stages[s].gathered + stages[s].once
             forwards[s] += 1
             flight[s] += 1
             saved += stages[s].micro
@@ -121,6 +123,8 @@ def walk_schedule(
         )
         flight[s] -= 1
         backwards[s] += 1
+        if backwards[s] == total_backwards[s]:
+            grads -= st.once
         if fsdp and backwards[s] == total_backwards[s]:  # REDUCE_GRAD: unsharded -> sharded
             grads += stages[s].sharded_grads - stages[s].unsharded_grads - stages[s].gathered
     return ScheduleWalk(best_flight, saved_peak, peak)
