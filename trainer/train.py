@@ -148,6 +148,7 @@ class Trainer:
             compile=t.compile,
             device_type=self.device.type,
         )
+        self.spec.device_check(cfg.model, self.device.type)  # e.g. an optional kernel forced without CUDA
         # The optimizer registry: does this optimizer run under this layout? (before any process group)
         check_optimizer_layout(cfg.optimizer.name, optimizer_layout(self.dims, self.parallelism))
         _ = self.float8  # training.float8: every check (before any process group), the linears to convert

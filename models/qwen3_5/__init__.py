@@ -18,6 +18,7 @@ from models.qwen3_5.model import (
     Qwen3_5Args,
     Qwen3_5MoeArgs,
     Qwen3_5Transformer,
+    device_check,
     flops_per_token,
     generation_cores,
     param_counts,
@@ -52,6 +53,7 @@ QWEN3_5_SPEC = ModelSpec(
     generation_cores=generation_cores,
     sequential_state=True,  # the Gated DeltaNet's state and conv window: CP hands them rank to rank
     planner_terms=planner_terms,  # Llama's attention / the MoE feed-forward, and the DeltaNet blocks
+    device_check=device_check,  # model.linear_kernel=fla: CUDA and flash-linear-attention
 )
 
 QWEN3_5_MOE_SPEC = ModelSpec(
@@ -72,4 +74,5 @@ QWEN3_5_MOE_SPEC = ModelSpec(
     generation_cores=generation_cores,
     sequential_state=True,  # the Gated DeltaNet's state and conv window: CP hands them rank to rank
     planner_terms=planner_terms,  # Llama's attention / the MoE feed-forward, and the DeltaNet blocks
+    device_check=device_check,  # model.linear_kernel=fla: CUDA and flash-linear-attention
 )

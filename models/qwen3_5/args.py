@@ -11,6 +11,7 @@ from models.attention import validate_attention_mask
 from models.errors import ConfigError
 from models.llama.model import LlamaArgs, _positive_int
 from models.moe.model import MoEArgs
+from models.qwen3_5.kernels import LINEAR_KERNELS
 
 __all__ = ["Qwen3_5Args", "Qwen3_5MoeArgs"]
 
@@ -38,6 +39,7 @@ class Qwen3_5Args(LlamaArgs):
     linear_value_head_dim: int = 128  # dv
     linear_conv_kernel: int = 4  # K of the short causal convolutions over q, k, v
     linear_chunk_size: int = 64  # chunk of the chunked delta rule (a speed knob: the result is the same)
+    linear_kernel: str = "auto"  # auto | torch | fla: who runs the DeltaNet's rule and convs (kernels.py)
 
     def validate(self) -> None:
         """Llama's checks, then the hybrid's (``ConfigError`` naming the fix)."""
@@ -84,6 +86,11 @@ class Qwen3_5Args(LlamaArgs):
                 f"{self.rotary_dim} channels of the head size {self.head_dim}; it must be even and > 0."
             )
         validate_attention_mask(self.attention_mask)
+        if self.linear_kernel not in LINEAR_KERNELS:
+            raise ConfigError(
+                f"model.linear_kernel={self.linear_kernel!r} must be one of {', '.join(LINEAR_KERNELS)} "
+                "(auto: flash-linear-attention's kernels on CUDA when installed, else the torch form)."
+            )
 
     @property
     def rotary_dim(self) -> int:

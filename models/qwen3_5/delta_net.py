@@ -1,7 +1,8 @@
 """The Gated DeltaNet layer of the Qwen3.5 family (Qwen3.5's ``linear_attn``), free of any parallelism:
 the projections, short causal convolutions, per-head decay and write strength, the gated per-head
 RMSNorm, and its swappable cores: ``DeltaRuleCore`` for training (the chunked gated delta rule of
-``delta_rule.py``; the two-pass context-parallel hand-off) and ``RecurrentCacheCore`` for generation.
+``delta_rule.py``, flash-linear-attention's kernels on CUDA per ``model.linear_kernel``:
+``kernels.py``; the two-pass context-parallel hand-off) and ``RecurrentCacheCore`` for generation.
 Split from ``model.py`` (the decoder, its blocks and counts), which re-exports these names."""
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from models.qwen3_5.delta_rule import (
     short_conv,
     state_transition,
 )
+from models.qwen3_5.kernels import fla_conv, fla_gated_delta_rule, uses_fla
 
 __all__ = ["Decay", "DeltaRuleCore", "GatedDeltaNet", "RecurrentCacheCore", "ShortConv", "document_starts"]
 
@@ -57,11 +59,12 @@ class DeltaRuleCore(RecurrentCore):
     rank an all-gather of nv (dk^2 + dk dv) numbers per sequence (M and S) and of 3 (K-1) tokens of
     conv inputs, and one dk x dk product per chunk for M; the chunk terms are computed once."""
 
-    def __init__(self, attention_mask: str = "causal", chunk_size: int = 64) -> None:
+    def __init__(self, attention_mask: str = "causal", chunk_size: int = 64, kernel: str = "auto") -> None:
         super().__init__()
         validate_attention_mask(attention_mask)
         self.attention_mask = attention_mask
         self.chunk_size = chunk_size
+        self.kernel = kernel  # model.linear_kernel: auto | torch | fla (kernels.py)
 
     def resets(self, positions: Optional[Tensor], batch: int, seq_len: int) -> Optional[Tensor]:
         """Document starts under ``block_causal``, else None (one stream, as softmax attention's
@@ -87,6 +90,12 @@ class DeltaRuleCore(RecurrentCore):
         B, S, _ = q.shape
         resets = self.resets(positions, B, S)
         dk, dv = head_dims
+        if self.handoff is None and uses_fla(self.kernel, q):  # flash-linear-attention's kernels
+            q, k, v = (fla_conv(t, w, resets) for t, w in zip((q, k, v), conv))
+            o_fla, _ = fla_gated_delta_rule(
+                q.view(B, S, -1, dk), k.view(B, S, -1, dk), v.view(B, S, -1, dv), g, beta, resets=resets
+            )
+            return o_fla
         if self.handoff is None:
             q, k, v = (short_conv(t, w, resets=resets)[0] for t, w in zip((q, k, v), conv))
             o, _ = chunk_gated_delta_rule(
@@ -128,7 +137,7 @@ class DeltaRuleCore(RecurrentCore):
         return o
 
     def extra_repr(self) -> str:
-        return f"attention_mask={self.attention_mask}, chunk_size={self.chunk_size}"
+        return f"attention_mask={self.attention_mask}, chunk_size={self.chunk_size}, kernel={self.kernel}"
 
 
 class RecurrentCacheCore(nn.Module):
@@ -137,10 +146,11 @@ class RecurrentCacheCore(nn.Module):
     of several tokens (a prefill) runs the chunked rule from the kept state, one token the recurrent
     step. Call ``reset()`` before a new sequence (``models/generation.py``)."""
 
-    def __init__(self, max_len: int, chunk_size: int = 64) -> None:
+    def __init__(self, max_len: int, chunk_size: int = 64, kernel: str = "auto") -> None:
         super().__init__()
         self.max_len = max_len
         self.chunk_size = chunk_size
+        self.kernel = kernel  # the prefill's chunked rule: fla's kernel on CUDA per model.linear_kernel
         self.tails: Optional[list[Tensor]] = None
         self.state: Optional[Tensor] = None
         self.length = 0
@@ -173,6 +183,10 @@ class RecurrentCacheCore(nn.Module):
         qc, kc, vc = (y.view(B, S, -1, d) for (y, _), d in zip(outs, (dk, dk, dv)))
         if S == 1 and self.state is not None:
             o, self.state = recurrent_gated_delta_rule(qc, kc, vc, g, beta, initial_state=self.state)
+        elif uses_fla(self.kernel, qc):
+            o, last = fla_gated_delta_rule(qc, kc, vc, g, beta, initial_state=self.state, final_state=True)
+            assert last is not None  # asked for
+            self.state = last
         else:
             o, self.state = chunk_gated_delta_rule(
                 qc, kc, vc, g, beta, chunk_size=self.chunk_size, initial_state=self.state
@@ -207,7 +221,11 @@ class GatedDeltaNet(nn.Module):
         self.decay = Decay(nv)
         self.norm = RMSNorm(self.head_v_dim, eps=args.norm_eps)
         self.wo = nn.Linear(value_dim, H, bias=False)
-        self.core = core if core is not None else DeltaRuleCore(args.attention_mask, args.linear_chunk_size)
+        self.core = (
+            core
+            if core is not None
+            else DeltaRuleCore(args.attention_mask, args.linear_chunk_size, args.linear_kernel)
+        )
 
     def init_weights(self, init: ParamInit, prefix: str, std: float, out_std: float) -> None:
         """Projections like Llama's attention (truncated normal, ``wo`` depth-scaled); convolutions

@@ -59,7 +59,8 @@ from models.moe.model import ffn_saved as moe_ffn_saved_routed
 from models.moe.model import planner_terms as moe_planner_terms
 from models.qwen3_5.args import Qwen3_5Args, Qwen3_5MoeArgs
 from models.qwen3_5.delta_net import Decay, DeltaRuleCore, GatedDeltaNet, RecurrentCacheCore
-from models.spec import BlockLayout, ParamCounts, PlannerTerms, RecurrentMixerTerms
+from models.qwen3_5.kernels import check_linear_kernel
+from models.spec import BlockLayout, ModelArgs, ParamCounts, PlannerTerms, RecurrentMixerTerms
 
 __all__ = [
     "TP_PLAN",
@@ -251,8 +252,11 @@ def generation_cores(model: nn.Module, max_len: int) -> list[tuple[nn.Module, nn
     pairs = attention_cache_cores(model, max_len)
     for m in model.modules():
         if isinstance(m, GatedDeltaNet):
-            chunk = m.core.chunk_size if isinstance(m.core, DeltaRuleCore) else 64
-            pairs.append((m, RecurrentCacheCore(max_len, chunk)))
+            core = m.core
+            chunk, kernel = (
+                (core.chunk_size, core.kernel) if isinstance(core, DeltaRuleCore) else (64, "auto")
+            )
+            pairs.append((m, RecurrentCacheCore(max_len, chunk, kernel)))
     return pairs
 
 
@@ -481,3 +485,9 @@ TP_PLAN: dict[str, str] = {
     "layers.*.moe.router.gate": "replicate",
     "layers.*.moe.shared_experts": "replicate",
 }
+
+
+def device_check(args: ModelArgs, device_type: str) -> None:
+    """``ModelSpec.device_check``: ``model.linear_kernel=fla`` needs CUDA and flash-linear-attention."""
+    assert isinstance(args, Qwen3_5Args)  # the family's own args
+    check_linear_kernel(args.linear_kernel, device_type)
