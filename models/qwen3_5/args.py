@@ -13,7 +13,7 @@ from models.llama.model import LlamaArgs, _positive_int
 from models.moe.model import MoEArgs
 from models.qwen3_5.kernels import LINEAR_KERNELS
 
-__all__ = ["Qwen3_5Args", "Qwen3_5MoeArgs"]
+__all__ = ["Qwen3NextArgs", "Qwen3_5Args", "Qwen3_5MoeArgs"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -139,3 +139,13 @@ class Qwen3_5MoeArgs(Qwen3_5Args, MoEArgs):
                 f"model.num_shared_experts={self.num_shared_experts}: Qwen3.5-MoE has one gated shared "
                 "expert sized by model.shared_expert_hidden_dim; leave num_shared_experts at 0."
             )
+
+
+@dataclass
+class Qwen3NextArgs(Qwen3_5MoeArgs):
+    """A Qwen3-Next decoder (transformers' ``Qwen3NextForCausalLM``): the same layers as Qwen3.5-MoE
+    (Gated DeltaNet + gated attention, routed experts with a gated shared expert); only its Hugging
+    Face tensors differ (the DeltaNet's q/k/v/z and b/a projections fused per key-head group:
+    ``hf.py``)."""
+
+    family: str = "qwen3_next"
