@@ -178,3 +178,27 @@ def test_dense_layers_are_refused_by_name(folders, tmp_path) -> None:
         with pytest.raises(ConfigError, match=f"{key}=") as e:
             read_hf_config(bad)
         assert "experts in every layer" in str(e.value)
+
+
+def test_preset_counts_match_transformers_and_the_published_total() -> None:
+    """``model=qwen3_next_80b_a3b``: our count is the built model's and transformers' Qwen3NextForCausalLM's
+    from our exported config (both on meta); the published "80B total, 3B active" (non-embedding)."""
+    from models import get_spec
+    from tests.configs import make_config
+
+    args = make_config("model=qwen3_next_80b_a3b").model
+    spec = get_spec(args.family)
+    assert spec.family == "qwen3_next" and spec.hf is not None
+    with torch.device("meta"):
+        model = spec.build(args)
+    n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    counts = spec.param_counts(args)
+    assert n == counts.total
+    hf_cfg = spec.hf.to_hf_config(args, bos_id=None, eos_id=None, dtype="bfloat16")
+    with torch.device("meta"):
+        hf = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**hf_cfg))
+    assert sum(p.numel() for p in {id(p): p for p in hf.parameters()}.values()) == n
+    assert 0.95 * 80e9 <= n <= 1.02 * 80e9, n
+    active = counts.active - counts.embedding  # "A3B": 3.56B without the embedding
+    assert 3e9 <= active < 4e9, active
+    print(f"\nqwen3_next_80b_a3b: {n / 1e9:.2f}B parameters, {counts.active / 1e9:.2f}B active")
