@@ -13,7 +13,9 @@ outputs/gpu_check); each part's log is ``DIR/logs/<part>.log``, each training ru
 * numerics against a float32 or eager reference: FlexAttention block-causal forward and backward
   vs SDPA with the dense mask (``models/attention.py``); grouped-GEMM experts
   (``torch._grouped_mm``) vs the padded batched fallback (``models/moe/model.py``); fused vs
-  foreach AdamW (``optimizer.implementation``); compiled vs eager training losses;
+  foreach AdamW (``optimizer.implementation``); compiled vs eager training losses; Qwen3.5's Gated
+  DeltaNet core with flash-linear-attention's kernels vs our torch form, and its speed (when the
+  optional ``fla`` package is installed; ``model.linear_kernel``);
 * training through ``trainer/main.py`` in bf16 on the 1B preset at seq 2048, eager and
   ``training.compile=true``: tokens/s, MFU (vs the datasheet peak, as the trainer logs it, and vs
   the measured matmul rate), peak ``max_memory_allocated`` against the planner's figure
@@ -74,6 +76,9 @@ TOLERANCES = {
     "flex_attention_rel": 2e-2,
     "grouped_mm_rel": 2e-2,  # bf16 grouped / padded experts vs fp32 padded: out and grads; norm-relative
     "adamw_rel": 1e-5,  # fp32 fused vs foreach vs for-loop AdamW after 10 steps; norm-relative per tensor
+    # Qwen3.5's Gated DeltaNet core, flash-linear-attention (bf16 inputs) vs our torch form (fp32): out
+    # and the gradients of q, k, v, decay, beta, conv weights, causal and block-causal; norm-relative
+    "delta_rule_fla_rel": 3e-2,
     "compile_vs_eager_loss_rel": 2e-2,  # bf16 1B: max over steps of |loss_c - loss_e| / loss_e
     "parity_loss_rel": 2e-2,  # bf16 NCCL layouts vs 1 GPU: max over steps of |loss - ref| / ref
     # the same for the pre-clip gradient norms (a mis-scaled reduction shows here)
@@ -117,6 +122,15 @@ PARTS = (
         90,
     ),
     Part("numerics_adamw", "fused vs foreach vs for-loop AdamW, fp32, 10 steps", "probe", 1, 90, 60),
+    Part(
+        "numerics_delta_rule_fla",
+        "Qwen3.5 Gated DeltaNet core: flash-linear-attention's kernels (bf16) vs our torch form (fp32), "
+        "fwd+bwd, causal and documents, and their speed (not run without the fla package)",
+        "probe",
+        1,
+        300,
+        240,
+    ),
     Part(
         "train_1b_eager",
         "trainer/main.py, 1B preset, bf16, seq 2048, eager; profiles one step",
@@ -487,6 +501,19 @@ def part_numerics_adamw(args: argparse.Namespace) -> dict[str, Any]:
     return _bounded(check_adamw(_device()), "max_rel_err", TOLERANCES["adamw_rel"], "fused vs foreach AdamW")
 
 
+def part_numerics_delta_rule_fla(args: argparse.Namespace) -> dict[str, Any]:
+    from benchmarks.gpu_probes import check_delta_rule_fla
+    from models.qwen3_5.kernels import fla_installed
+
+    if not fla_installed():
+        return {
+            "status": "skip",
+            "reason": "flash-linear-attention is not installed (pip install 'meshwright[fla]')",
+        }
+    numbers = check_delta_rule_fla(_device(), seq_len=2048 if args.quick else 4096)
+    return _bounded(numbers, "max_rel_err", TOLERANCES["delta_rule_fla_rel"], "fla vs torch Gated DeltaNet")
+
+
 def part_generation_kv_cache(args: argparse.Namespace) -> dict[str, Any]:
     from benchmarks.gpu_probes import generation_speed
 
@@ -646,6 +673,7 @@ PROBES = {
     "numerics_flex_attention": part_numerics_flex_attention,
     "numerics_grouped_mm": part_numerics_grouped_mm,
     "numerics_adamw": part_numerics_adamw,
+    "numerics_delta_rule_fla": part_numerics_delta_rule_fla,
     "generation_kv_cache": part_generation_kv_cache,
 }
 

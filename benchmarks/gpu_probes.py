@@ -347,6 +347,129 @@ def check_adamw(device: torch.device, *, steps: int = 10, seed: int = 0) -> dict
 # ----------------------------------------------------------------------------------------------
 
 
+_DELTA_NAMES = ("out", "dq", "dk", "dv", "d_decay", "d_beta", "d_q_conv", "d_k_conv", "d_v_conv")
+
+
+def _delta_net_inputs(
+    device: torch.device, B: int, S: int, nk: int, nv: int, d: int, K: int, seed: int
+) -> dict[str, Any]:
+    """Random inputs of a Gated DeltaNet core: q, k, v before the convolutions, the decay as the model
+    computes it (``Decay``'s init), beta, the three conv weights, packed positions, an upstream grad."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int, scale: float = 1.0) -> Tensor:
+        return (torch.randn(shape, generator=gen) * scale).to(device)
+
+    a_log = torch.empty(nv).uniform_(1.0, 16.0, generator=gen).log().to(device)
+    a = rand(B, S, nv)
+    return {
+        "qkv": [rand(B, S, nk * d), rand(B, S, nk * d), rand(B, S, nv * d)],
+        "decay": -a_log.exp() * torch.nn.functional.softplus(a + math.log(math.expm1(0.01))),  # <= 0
+        "beta": torch.sigmoid(rand(B, S, nv)),
+        "conv": [rand(c, 1, K, scale=K**-0.5) for c in (nk * d, nk * d, nv * d)],
+        "positions": packed_positions(S, [S // 3, S // 5, S // 7 + 1, S], device).expand(B, S),
+        "upstream": rand(B, S, nv, d),
+        "state0": rand(B, nv, d, d, scale=0.1),
+        "head_dim": d,
+    }
+
+
+def _delta_net_run(
+    x: dict[str, Any], kernel: str, low: bool, mask: str, backward: bool = True
+) -> tuple[Tensor, list[Tensor]]:
+    """``DeltaRuleCore(mask, kernel=kernel)`` on ``x`` (q, k, v and beta in bf16 when ``low``) ->
+    (output, gradients of q, k, v, decay, beta and the conv weights)."""
+    from models.qwen3_5.delta_net import DeltaRuleCore
+
+    core = DeltaRuleCore(mask, chunk_size=64, kernel=kernel)
+    cast = torch.bfloat16 if low else torch.float32
+    xs = [t.to(cast) for t in x["qkv"]] + [x["decay"], x["beta"].to(cast)] + x["conv"]
+    leaves = [t.detach().clone().requires_grad_(backward) for t in xs]
+    pos = x["positions"] if mask == "block_causal" else None
+    d = x["head_dim"]
+    out = core(*leaves[:5], conv=leaves[5:], head_dims=(d, d), positions=pos)
+    if not backward:
+        return out.detach(), []
+    out.float().backward(x["upstream"])
+    return out.detach(), [t.grad for t in leaves]
+
+
+def _delta_state_errors(x: dict[str, Any]) -> dict[str, float]:
+    """The prefill's initial / final state (the rule alone): fla from a random state vs our form."""
+    from models.qwen3_5.delta_rule import chunk_gated_delta_rule
+    from models.qwen3_5.kernels import fla_gated_delta_rule
+
+    B, S, _ = x["qkv"][0].shape
+    heads = [t.view(B, S, -1, x["head_dim"]) for t in x["qkv"]]
+    ref_o, ref_state = chunk_gated_delta_rule(
+        *heads, x["decay"], x["beta"], chunk_size=64, initial_state=x["state0"]
+    )
+    low = [t.to(torch.bfloat16) for t in heads]
+    beta = x["beta"].to(torch.bfloat16)
+    fla_o, fla_state = fla_gated_delta_rule(
+        *low, x["decay"], beta, initial_state=x["state0"], final_state=True
+    )
+    assert fla_state is not None  # asked for
+    return {"out": rel_err(fla_o, ref_o), "final_state": rel_err(fla_state, ref_state)}
+
+
+def check_delta_rule_fla(
+    device: torch.device,
+    *,
+    batch: int = 2,
+    seq_len: int = 4096,
+    key_heads: int = 16,
+    value_heads: int = 32,
+    head_dim: int = 128,
+    conv_kernel: int = 4,
+    iters: int = 5,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Qwen3.5's Gated DeltaNet core with flash-linear-attention's kernels vs our torch form
+    (``model.linear_kernel``: ``models/qwen3_5/kernels.py``), at Qwen3.5-4B's DeltaNet shapes.
+
+    The reference is ``DeltaRuleCore(kernel="torch")`` (short convolutions + our chunked rule) in
+    float32; the test is ``DeltaRuleCore(kernel="fla")`` on bf16 q, k, v (fp32 decay, bf16 beta, the
+    convolution weights fp32 as the model keeps them), causal and block-causal (uneven documents:
+    fla's ``cu_seqlens``). Norm-relative errors of the output and the gradients of q, k, v, the
+    decay, beta and the three convolution weights; the torch form on the same bf16 inputs beside it
+    (the inputs' own rounding). Also the prefill path's initial / final state (generation, and what
+    a state hand-off needs). Speed: forward+backward (and forward alone) of both cores in bf16, ms.
+    """
+    x = _delta_net_inputs(device, batch, seq_len, key_heads, value_heads, head_dim, conv_kernel, seed)
+    errors: dict[str, Any] = {}
+    for mask in ("causal", "block_causal"):
+        ref_out, ref_grads = _delta_net_run(x, "torch", False, mask)
+        errors[mask] = {}
+        for name, kernel in (("fla_bf16_vs_torch_fp32", "fla"), ("torch_bf16_vs_torch_fp32", "torch")):
+            out, grads = _delta_net_run(x, kernel, True, mask)
+            errs = [rel_err(out, ref_out), *(rel_err(g, r) for g, r in zip(grads, ref_grads))]
+            errors[mask][name] = dict(zip(_DELTA_NAMES, errs))
+    errors["initial_final_state"] = _delta_state_errors(x)
+
+    def timed(kernel: str, backward: bool) -> float:
+        return _timed(lambda: _delta_net_run(x, kernel, True, "causal", backward), iters, device) * 1e3
+
+    _delta_net_run(x, "fla", True, "causal")  # compile fla's Triton kernels before timing
+    speed: dict[str, Any] = {
+        "fwd_bwd_ms": {"fla": timed("fla", True), "torch": timed("torch", True)},
+        "fwd_ms": {"fla": timed("fla", False), "torch": timed("torch", False)},
+    }
+    speed["fwd_bwd_speedup"] = speed["fwd_bwd_ms"]["torch"] / speed["fwd_bwd_ms"]["fla"]
+    speed["fwd_speedup"] = speed["fwd_ms"]["torch"] / speed["fwd_ms"]["fla"]
+    fla_errs = [e for m in ("causal", "block_causal") for e in errors[m]["fla_bf16_vs_torch_fp32"].values()]
+    shape = dict(
+        batch=batch, seq_len=seq_len, key_heads=key_heads, value_heads=value_heads, head_dim=head_dim
+    )
+    shape["documents_per_window"] = int((x["positions"][0] == 0).sum())
+    return {
+        "shape": shape,
+        "errors": errors,
+        "speed": speed,
+        "max_rel_err": max([*fla_errs, *errors["initial_final_state"].values()]),
+    }
+
+
 def preset_args(preset: str) -> Any:
     """Model args of ``configs/model/<preset>.yaml`` without Hydra (PyYAML; ``defaults`` dropped)."""
     import yaml

@@ -12,12 +12,20 @@ from models.errors import ConfigError
 from models.llama import LLAMA_SPEC
 from models.moe import MOE_SPEC
 from models.qwen3 import QWEN3_SPEC
-from models.qwen3_5 import QWEN3_5_MOE_SPEC, QWEN3_5_SPEC
+from models.qwen3_5 import QWEN3_5_MOE_SPEC, QWEN3_5_SPEC, QWEN3_NEXT_SPEC
 from models.spec import ModelSpec
 
 MODEL_SPECS: dict[str, ModelSpec] = {
     spec.family: spec
-    for spec in (LLAMA_SPEC, MOE_SPEC, QWEN3_SPEC, DEEPSEEK_V3_SPEC, QWEN3_5_SPEC, QWEN3_5_MOE_SPEC)
+    for spec in (
+        LLAMA_SPEC,
+        MOE_SPEC,
+        QWEN3_SPEC,
+        DEEPSEEK_V3_SPEC,
+        QWEN3_5_SPEC,
+        QWEN3_5_MOE_SPEC,
+        QWEN3_NEXT_SPEC,
+    )
 }
 
 

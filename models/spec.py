@@ -233,6 +233,10 @@ def _no_lr_scale(_args: ModelArgs) -> Optional[Callable[[str, int], float]]:
     return None
 
 
+def _any_device(_args: ModelArgs, _device_type: str) -> None:
+    return None
+
+
 @dataclass(frozen=True)
 class AttentionComm:
     """What an attention layer communicates beyond the TP plan's kinds (the planner's ``PlannerTerms.comm``).
@@ -371,6 +375,9 @@ class ModelSpec:
     generation_cores: Callable[[nn.Module, int], list[tuple[nn.Module, nn.Module]]] = attention_cache_cores
     # Token mixers carrying a state along the sequence (RecurrentCore): CP needs contiguous slices
     sequential_state: bool = False
+    # (args, the run's device type) -> None, or ConfigError for options this device cannot run (an
+    # optional kernel forced without its device or package); the trainer calls it before any collective
+    device_check: Callable[[ModelArgs, str], None] = _any_device
 
     @property
     def has_experts(self) -> bool:

@@ -55,6 +55,22 @@ def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
 
 
 @torch.no_grad()
+def complete_partial_grads(parameters: Iterable[nn.Parameter]) -> None:
+    """Finish the sums that tensor parallelism leaves pending in gradients, once per step after the
+    last backward: a replicated weight applied to this rank's share of the work (a norm on the
+    sequence shard under SP, a per-head norm on the local heads) gets a ``Partial`` gradient, which
+    FSDP reduces itself and our DDP on its copy into the bucket. Without either, each later reader
+    (the clip's norm, every optimizer op that reads it) would all-reduce it again; here it becomes
+    the parameter's own placement with one all-reduce per tensor (what the planner counts)."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    for p in parameters:
+        g = p.grad
+        if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
+            if any(isinstance(pl, Partial) for pl in g.placements):
+                p.grad = g.redistribute(p.device_mesh, p.placements)
+
+
 def clip_grad_norm_(
     parameters: Iterable[nn.Parameter],
     max_norm: float,

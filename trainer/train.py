@@ -22,7 +22,7 @@ from models.errors import ConfigError
 from parallelisms.float8 import Float8Plan, plan_float8
 from parallelisms.parallel_dims import MESH_DIM_NAMES
 from parallelisms.parallelize import PartOptions, model_parts, parallelize, parallelize_pipeline
-from parallelisms.utils import clip_grad_norm_, copy_full_into
+from parallelisms.utils import clip_grad_norm_, complete_partial_grads, copy_full_into
 from parallelisms.validate import validated_dims
 from trainer.checkpoint.checkpointer import Checkpointer, describe_layout, model_info
 from trainer.checkpoint.seed import seed_parallelism, validate_checkpoint_config
@@ -148,6 +148,7 @@ class Trainer:
             compile=t.compile,
             device_type=self.device.type,
         )
+        self.spec.device_check(cfg.model, self.device.type)  # e.g. an optional kernel forced without CUDA
         # The optimizer registry: does this optimizer run under this layout? (before any process group)
         check_optimizer_layout(cfg.optimizer.name, optimizer_layout(self.dims, self.parallelism))
         _ = self.float8  # training.float8: every check (before any process group), the linears to convert
@@ -576,8 +577,11 @@ class Trainer:
         accumulation loop; the loss runs on the last stage and is reported everywhere) or the
         accumulation loop. Returns the summed (unscaled) token loss."""
         if self.pipeline is not None:
-            return self.pipeline.step(batch.inputs, batch.labels, loss_scale=scale, **batch.model_kwargs())
-        return self._accumulate_gradients(batch, scale)
+            loss = self.pipeline.step(batch.inputs, batch.labels, loss_scale=scale, **batch.model_kwargs())
+        else:
+            loss = self._accumulate_gradients(batch, scale)
+        complete_partial_grads(self.parameters)  # TP's pending sums, once (FSDP / DDP did theirs)
+        return loss
 
     def train_step(self) -> StepState:
         """One optimizer step over ``grad_accum_steps`` microbatches, with the hooks at their points

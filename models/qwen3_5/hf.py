@@ -3,7 +3,8 @@ and ``Qwen3_5MoeForCausalLM`` (``qwen3_5_moe_text``), written and read; the text
 published vision-language folders (``Qwen3_5ForConditionalGeneration`` / ``Qwen3_5MoeForConditional
 Generation``, model_type ``qwen3_5`` / ``qwen3_5_moe``: the text config under ``text_config``, the
 decoder's tensors under ``model.language_model.``) read, their vision tower (``model.visual.*``) and
-multi-token-prediction weights (``mtp.*``) named and skipped.
+multi-token-prediction weights (``mtp.*``) named and skipped; and Qwen3-Next (``Qwen3NextForCausalLM``,
+model_type ``qwen3_next``: Qwen3.5-MoE's layers with the DeltaNet's projections fused differently, below).
 
 Tensor names (``model.layers.{i}.`` omitted on the HF side)::
 
@@ -23,9 +24,17 @@ Tensor names (``model.layers.{i}.`` omitted on the HF side)::
     moe.expert_bias                          none (HF routes without a bias: zero on import, export refuses
                                              a non-zero one)
 
-Our q, k, v projections and convolutions are separate tensors (a tensor-parallel column shard of each
-keeps whole heads); HF fuses them, so an export concatenates them (``to_hf_state`` needs the three
-together) and an import reads row ranges of the fused tensor.
+Qwen3-Next fuses all six DeltaNet projections into two tensors, grouped by key head: per key head g
+(of nk; r = nv / nk value heads per key head) ``linear_attn.in_proj_qkvz`` holds q (dk rows), k (dk),
+v (r dv), z (r dv) of its heads and ``linear_attn.in_proj_ba`` holds b (r), a (r); ``conv1d`` is
+Qwen3.5's (q | k | v). The decoder's MoE keys are Qwen3.5-MoE's plus ``norm_topk_prob`` (true),
+``decoder_sparse_step`` (1) and ``mlp_only_layers`` ([]): every layer MoE, as ours (other values are
+refused by name).
+
+Our projections and convolutions are separate tensors (a tensor-parallel column shard of each keeps
+whole heads); HF fuses them, so an export interleaves them back (``to_hf_state`` needs every part of
+a fused tensor together) and an import reads each part's runs of rows (``_part_runs``: one range for
+Qwen3.5, one per key-head group for Qwen3-Next's fused projections).
 """
 
 from __future__ import annotations
@@ -50,10 +59,11 @@ from models.hf_config import (
     write_hf_config,
 )
 from models.hf_tensors import finish_state_from_hf
+from models.qwen3_5.args import Qwen3NextArgs
 from models.qwen3_5.model import Qwen3_5Args, Qwen3_5MoeArgs, Qwen3_5Transformer
 from models.spec import HFTensorReader
 
-__all__ = ["QWEN3_5_HF_FORMAT", "QWEN3_5_MOE_HF_FORMAT", "Qwen3_5HF"]
+__all__ = ["QWEN3_5_HF_FORMAT", "QWEN3_5_MOE_HF_FORMAT", "QWEN3_NEXT_HF_FORMAT", "Qwen3_5HF"]
 
 # -- config.json ---------------------------------------------------------------------------------
 
@@ -146,6 +156,43 @@ QWEN3_5_MOE_HF_FORMAT: HFFormat[Qwen3_5MoeArgs] = HFFormat(
     fixed=_MOE_FIXED,
     hf_fixed={"attention_bias": False, "output_router_logits": False},
 )
+
+
+def _next_moe_read(cfg: HFConfig, model_type: str) -> dict[str, object]:
+    """Qwen3-Next's MoE layout keys: every layer MoE with renormalised top-k weights, or refused."""
+    sparse, dense_layers = cfg.get("decoder_sparse_step", 1), cfg.get("mlp_only_layers") or []
+    if sparse != 1 or dense_layers or cfg.get("norm_topk_prob", True) is not True:
+        raise ConfigError(
+            f"config.json has decoder_sparse_step={sparse}, mlp_only_layers={dense_layers}, "
+            f"norm_topk_prob={cfg.get('norm_topk_prob')}: meshwright's Qwen3-Next has experts in every "
+            "layer (decoder_sparse_step=1, mlp_only_layers=[]) and renormalised top-k weights "
+            "(norm_topk_prob=true)."
+        )
+    return {}
+
+
+def _next_moe_write(args: Qwen3NextArgs) -> dict[str, object]:
+    return {"decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}
+
+
+QWEN3_NEXT_HF_FORMAT: HFFormat[Qwen3NextArgs] = HFFormat(
+    family="qwen3_next",
+    model_type="qwen3_next",
+    architecture="Qwen3NextForCausalLM",
+    rows=(
+        *DECODER_ROWS,
+        *GQA_ROWS,
+        *_LINEAR_ROWS,
+        Key("num_experts", "num_experts"),
+        Key("top_k", "num_experts_per_tok"),
+        Key("moe_hidden_dim", "moe_intermediate_size"),
+        Key("shared_expert_hidden_dim", "shared_expert_intermediate_size"),
+        Key("aux_loss_coeff", "router_aux_loss_coef", way="write"),
+        Derived(_next_moe_read, _next_moe_write),
+    ),
+    fixed=_MOE_FIXED,
+    hf_fixed={"attention_bias": False, "output_router_logits": False},
+)
 # The vision-language folders' model_type (config.json's top level) -> their text format
 _VL_MODEL_TYPES = {"qwen3_5": QWEN3_5_HF_FORMAT, "qwen3_5_moe": QWEN3_5_MOE_HF_FORMAT}
 VL_PREFIX = "model.language_model."  # the text decoder's tensors in a vision-language folder
@@ -184,22 +231,56 @@ _TOP_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-# Our separate tensors that are row ranges of one fused HF tensor: local name -> (HF local name, part)
-_FUSED = {
-    "delta_net.wq.weight": ("linear_attn.in_proj_qkv.weight", 0),
-    "delta_net.wk.weight": ("linear_attn.in_proj_qkv.weight", 1),
-    "delta_net.wv.weight": ("linear_attn.in_proj_qkv.weight", 2),
+# Our separate tensors that are rows of one fused HF tensor: local name -> (HF local name, part)
+_CONV = {
     "delta_net.q_conv.weight": ("linear_attn.conv1d.weight", 0),
     "delta_net.k_conv.weight": ("linear_attn.conv1d.weight", 1),
     "delta_net.v_conv.weight": ("linear_attn.conv1d.weight", 2),
 }
+_FUSED = {
+    "delta_net.wq.weight": ("linear_attn.in_proj_qkv.weight", 0),
+    "delta_net.wk.weight": ("linear_attn.in_proj_qkv.weight", 1),
+    "delta_net.wv.weight": ("linear_attn.in_proj_qkv.weight", 2),
+    **_CONV,
+}
+_QKVZ, _BA = "linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight"
+_NEXT_FUSED = {  # Qwen3-Next
+    "delta_net.wq.weight": (_QKVZ, 0),
+    "delta_net.wk.weight": (_QKVZ, 1),
+    "delta_net.wv.weight": (_QKVZ, 2),
+    "delta_net.wz.weight": (_QKVZ, 3),
+    "delta_net.wb.weight": (_BA, 0),
+    "delta_net.wa.weight": (_BA, 1),
+    **_CONV,
+}
 
 
-def _rows(args: Qwen3_5Args, part: int) -> tuple[int, int]:
-    """(first row, rows) of part 0/1/2 (q, k, v) in a fused qkv tensor."""
-    kd = args.linear_num_key_heads * args.linear_key_head_dim
-    vd = args.linear_num_value_heads * args.linear_value_head_dim
-    return ((0, kd), (kd, kd), (2 * kd, vd))[part]
+def _part_runs(args: Qwen3_5Args, hf_local: str, part: int) -> list[tuple[int, int]]:
+    """The (first HF row, rows) runs holding our part ``part`` of the fused ``hf_local``, in our row
+    order: one run for q | k | v (Qwen3.5's ``in_proj_qkv``, every ``conv1d``), one per key-head group
+    for Qwen3-Next's ``in_proj_qkvz`` (q dk, k dk, v r dv, z r dv per group) and ``in_proj_ba`` (b r,
+    a r)."""
+    nk, nv = args.linear_num_key_heads, args.linear_num_value_heads
+    dk, dv, r = args.linear_key_head_dim, args.linear_value_head_dim, nv // nk
+    sizes: tuple[int, ...]
+    if hf_local in (_QKVZ, _BA):
+        sizes = (dk, dk, r * dv, r * dv) if hf_local == _QKVZ else (r, r)
+        width, offset = sum(sizes), sum(sizes[:part])
+        return [(g * width + offset, sizes[part]) for g in range(nk)]
+    sizes = (nk * dk, nk * dk, nv * dv)
+    return [(sum(sizes[:part]), sizes[part])]
+
+
+def _runs_in(runs: list[tuple[int, int]], rows: slice) -> list[tuple[int, int]]:
+    """The HF row ranges (start, stop) of our rows ``rows`` (a range of the part), run by run."""
+    out, offset = [], 0
+    first, stop = rows.start or 0, rows.stop
+    for start, n in runs:
+        lo, hi = max(first, offset), min(stop, offset + n)
+        if lo < hi:
+            out.append((start + lo - offset, start + hi - offset))
+        offset += n
+    return out
 
 
 def _split(name: str) -> tuple[str, str]:
@@ -215,10 +296,16 @@ class Qwen3_5HF:
 
     def __init__(self, family: str) -> None:
         self.family = family
-        self.hf_format: Union[HFFormat[Qwen3_5Args], HFFormat[Qwen3_5MoeArgs]] = (
-            QWEN3_5_MOE_HF_FORMAT if family == "qwen3_5_moe" else QWEN3_5_HF_FORMAT
-        )
-        self.vl_model_type = "qwen3_5_moe" if family == "qwen3_5_moe" else "qwen3_5"
+        self.hf_format: Union[HFFormat[Qwen3_5Args], HFFormat[Qwen3_5MoeArgs], HFFormat[Qwen3NextArgs]]
+        if family == "qwen3_next":
+            self.hf_format = QWEN3_NEXT_HF_FORMAT
+        elif family == "qwen3_5_moe":
+            self.hf_format = QWEN3_5_MOE_HF_FORMAT
+        else:
+            self.hf_format = QWEN3_5_HF_FORMAT
+        # the vision-language folders' model_type (Qwen3-Next has none)
+        self.vl_model_type: Optional[str] = {"qwen3_5_moe": "qwen3_5_moe", "qwen3_5": "qwen3_5"}.get(family)
+        self.fused = _NEXT_FUSED if family == "qwen3_next" else _FUSED
 
     @property
     def architecture(self) -> str:
@@ -231,7 +318,8 @@ class Qwen3_5HF:
     @property
     def model_types(self) -> tuple[str, ...]:
         """The text model's type and the vision-language folder's (whose text decoder is read)."""
-        return (self.hf_format.model_type, self.vl_model_type)
+        vl = (self.vl_model_type,) if self.vl_model_type is not None else ()
+        return (self.hf_format.model_type, *vl)
 
     # -- config ----------------------------------------------------------------------------
     def to_hf_config(
@@ -250,13 +338,15 @@ class Qwen3_5HF:
                     f"{', '.join(problems)} have no equivalent there (it routes by softmax with renormalised "
                     "top-k weights, every layer MoE)."
                 )
+            if isinstance(args, Qwen3NextArgs):
+                return write_hf_config(QWEN3_NEXT_HF_FORMAT, args, bos_id=bos_id, eos_id=eos_id, dtype=dtype)
             return write_hf_config(QWEN3_5_MOE_HF_FORMAT, args, bos_id=bos_id, eos_id=eos_id, dtype=dtype)
         return write_hf_config(QWEN3_5_HF_FORMAT, args, bos_id=bos_id, eos_id=eos_id, dtype=dtype)
 
     def args_from_hf_config(self, cfg: HFConfig) -> HFConfig:
         """Our args fields from a text ``config.json``, or from the ``text_config`` of a vision-language
         one (its top-level ``tie_word_embeddings`` wins, as transformers ties by it)."""
-        if cfg.get("model_type") == self.vl_model_type:
+        if self.vl_model_type is not None and cfg.get("model_type") == self.vl_model_type:
             text = dict(cfg.get("text_config") or {})
             if not text:
                 raise ConfigError(f"config.json of model_type={self.vl_model_type!r} has no text_config.")
@@ -264,6 +354,8 @@ class Qwen3_5HF:
                 text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
             text["model_type"] = self.hf_format.model_type
             cfg = text
+        if self.family == "qwen3_next":
+            return read_hf_args(cfg, (QWEN3_NEXT_HF_FORMAT,))
         if self.family == "qwen3_5_moe":
             return read_hf_args(cfg, (QWEN3_5_MOE_HF_FORMAT,))
         return read_hf_args(cfg, (QWEN3_5_HF_FORMAT,))
@@ -285,8 +377,8 @@ class Qwen3_5HF:
         ):
             proj = _EXPERT_NAMES[local.split(".")[-1]]
             return [f"{prefix}mlp.experts.{j}.{proj}.weight" for j in range(args.num_experts)]
-        if local in _FUSED:
-            return [prefix + _FUSED[local][0]]
+        if local in self.fused:
+            return [prefix + self.fused[local][0]]
         if local in _LAYER_NAMES:
             return [prefix + _LAYER_NAMES[local]]
         raise ConfigError(f"parameter {name!r} has no Hugging Face {self.architecture} equivalent.")
@@ -301,17 +393,21 @@ class Qwen3_5HF:
             return None
         return hf_name
 
-    def _fused_part(self, name: str) -> Optional[int]:
+    def _fused_runs(self, name: str, args: Qwen3_5Args) -> Optional[list[tuple[int, int]]]:
+        """The HF row runs of ``name`` when it is a part of a fused HF tensor (``_part_runs``), else None."""
         if not name.startswith("layers."):
             return None
         _, local = _split(name)
-        return _FUSED[local][1] if local in _FUSED else None
+        if local not in self.fused:
+            return None
+        hf_local, part = self.fused[local]
+        return _part_runs(args, hf_local, part)
 
     def full_shape(self, name: str, hf_shapes: list[list[int]], args: Qwen3_5Args) -> list[int]:
         """Our full shape of ``name`` from its HF tensors' shapes."""
-        part = self._fused_part(name)
-        if part is not None:
-            return [_rows(args, part)[1], *hf_shapes[0][1:]]
+        runs = self._fused_runs(name, args)
+        if runs is not None:
+            return [sum(n for _, n in runs), *hf_shapes[0][1:]]
         if ".moe.experts." in name:
             return [len(hf_shapes), *hf_shapes[0]]
         return hf_shapes[0]
@@ -321,12 +417,12 @@ class Qwen3_5HF:
     ) -> Tensor:
         """The ``index`` slice of our ``name``: a row range of a fused tensor, a range of experts."""
         hf_names = self.hf_names_of(name, args)
-        part = self._fused_part(name)
-        if part is not None:
-            first, _ = _rows(args, part)
-            rows = index[0]
-            start = first + (rows.start or 0)
-            return reader.read(hf_names[0], (slice(start, first + rows.stop), *index[1:]))
+        runs = self._fused_runs(name, args)
+        if runs is not None:
+            pieces = [
+                reader.read(hf_names[0], (slice(a, b), *index[1:])) for a, b in _runs_in(runs, index[0])
+            ]
+            return torch.cat(pieces, dim=0)
         if ".moe.experts." in name:
             experts = range(len(hf_names))[index[0]]
             return torch.stack([reader.read(hf_names[j], index[1:]) for j in experts])
@@ -336,7 +432,7 @@ class Qwen3_5HF:
     def to_hf_state(self, state: dict[str, Tensor], args: Qwen3_5Args) -> Iterator[tuple[str, Tensor]]:
         """Our full tensors -> (HF name, tensor); the DeltaNet's q/k/v pieces are concatenated into
         HF's fused tensors, so ``state`` must hold the three of each (``ConfigError`` otherwise)."""
-        fused: dict[str, dict[int, Tensor]] = {}
+        fused: dict[str, dict[str, Tensor]] = {}
         for name, tensor in state.items():
             if name.endswith("moe.expert_bias"):  # a meta tensor (a dry run) has no value to check
                 if not tensor.is_meta and torch.count_nonzero(tensor):
@@ -349,20 +445,31 @@ class Qwen3_5HF:
             if args.tie_embeddings and name == "output.weight":
                 continue
             hf_names = self.hf_names_of(name, args)
-            part = self._fused_part(name)
-            if part is not None:
-                fused.setdefault(hf_names[0], {})[part] = tensor
+            if self._fused_runs(name, args) is not None:
+                fused.setdefault(hf_names[0], {})[name] = tensor
             elif ".moe.experts." in name:
                 yield from zip(hf_names, tensor.unbind(0))
             else:
                 yield hf_names[0], tensor
         for hf_name, parts in fused.items():
-            if sorted(parts) != [0, 1, 2]:
+            hf_local = hf_name.split(".", 3)[3]
+            layer = hf_name.split(".")[2]
+            want = [f"layers.{layer}.{local}" for local, (h, _) in self.fused.items() if h == hf_local]
+            if sorted(parts) != sorted(want):
                 raise ConfigError(
-                    f"Hugging Face {hf_name} fuses the Gated DeltaNet's q, k and v tensors; export them "
+                    f"Hugging Face {hf_name} fuses the Gated DeltaNet's {', '.join(want)}; export them "
                     "together (this state holds only some of them)."
                 )
-            yield hf_name, torch.cat([parts[0], parts[1], parts[2]], dim=0)
+            pieces: list[tuple[int, Tensor]] = []  # (first HF row, rows): the runs tile the HF tensor
+            for name, tensor in parts.items():
+                runs = self._fused_runs(name, args)
+                assert runs is not None  # a fused part
+                offset = 0
+                for start, n in runs:
+                    pieces.append((start, tensor[offset : offset + n]))
+                    offset += n
+            pieces.sort(key=lambda piece: piece[0])
+            yield hf_name, torch.cat([t for _, t in pieces], dim=0)
 
     def from_hf_state(self, hf_state: dict[str, Tensor], args: Qwen3_5Args) -> dict[str, Tensor]:
         """HF tensors (by ``folder_name``'s names: a vision-language folder's decoder renamed, its vision
@@ -383,10 +490,10 @@ class Qwen3_5HF:
                     continue
                 raise ConfigError(f"Hugging Face state has no tensor {missing[0]!r} (for {name!r}).")
             used.update(hf_names)
-            part = self._fused_part(name)
-            if part is not None:
-                first, rows = _rows(args, part)
-                state[name] = hf_state[hf_names[0]][first : first + rows]
+            runs = self._fused_runs(name, args)
+            if runs is not None:
+                fused = hf_state[hf_names[0]]
+                state[name] = torch.cat([fused[start : start + n] for start, n in runs], dim=0)
             elif ".moe.experts." in name:
                 state[name] = torch.stack([hf_state[n] for n in hf_names])
             else:

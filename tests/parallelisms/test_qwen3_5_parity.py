@@ -9,15 +9,17 @@ heads, convolution channels and decay vectors split over tp), activation checkpo
 packed short documents (``block_causal``: the state and the convolution window restart at each of the
 several documents of a window) under TP; context parallel x2 (causal), x2 and x4 on the short documents
 (documents cross the ranks: the state and the conv window are handed over), contiguous slices, and TP x2
-x CP x2 on them; HSDP 2 x 2; the MoE
+x CP x2 on them; pipeline x2 x TP x2, and pipeline x2 x CP x2 on the short documents (each stage's
+DeltaNet layers hand their state over cp); HSDP 2 x 2; the MoE
 family under FSDP, expert parallel x2, TP x2, CP x2 and Muon (matrices and stacked experts) under FSDP.
 All cases of a world size run in one spawn.
 
 Measured (4 steps, lr 1e-3): losses within 1.5e-7 and grad norms within 5.7e-6 relative everywhere; final
-weights within 6e-7 (data parallel, EP, PP), 3e-6 (CP) and 5.3e-6 (TP). MoE x TP reaches 1.25e-5 in one
-element of a DeltaNet ``wv`` (Adam turns the ~1e-7 reduction-order differences of a near-zero gradient
-into a different step), so that layout's weights are compared at 3e-5; its losses and grad norms keep
-1e-5.
+weights within 6e-7 (data parallel, EP, PP), 3e-6 (CP) and 5.3e-6 (TP); PP x2 x TP x2: loss 6.9e-8, grad
+norm 2.0e-6, weights 1.5e-6; PP x2 x CP x2 (documents): loss 7.4e-8, grad norm 1.3e-6, weights 1.8e-6.
+MoE x TP reaches 1.25e-5 in one element of a DeltaNet ``wv`` (Adam turns the ~1e-7 reduction-order
+differences of a near-zero gradient into a different step), so that layout's weights are compared at
+3e-5; its losses and grad norms keep 1e-5.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ DENSE = ["model=qwen3_5_debug", "model.attn_head_dim=32", "model.linear_chunk_si
 DENSE = [*DENSE, PARITY_STEPS]
 UNTIED = [*DENSE, "model.tie_embeddings=false"]
 DOCS = [*DENSE, "model.attention_mask=block_causal"]
+DOCS_UNTIED = [*DOCS, "model.tie_embeddings=false"]
 MOE = ["model=qwen3_5_moe_debug", "model.attn_head_dim=32", "model.linear_chunk_size=16"]
 MOE = [*MOE, "model.ffn_hidden_dim=null", "optimizer.lr=1e-3", PARITY_STEPS]
 TP2 = ["parallelism.tp=2", "parallelism.dp_shard=1"]
@@ -49,6 +52,7 @@ REFERENCES = {
     "q35_ref_noclip": [*DENSE, NO_CLIP],
     "q35_untied_ref_noclip": [*UNTIED, NO_CLIP],
     "q35_docs_ref": DOCS,
+    "q35_docs_untied_ref_noclip": [*DOCS, "model.tie_embeddings=false", NO_CLIP],
     "q35_moe_ref": MOE,
     "q35_moe_muon_ref": [*MOE, *MUON],
 }
@@ -81,6 +85,12 @@ LAYOUTS = {  # name -> (world, reference, overrides)
     "q35_docs_cp2": (2, "q35_docs_ref", [*DOCS, "parallelism.cp=2", *CP]),
     "q35_docs_cp4": (4, "q35_docs_ref", [*DOCS, "parallelism.cp=4", *CP]),
     "q35_docs_tp2_x_cp2": (4, "q35_docs_ref", [*DOCS, "parallelism.tp=2", "parallelism.cp=2", *CP]),
+    "q35_pp2_x_tp2_noclip": (4, "q35_untied_ref_noclip", [*UNTIED, "parallelism.pp=2", *TP2, NO_CLIP]),
+    "q35_docs_pp2_x_cp2_noclip": (
+        4,
+        "q35_docs_untied_ref_noclip",
+        [*DOCS_UNTIED, "parallelism.pp=2", "parallelism.cp=2", *CP, NO_CLIP],
+    ),
     "q35_hsdp_2x2_noclip": (
         4,
         "q35_ref_noclip",
@@ -163,6 +173,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> GroupedRuns:
     docs = str(tmp / "short_documents.jsonl")
     _short_documents(docs)
     data = {"q35_docs_ref", "q35_docs_tp2_sp", "q35_docs_cp2", "q35_docs_cp4", "q35_docs_tp2_x_cp2"}
+    data |= {"q35_docs_untied_ref_noclip", "q35_docs_pp2_x_cp2_noclip"}
     extra = lambda name: ["data=jsonl", f"data.path={docs}"] if name in data else []  # noqa: E731
     cases = {
         name: Case(1, tiny_config(str(tmp / name), *ov, *extra(name))) for name, ov in REFERENCES.items()

@@ -82,10 +82,14 @@ def test_blocks_saved_match_plan(layout: str, runs: dict) -> None:
             assert abs(want / got - 1) <= TOLERANCE, (layout, rank, b, want, got)
 
 
-@pytest.mark.parametrize("layout", ["cp", "ddp"])
+@pytest.mark.parametrize("layout", ["cp", "ddp", "tp_sp"])
 def test_collectives_match_plan(layout: str, runs: dict) -> None:
     """Every collective the plan counts (CP: the DeltaNet layers' hand-off all-gathers of the conv tails
-    and the state transition, their reduce-scatters, the attention layer's K/V) within 5% per op."""
+    and the state transition, their reduce-scatters, the attention layer's K/V) within 5% per op.
+    TP + SP: also the tp all-reduces, small as they are (0.4% of the step): the partial gradients of
+    the SP norms, the q/k norms and the DeltaNet's per-head output norms, reduced once per step
+    (``parallelisms.utils.complete_partial_grads``; before it every reader re-reduced them: 13,196 B
+    measured against 7,232 B planned), the clip's per-tensor norms, loss parallel."""
     cfg, result = runs[layout]
     ledger = [r for r in result["history"] if "comm" in r][-1]["comm"]
     plan = build_plan(cfg, compose_cluster(["cluster=cpu"]))
@@ -98,6 +102,9 @@ def test_collectives_match_plan(layout: str, runs: dict) -> None:
         )
     total = {r["rank"]: r["planned"] for r in rows if r["what"] == "total"}
     assert total, rows
+    if layout == "tp_sp":
+        reduces = [r for r in rows if r["what"] == "all_reduce"]
+        assert reduces and all(abs(r["ratio"] - 1) <= TOLERANCE for r in reduces), reduces
     for r in rows:
         if r["kind"] == "memory" or r["planned"] >= 0.01 * total[r["rank"]]:
             assert abs(r["ratio"] - 1) <= TOLERANCE, r

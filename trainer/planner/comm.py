@@ -331,9 +331,10 @@ def _partial_grad_reduce(c: PlanContext) -> tuple[int, int]:
     reduces the unit's gradients (it redistributes them to the parameter's tp placement first): every
     microbatch in the parameters' dtype without PP; once per step under PP, where the schedule
     accumulates the gradients in ``reduce_dtype`` and reduces after the last microbatch. Without FSDP,
-    every microbatch in fp32."""
+    once per step in fp32: our DDP on its copy into the bucket (the last microbatch), else the
+    trainer after the last backward (``parallelisms.utils.complete_partial_grads``)."""
     if not c.dims.fsdp_enabled:
-        return c.accum, 4
+        return 1, 4
     if c.dims.pp > 1:
         return 1, c.sync_bytes
     return c.accum, c.param_gather_bytes
@@ -342,7 +343,7 @@ def _partial_grad_reduce(c: PlanContext) -> tuple[int, int]:
 def _tp_norm_rows(rows: _Rows, c: PlanContext, pp_rank: int, mtp: int) -> None:
     """TP all-reduces of replicated weights' partial gradients: SP norms, MTP's projection, q/k norms,
     as FSDP reduces them (``_partial_grad_reduce``): per microbatch in the dtype the weights compute in
-    without PP, once per step in ``reduce_dtype`` under PP; fp32 per microbatch without FSDP."""
+    without PP, once per step in ``reduce_dtype`` under PP; fp32 once per step without FSDP."""
     args = c.cfg.model
     syncs, nbytes = _partial_grad_reduce(c)
     if c.tp_sp[1]:  # SP norms: their weight gradients are partial sums over the sequence shards
@@ -369,6 +370,24 @@ def _tp_norm_rows(rows: _Rows, c: PlanContext, pp_rank: int, mtp: int) -> None:
                 "backward",
                 "backward_s",
             )
+    if c.dims.tp > 1 and not c.dims.fsdp_enabled:
+        # the clip (parallelisms.utils.clip_grad_norm_): torch's per-tensor norms of the tp DTensor
+        # gradients are stacked and reduced in one all-reduce per step (fp32, one number a tensor);
+        # under FSDP the same stack is reduced over its mesh (a scalar's worth: not planned)
+        stages = c.ranks[pp_rank]
+        tensors = sum(c.table.blocks[b].dense_tensors for st in stages for b in st.blocks)
+        tensors += sum(c.table.first.dense_tensors for st in stages if st.first)
+        tensors += sum(c.table.last.dense_tensors for st in stages if st.last)
+        rows.add(
+            "TP all_reduce (clip: per-tensor grad norms)",
+            "all_reduce",
+            "tp",
+            ("tp",),
+            1,
+            4 * tensors,
+            "none: after the step",
+            "",
+        )
     head_norms = [n for st in c.ranks[pp_rank] for b in st.blocks for n in c.table.blocks[b].head_norms]
     # q/k norms (Qwen3): each rank's heads give a partial sum of the replicated gain's gradient
     if head_norms:

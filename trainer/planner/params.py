@@ -49,6 +49,7 @@ class ModuleParams:
     experts: int = 0  # divided by ep
     norms: list[int] = field(default_factory=list)  # numel of each SP ``norm`` weight (grads all-reduced)
     head_norms: list[int] = field(default_factory=list)  # numel of each ``head_norm`` (q/k norm) weight
+    dense_tensors: int = 0  # parameter tensors that are not experts (one gradient norm each in the clip)
     # optimizer=muon: the >=2-D block weights Muon steps (a subset of the counts above, same split)
     muon_sharded: int = 0
     muon_replicated: int = 0
@@ -73,6 +74,7 @@ class ModuleParams:
             self.experts + other.experts,
             self.norms + other.norms,
             self.head_norms + other.head_norms,
+            self.dense_tensors + other.dense_tensors,
             self.muon_sharded + other.muon_sharded,
             self.muon_replicated + other.muon_replicated,
             self.muon_experts + other.muon_experts,
@@ -138,6 +140,7 @@ def param_table(spec: ModelSpec, args: Any) -> ParamTable:
         muon = block is not None and p.ndim >= 2  # optimizer=muon's split (trainer/optim/muon.py)
         if muon:
             group.muon_shapes.append((p.shape[0] if p.ndim == 3 else 1, p.shape[-2], p.shape[-1]))
+        group.dense_tensors += id(p) not in expert_ids
         if id(p) in expert_ids:
             group.experts += p.numel()
             group.muon_experts += p.numel() if muon else 0
