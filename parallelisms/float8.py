@@ -73,6 +73,7 @@ __all__ = [
     "module_filter",
     "plan_float8",
     "resolve_emulate",
+    "torchao_linear_config",
 ]
 
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8")
@@ -276,7 +277,8 @@ def _device_name(device: torch.device) -> str:
     return f"{torch.cuda.get_device_name(device)} (SM{major}{minor})"
 
 
-def _torchao_float8_config(cfg: Float8Config, emulate: bool) -> Float8LinearConfig:
+def torchao_linear_config(cfg: Float8Config, emulate: bool) -> Float8LinearConfig:
+    """torchao's ``Float8LinearConfig`` of a float8 recipe (not ``mxfp8``): what the conversion applies."""
 
     from torchao.float8 import Float8LinearConfig
 
@@ -324,7 +326,7 @@ def convert_to_low_precision(model: nn.Module, plan: Float8Plan, spec: ModelSpec
 
         convert_to_float8_training(
             model,
-            config=_torchao_float8_config(cfg, emulate),
+            config=torchao_linear_config(cfg, emulate),
             module_filter_fn=keep,
         )
     return sorted(names, key=lambda n: [int(p) if p.isdigit() else p for p in n.split(".")])
