@@ -67,6 +67,11 @@ LAYOUTS = {  # name -> (recipe, overrides): every layout and recipe that runs on
         "rowwise",
         ("parallelism.dp_shard=1", "parallelism.tp=2", "parallelism.sequence_parallel=false", *LEDGERS),
     ),
+    # full AC recomputes every forward cast, the TP amax all-reduces of the forward included
+    "rowwise/tp_sp_ac": (
+        "rowwise",
+        ("parallelism.dp_shard=1", "parallelism.tp=2", "training.activation_checkpoint=full", *LEDGERS),
+    ),
     "rowwise_with_gw_hp/ddp": (
         "rowwise_with_gw_hp",
         ("parallelism.dp_shard=1", "parallelism.dp_replicate=2"),
@@ -98,7 +103,11 @@ LAYOUTS = {  # name -> (recipe, overrides): every layout and recipe that runs on
 MESH = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
 # TP layouts whose ledger is compared with the same layout without float8: what float8 adds is exactly
 # the planned amax all-reduces over tp (8 B each tensorwise; one float64 per row for rowwise casts).
-TP_WITHOUT_FLOAT8 = {"tensorwise/tp_sp": "off/tp_sp", "rowwise/tp": "off/tp"}
+TP_WITHOUT_FLOAT8 = {
+    "tensorwise/tp_sp": "off/tp_sp",
+    "rowwise/tp": "off/tp",
+    "rowwise/tp_sp_ac": "off/tp_sp_ac",
+}
 
 
 def _world(overrides: tuple[str, ...]) -> int:
