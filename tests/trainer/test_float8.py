@@ -272,8 +272,10 @@ def test_fsdp_float8_all_gather_ledger_bytes(runs: GroupedRuns) -> None:
 
 
 def _all_reduces(run: dict) -> list[tuple[float, float]]:
-    """Per rank: (calls, bytes) of the all-reduces in the run's last step, over every axis (under TP x
-    FSDP with float8 the ledger names the tp group ``group2``: see the README)."""
+    """Per rank: (calls, bytes) of the all-reduces in the run's last step, summed over axes: a run that
+    follows another in the same process (one spawn, several cases) can issue some of its DTensor
+    collectives over the earlier run's equal mesh (DTensor's sharding-propagation cache keeps it), same
+    ranks, which the ledger then names ``group2`` instead of ``tp`` or ``dp_shard_cp``."""
     from trainer.observe.comm_ledger import ledger_totals
 
     ranks = [r for r in run["history"] if "comm" in r][-1]["comm"]["ranks"]
