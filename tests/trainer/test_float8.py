@@ -272,10 +272,8 @@ def test_fsdp_float8_all_gather_ledger_bytes(runs: GroupedRuns) -> None:
 
 
 def _all_reduces(run: dict) -> list[tuple[float, float]]:
-    """Per rank: (calls, bytes) of the all-reduces in the run's last step, summed over axes: a run that
-    follows another in the same process (one spawn, several cases) can issue some of its DTensor
-    collectives over the earlier run's equal mesh (DTensor's sharding-propagation cache keeps it), same
-    ranks, which the ledger then names ``group2`` instead of ``tp`` or ``dp_shard_cp``."""
+    """Per rank: (calls, bytes) of the all-reduces in the run's last step, summed over axes (the amax
+    all-reduces of TP x FSDP's scale precompute run over dp_shard_cp and tp)."""
     from trainer.observe.comm_ledger import ledger_totals
 
     ranks = [r for r in run["history"] if "comm" in r][-1]["comm"]["ranks"]
@@ -308,6 +306,15 @@ def test_tp_amax_all_reduces_match_plan(runs: GroupedRuns, layout: str) -> None:
         elif r["kind"] == "comm":  # small ops and unplanned scalars (token counts, loss, norm pieces:
             # 2,644 B a step here, with or without float8): below 1% of the step's bytes
             assert abs(r["measured"] - r["planned"]) < 0.01 * total[r["rank"]], f"{layout}: {r}"
+    ranks = [r for r in run["history"] if "comm" in r][-1]["comm"]["ranks"]
+    axes = {
+        axis
+        for rec in ranks.values()
+        for op, by in rec.items()
+        if op != "model_state" and isinstance(by, dict)
+        for axis in by
+    }
+    assert not any(a.startswith("group") for a in axes), f"{layout}: unnamed groups in the ledger: {axes}"
     got, off = _all_reduces(run), _all_reduces(runs.get(TP_WITHOUT_FLOAT8[layout]))
     added = [(c - c0, b - b0) for (c, b), (c0, b0) in zip(got, off, strict=True)]
     print(
