@@ -38,6 +38,17 @@ float8 collectives, which gloo lacks; MXFP8's weight wrapper is bypassed by DTen
 tp > 1 is refused); custom DDP and ZeRO-1 (without float8 all-gather), pipeline parallel, activation
 checkpointing and context parallel (each rank scales its own sequence chunk's activations). torchao
 is imported only when float8 is enabled.
+
+MoE experts (``experts``) stay in high precision and ``experts=true`` is refused: on CPU the experts
+run as a padded ``bmm`` that torchao's weight wrapper never sees (a silent no-op); on CUDA the experts
+call ``torch._grouped_mm``, which torchao 0.18's ``Float8TrainingOpConfig`` wrapper intercepts, but its
+float8 grouped GEMM asserts ``pad_token_groups_for_grouped_mm=False`` (every expert's token group must
+already be a multiple of 16 rows; the router's groups are any size, so the dispatch would have to pad
+them, as torchtitan's does) and runs only as Triton/CUDA kernels, with no emulated mode to check its
+numerics against on CPU. torchao's MXFP8 grouped GEMM does emulate on CPU (measured with
+``model.grouped_mm=on``: forward 3.7e-2 from fp32), but only with every group a multiple of 32 rows
+(its weight gradient contracts over tokens in blocks of 32) and a bf16 output: the same dispatch
+padding is the missing piece for both.
 """
 
 from __future__ import annotations
@@ -73,6 +84,7 @@ __all__ = [
     "module_filter",
     "plan_float8",
     "resolve_emulate",
+    "torchao_linear_config",
 ]
 
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8")
@@ -210,11 +222,12 @@ def check_float8(
             f"training.float8.experts=true but model.family={spec.family} has no experts; "
             "set training.float8.experts=false."
         )
-    if cfg.experts:
+    if cfg.experts:  # CUDA: torchao 0.18's float8 grouped GEMM (see the module docstring)
         raise ConfigError(
             "training.float8.experts=true: float8 grouped GEMMs for the stacked experts are not wired in "
-            "this version (the dense linears convert; the experts stay in high precision); set "
-            "training.float8.experts=false."
+            "this version (torchao 0.18's needs every expert's token group padded to a multiple of 16, "
+            "which the router's dispatch does not do, and has no emulation to check it by; the dense "
+            "linears convert, the experts stay in high precision); set training.float8.experts=false."
         )
     names = _convertible(model, cfg, spec)
     if not names:
@@ -276,7 +289,8 @@ def _device_name(device: torch.device) -> str:
     return f"{torch.cuda.get_device_name(device)} (SM{major}{minor})"
 
 
-def _torchao_float8_config(cfg: Float8Config, emulate: bool) -> Float8LinearConfig:
+def torchao_linear_config(cfg: Float8Config, emulate: bool) -> Float8LinearConfig:
+    """torchao's ``Float8LinearConfig`` of a float8 recipe (not ``mxfp8``): what the conversion applies."""
 
     from torchao.float8 import Float8LinearConfig
 
@@ -324,7 +338,7 @@ def convert_to_low_precision(model: nn.Module, plan: Float8Plan, spec: ModelSpec
 
         convert_to_float8_training(
             model,
-            config=_torchao_float8_config(cfg, emulate),
+            config=torchao_linear_config(cfg, emulate),
             module_filter_fn=keep,
         )
     return sorted(names, key=lambda n: [int(p) if p.isdigit() else p for p in n.split(".")])

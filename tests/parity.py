@@ -227,9 +227,15 @@ def train_case(case: Case) -> dict[str, Any]:
 
 
 def run_cases(rank: int, world_size: int, cases: dict[str, Case]) -> dict[str, dict]:
-    """Spawned-rank entry point: every case in turn on the same process group."""
+    """Spawned-rank entry point: every case in turn on the same process group. Before each, DTensor's
+    sharding-propagation caches are cleared: they would hand a case the previous case's equal mesh, so
+    some of its collectives would run over the previous run's groups (same ranks, same numbers) and
+    its comm ledger would name them ``group<N>`` instead of their mesh axis."""
+    from trainer.rehearse_trace import forget_meshes
+
     out = {}
     for name, case in cases.items():
+        forget_meshes()
         try:
             out[name] = train_case(case)
         except Exception as e:

@@ -102,6 +102,9 @@ REPLACED = (
     "expert-parallel all_to_all splits and the experts' group sizes follow on the host, with no "
     ".tolist(); the load balancer's all_reduce and bias update run on it; its logged statistics are "
     "not traced (no step is logged)",
+    "float8 all-gather: torchao's float8 weight tests its precomputed scale on the host (`if scale:` in "
+    "its __tensor_flatten__, read by the memory tracker); each scale the step hook precomputes is answered "
+    "'nonzero' (its real value, float8's max over a clamped amax, always is)",
     "backend: the fake group has none; ZeRO-1 re-replicates as on the planned cluster's (NCCL: one "
     "all-gather; gloo: a broadcast per owner), DDP reduces with SUM then divides (NCCL: AVG)",
 )
@@ -152,6 +155,29 @@ class _DocumentIds:
 
     bos_id: int = 1
     eos_id: int = 2
+
+
+class _Float8ScalesAnswered:
+    """A step hook after ``Float8ScaleHook``: the host read of each precomputed float8 scale (torchao
+    0.18's ``WeightWithDynamicFloat8CastTensor.__tensor_flatten__`` tests ``if self._precomputed_scale``)
+    is answered as a real run answers it -- nonzero: the scale is float8's max over an amax clamped to
+    >= 1e-12 -- through the fake tensor's ``item_memo`` (what ``aten._local_scalar_dense`` returns for a
+    fake tensor that has one). Nothing else reads the value; the scale's bytes and its all-reduce are
+    traced as they are."""
+
+    def __init__(self, parts: list[nn.Module]) -> None:
+        self.parts = parts
+
+    def begin_step(self, _state: object) -> None:
+        from torch._subclasses.fake_tensor import FakeTensor
+        from torch.distributed.tensor import DTensor
+
+        for part in self.parts:
+            for p in part.parameters():
+                local = p._local_tensor if isinstance(p, DTensor) else p
+                scale = getattr(local, "_precomputed_scale", None)
+                if isinstance(scale, FakeTensor):
+                    scale.item_memo = float(torch.finfo(torch.float8_e4m3fn).max)
 
 
 class RehearsalTrainer(Trainer):
@@ -237,8 +263,13 @@ class RehearsalTrainer(Trainer):
         self.checkpointer = self._make_checkpointer(quiet, full_shapes)
 
     def _build_metrics(self) -> None:
+        from parallelisms.float8 import Float8ScaleHook
+        from trainer.hooks import StepHooks
+
         with self.fake:
             self._build_hooks()
+        if self.hooks.of_type(Float8ScaleHook) is not None:  # answered after the precompute (REPLACED)
+            self.hooks = StepHooks([*self.hooks.hooks, _Float8ScalesAnswered(self.model_parts)])
 
     def _log_summary(self) -> None:
         pass
@@ -648,13 +679,6 @@ def _plan_inputs(args: _Args) -> tuple[TrainConfig, int, list[int], str]:
     if bad:
         raise ConfigError(
             f"--ranks: rank {bad[0]} is outside the world of {world} ranks; use 0..{world - 1}."
-        )
-    f8 = cfg.training.float8
-    if f8.enable and f8.fsdp_float8_all_gather:  # torchao 0.18 tests `if tensor:` on the precomputed scale
-        raise ConfigError(
-            "training.float8.fsdp_float8_all_gather=true is not rehearsed: torchao's float8 weight reads "
-            "its precomputed scale on the host (bool(tensor)), which fake tensors have no value for; "
-            "rehearse with training.float8.fsdp_float8_all_gather=false (trainer.plan plans both)."
         )
     return cfg, world, ranks, experiment
 

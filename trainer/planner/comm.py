@@ -8,7 +8,7 @@ import math
 
 from parallelisms.parallel_dims import DP_REPLICATE_CP, FLAT_VIEWS, MESH_DIM_NAMES, OPTIONAL_VIEWS
 from trainer.planner.context import Collective, PlanContext, link_kind, make_collective
-from trainer.planner.low_precision import AMAX_BYTES, float8_gathered, float8_weights
+from trainer.planner.low_precision import AMAX_BYTES, float8_gathered, float8_tp_amax, float8_weights
 
 __all__ = ["rank_collectives"]
 
@@ -322,6 +322,8 @@ def _tp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
             "none: critical path",
             "",
         )
+    for size, calls in sorted(float8_tp_amax(c, pp_rank).items()):  # float8 scales of sharded operands
+        rows.add("TP all_reduce (float8 amax)", "all_reduce", "tp", ("tp",), calls * c.accum, size, *overlap)
     _tp_norm_rows(rows, c, pp_rank, mtp)
 
 

@@ -5,16 +5,45 @@ all-reduces one fp32 amax per float8 weight after each optimizer step, then keep
 per weight for the next all-gathers. Masters, gradients, optimizer state and the gradient
 reduce-scatter stay in high precision; without float8 all-gather nothing changes (the casts happen
 on the gathered weights, inside each matmul). The precision term of the planner, not a family's:
-the converted linears come from the same filter the trainer applies, run on the meta model."""
+the converted linears come from the same filter the trainer applies, run on the meta model.
+
+Under tensor parallel the float8 linears see DTensors, and each dynamic scale of a *sharded* operand
+needs the amax over the whole tensor: torchao's ``tensor_to_amax`` on a sharded DTensor gives a
+``Partial(max)`` that DTensor all-reduces over tp when torchao upcasts it to float64 for the scale
+(``amax_to_scale``): one all-reduce of 8 bytes per tensorwise cast, of one float64 per row for an
+axiswise (rowwise) cast along the sharded dimension (:func:`float8_tp_amax`). A replicated operand (a
+column-wise linear's input, a row-wise linear's output gradient) and an axiswise cast along an
+unsharded dimension need none; a weight FSDP all-gathered in float8 arrives cast (scaled by the
+precompute) and needs none either."""
 
 from __future__ import annotations
 
-from parallelisms.float8 import float8_weight_names
+from parallelisms.float8 import float8_weight_names, torchao_linear_config
+from parallelisms.tensor_parallel import tp_kinds
 from trainer.planner.context import PlanContext
 
-__all__ = ["AMAX_BYTES", "float8_gathered", "float8_weights"]
+__all__ = ["AMAX_BYTES", "TP_AMAX_BYTES", "float8_gathered", "float8_tp_amax", "float8_weights"]
 
 AMAX_BYTES = 4  # one fp32 amax (all-reduced) and one fp32 scale (kept) per float8 weight
+TP_AMAX_BYTES = 8  # a TP amax is all-reduced in float64 (torchao's amax_to_scale upcasts it)
+
+# The six casts of torchao's float8 matmul (``matmul_with_hp_or_float8_args``), in its order: the
+# operand (input (T, in), weight transposed (in, out), output gradient (T, out)), the cast config
+# it reads, the dimension an axiswise amax reduces, and whether the cast runs in forward.
+_CASTS = (
+    ("input", "cast_config_input", 1, True),
+    ("weight", "cast_config_weight", 0, True),
+    ("grad_out", "cast_config_grad_output", 1, False),
+    ("weight", "cast_config_weight_for_grad_input", 1, False),
+    ("grad_out", "cast_config_grad_output_for_grad_weight", 0, False),
+    ("input", "cast_config_input_for_grad_weight", 0, False),
+)
+# The dimension of each operand that tensor parallel shards (None: replicated), by TP-plan kind
+# (parallelisms/tensor_parallel.py): column-wise shards out_features, row-wise in_features.
+_SHARDED = {
+    "colwise": {"input": None, "weight": 1, "grad_out": 1},
+    "rowwise": {"input": 1, "weight": 0, "grad_out": None},
+}
 
 
 def _all_gathers_float8(c: PlanContext) -> bool:
@@ -44,3 +73,54 @@ def float8_gathered(c: PlanContext) -> list[float]:
     for block, elements in float8_weights(c):
         out[block] += elements
     return out
+
+
+def float8_tp_amax(c: PlanContext, pp_rank: int) -> dict[int, float]:
+    """The float8 amax all-reduces over tp of one microbatch on ``pp_rank``: {bytes of one call: calls}
+    (see the module docstring). Full activation checkpointing repeats every forward cast (measured: the
+    exit projection's too, whose output collective the recompute skips). Empty without float8 or tp."""
+    f8 = c.cfg.training.float8
+    model, spec = c.table.model, c.spec
+    if not f8.enable or c.dims.tp == 1 or model is None or f8.recipe == "mxfp8":  # mxfp8 + tp: refused
+        return {}
+    torchao_cfg = torchao_linear_config(f8, emulate=True)
+    from torchao.float8.config import ScalingGranularity, ScalingType
+
+    kinds = tp_kinds(model, spec)
+    modules = dict(model.named_modules())
+    owned = {b for st in c.ranks[pp_rank] for b in st.blocks}
+    index = {key: i for i, (key, _) in enumerate(spec.block_items(model))}
+    gathered_f8 = f8.fsdp_float8_all_gather and c.dims.fsdp_enabled
+    out: dict[int, float] = {}
+    linears = [n[: -len(".weight")] for n in float8_weight_names(model, f8, spec)]
+    for name in linears:
+        key = _block_key(spec.blocks, name)
+        sharded = _SHARDED.get(kinds.get(name, ""))
+        if sharded is None or index[key] not in owned:
+            continue
+        linear = modules[name]
+        shape = {
+            "input": (c.micro_tokens, linear.in_features),
+            "weight": (linear.in_features, linear.out_features),
+            "grad_out": (c.micro_tokens, linear.out_features),
+        }
+        for operand, attr, axis, forward in _CASTS:
+            cast = getattr(torchao_cfg, attr)
+            dim = sharded[operand]
+            if cast.scaling_type is ScalingType.DISABLED or dim is None:
+                continue
+            if operand == "weight" and gathered_f8:
+                continue
+            if cast.scaling_granularity is ScalingGranularity.TENSORWISE:
+                size = TP_AMAX_BYTES
+            elif axis == dim:  # one amax per row of the other (unsharded) dimension
+                size = shape[operand][1 - axis] * TP_AMAX_BYTES
+            else:
+                continue
+            out[size] = out.get(size, 0.0) + (2 if forward and c.recompute else 1)
+    return out
+
+
+def _block_key(blocks: str, name: str) -> str:
+    """The block key of a module name ``<blocks>.<key>.<...>``."""
+    return name[len(blocks) + 1 :].split(".")[0]
