@@ -102,7 +102,7 @@ class TorchMuonAdamW(torch.optim.Optimizer):
                 for g in groups
                 if not g["use_muon"]
             ],
-            foreach=True,
+            fused=True,  # the trainer's optimizer.implementation=auto on the CPU
         )
         self.all_params = [p for g in groups for p in g["params"]]
         self.param_groups = self.muon.param_groups + self.adamw.param_groups

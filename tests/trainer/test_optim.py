@@ -124,7 +124,7 @@ def test_muon_one_process_is_torch_muon_plus_adamw_bitwise(adjust_lr_fn: str) ->
             lr=1e-2,
             betas=cfg.betas,
             eps=cfg.eps,
-            foreach=True,
+            fused=True,  # optimizer.implementation=auto on the CPU
         ),
     ]
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))

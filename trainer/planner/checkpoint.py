@@ -165,9 +165,10 @@ def saved_entries(cfg: TrainConfig, model: Optional[nn.Module] = None) -> SavedS
         with torch.device("meta"), _no_weight_init():
             model = spec.build(cfg.model)
     # The implementation switches (foreach, fused) depend on the device; they are saved as small
-    # objects of one size whatever their values, so the CPU's optimizer stands for any device's.
+    # objects of one size whatever their values, so the meta device's (foreach: the fused kernel
+    # refuses meta parameters) stands for any device's.
     optimizer = build_optimizer(
-        [model], cfg.optimizer, device_type="cpu", adamw_modules=spec.first_modules + spec.last_modules
+        [model], cfg.optimizer, device_type="meta", adamw_modules=spec.first_modules + spec.last_modules
     )
     schedule = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
     names = {id(p): n for n, p in model.named_parameters()}
