@@ -198,6 +198,8 @@ def _fault_tolerance(c: HookContext) -> Optional[Hook]:
         return None
     from trainer.resilience.fault_tolerance import FaultToleranceHook
 
+    if c.ft.semi is not None:  # semi_sync: DiLoCo's schedule after the inner step, no per-step exchange
+        return c.ft.semi
     return FaultToleranceHook(c.ft, c.model, c.parameters)
 
 

@@ -24,6 +24,10 @@ launchers (``FT_GROUPS=N ./launch.sh``, ``FT=1 sbatch slurm/train.sbatch``; both
    peer failed during it, the step is discarded (gradients dropped, step not counted) and retried
    with the next quorum.
 
+``semi_sync.method=diloco|streaming_diloco`` (trainer/resilience/semi_sync.py) replaces 1-4 between syncs:
+no quorum, no cross-group collective; each group trains its own share of the data and writes its own
+checkpoints; the groups meet at the syncs only.
+
 DCP checkpoints are written by the group of quorum rank 0 only (DCP is collective inside a
 group); when every group is lost, the launchers restart them all and they resume from the newest
 checkpoint exactly as a plain run does (the torchft step comes from ``train_state.step``).
@@ -58,6 +62,7 @@ if TYPE_CHECKING:
     from torchft.process_group import ProcessGroup
 
     from trainer.config import TrainConfig
+    from trainer.resilience.semi_sync import SemiSync
     from trainer.step import StepState
 
 logger = logging.getLogger("meshwright")
@@ -117,6 +122,12 @@ def check_environment(cfg: TrainConfig) -> None:
     from trainer.resilience.trust import read_secret
 
     read_secret()
+    from trainer.resilience.semi_sync import check_quantize
+
+    device = cfg.training.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    check_quantize(ft.semi_sync, device)
 
 
 @contextlib.contextmanager
@@ -278,6 +289,8 @@ class FaultTolerance:
             store_port=store_port,
         )
         self.reducer = ManagedReducer(self.manager)
+        self.semi_sync_cfg = ft.semi_sync if ft.semi_sync.method != "none" else None
+        self.semi: Optional[SemiSync] = None  # built once the optimizer exists (build_semi_sync)
         self.folder = group_folder(dump_folder, self.group_id)
         self._beat = os.path.join(self.folder, HEARTBEAT_DIR, f"rank{rank}")
         os.makedirs(os.path.dirname(self._beat), mode=0o750, exist_ok=True)
@@ -298,14 +311,33 @@ class FaultTolerance:
         self._quorum_attempts = 2 + int(ft.hang_timeout_s // ft.quorum_timeout_s)
 
     # -- wiring ---------------------------------------------------------------------
+    @property
+    def replica_reducer(self) -> Optional[ManagedReducer]:
+        """The per-step gradient collective over the groups (None under semi_sync: no per-step exchange)."""
+        return None if self.semi_sync_cfg is not None else self.reducer
+
+    def build_semi_sync(
+        self, model_parts: list[torch.nn.Module], optimizer: torch.optim.Optimizer, device: torch.device
+    ) -> Optional[SemiSync]:
+        """``semi_sync.method != none``: torchft's DiLoCo over the model parts and the inner optimizer."""
+        if self.semi_sync_cfg is None:
+            return None
+        from trainer.resilience.semi_sync import SemiSync
+
+        self.semi = SemiSync(self, self.semi_sync_cfg, model_parts, optimizer, device)
+        return self.semi
+
     def attach(self, trainer: Any) -> None:
         """Register the healing payload and take the step from a resumed checkpoint."""
         self._trainer = trainer
         self.manager.register_state_dict_fn("meshwright", self._load_state_dict, self._state_dict)
         samples = trainer.state.tokens_seen // self.seq_len
-        self.manager.load_state_dict(
-            {"step": trainer.state.step, "batches_committed": samples // self.batch_size}
-        )
+        if self.semi is not None:
+            self.semi.resume(trainer.state.step)
+        else:
+            self.manager.load_state_dict(
+                {"step": trainer.state.step, "batches_committed": samples // self.batch_size}
+            )
         kill = os.environ.get(KILL_ENV, "")
         if kill and int(kill.split("@")[0]) == self.group_id and self.rank == 0:
             at = int(kill.split("@")[1])
@@ -387,6 +419,12 @@ class FaultTolerance:
         self.beat()
         if self._test_delay_s > 0:
             time.sleep(self._test_delay_s)
+        if self.semi is not None:  # no quorum between syncs; this group's own share of each step's samples
+            self.data_position = tokens_seen // self.seq_len
+            loader.seek(
+                self.data_position + self.group_id * self.batch_size, stride=self.num_groups * self.batch_size
+            )
+            return
         start = time.perf_counter()
         self._quorum()  # synchronous: heals and applies the state here
         if self._startup_wait_s > 0:  # first step: rather every group than a lone start and heals later
@@ -420,6 +458,30 @@ class FaultTolerance:
             committed + self.participating_rank * self.batch_size,
             stride=self.num_participants * self.batch_size,
         )
+
+    def sync_quorum(self) -> None:
+        """The quorum of a semi-synchronous sync (torchft's DiLoCo asks for it); a lagging group heals."""
+        start = time.perf_counter()
+        self._quorum()
+        self._quorum_s = time.perf_counter() - start
+        from trainer.resilience.trust import UntrustedPeerError
+
+        refused = getattr(self.manager.errored(), "original_exception", None)
+        if isinstance(refused, UntrustedPeerError):  # nothing was loaded: stop with the state we had
+            raise RuntimeError(f"{refused} (this group stops; its supervisor restarts it)") from refused
+        if self._healed:
+            self._healed = False
+            self.last_heal_s = self._quorum_s
+            logger.info(
+                f"replica group {self.group_id}: healed from a live peer at step {self._trainer.state.step} "
+                f"in {self._quorum_s:.2f}s"
+            )
+
+    def after_sync(self) -> None:
+        """The quorum of the sync just taken: its participants and this group's rank in it."""
+        self.num_participants = max(self.manager.num_participants(), 1)
+        rank = self.manager.participating_rank()
+        self.participating_rank = 0 if rank is None else int(rank)
 
     def _quorum(self) -> None:
         """``Manager.start_quorum`` (synchronous; a heal is applied inside it while this thread only
@@ -481,13 +543,21 @@ class FaultTolerance:
 
     @property
     def step_tokens(self) -> int:
-        """Tokens the committed step trained over all participating groups."""
-        return self.num_participants * self.batch_size * self.seq_len
+        """Tokens the committed step trained over all participating groups (semi_sync: every group's
+        share of the step, the data position's advance)."""
+        groups = self.num_groups if self.semi is not None else self.num_participants
+        return groups * self.batch_size * self.seq_len
 
     @property
     def writes_checkpoints(self) -> bool:
-        """Quorum rank 0's group writes the DCP checkpoints (a collective inside the group)."""
-        return self.participating_rank == 0
+        """Quorum rank 0's group writes the DCP checkpoints (a collective inside the group); under
+        semi_sync every group writes its own (their inner states differ)."""
+        return self.semi is not None or self.participating_rank == 0
+
+    @property
+    def checkpoint_root(self) -> Optional[str]:
+        """Where this group's checkpoints live when it keeps its own (semi_sync): its group folder."""
+        return self.folder if self.semi_sync_cfg is not None else None
 
     def state_digest(self) -> str:
         """SHA-256 of this rank's weights and optimizer state (local shards), to compare replica groups
