@@ -541,8 +541,6 @@ def _validate_semi_sync(cfg: TrainConfig) -> None:
         f"parallelism.fault_tolerance.startup_wait_s={cfg.parallelism.fault_tolerance.startup_wait_s}": (
             cfg.parallelism.fault_tolerance.startup_wait_s > 0
         ),
-        # a skipped step takes no optimizer step, so torchft's sync counter would drift between groups
-        "training.spike.enable=true": cfg.training.spike.enable,
     }
     for name, on in refusals.items():
         if on:

@@ -221,6 +221,15 @@ def _z_loss(c: HookContext) -> Optional[Hook]:
     return ZLossStats(c.loss, c.dims)
 
 
+def _semi_sync_skipped(c: HookContext) -> Optional[Hook]:
+    """semi_sync with spike skipping: a skipped step still counts toward torchft's sync schedule."""
+    if c.ft is None or c.ft.semi is None or c.spike is None:
+        return None
+    from trainer.resilience.semi_sync import SkippedStepCounter
+
+    return SkippedStepCounter(c.ft.semi)
+
+
 def _layer_stats(c: HookContext) -> Optional[Hook]:
     """``metrics.layer_stats_freq > 0``: per block, embedding and head gradient/parameter/update norms."""
     if c.cfg.metrics.layer_stats_freq <= 0:
@@ -259,6 +268,7 @@ HOOK_BUILDERS: tuple[HookBuilder, ...] = (
     _z_loss,  # before fault tolerance: counts this replica group's own target tokens
     _fault_tolerance,
     _spike_skip,  # after fault tolerance: judges the loss summed over the replica groups
+    _semi_sync_skipped,  # after spike skipping: its skipped steps count toward DiLoCo's syncs
     _layer_stats,  # after fault tolerance: the gradients averaged over the replica groups
     _float8_scales,  # after QK-clip's and fault tolerance's weight changes (row scaling, healing)
     _memory_ledger,

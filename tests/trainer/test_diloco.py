@@ -25,6 +25,8 @@ from tests.configs import TINY, tiny_config
 from tests.ft_harness import FT_FAST, FTJob
 from trainer.config import ConfigError, compose_config
 from trainer.resilience.fault_tolerance import group_folder
+from trainer.resilience.guards import NAN_ENV
+from trainer.resilience.semi_sync import SYNC_LOG
 
 pytest.importorskip("torchft")
 
@@ -59,7 +61,6 @@ def test_semi_sync_config_errors() -> None:
         f"{SS}.outer_optimizer.momentum=0": "optimizer.nesterov=true needs optimizer.momentum > 0",
         f"{SS}.outer_optimizer.name=lion": "optimizer.name",
         f"{FT}.startup_wait_s=5": "startup_wait_s=5.0: not supported",
-        "training.spike.enable=true": "training.spike.enable=true: not supported",
     }
     for override, message in cases.items():
         with pytest.raises(ConfigError) as err:
@@ -198,6 +199,31 @@ def _compare(
     return loss_err, weight_err
 
 
+def _check_sync_bytes(tmp_path, extra: tuple[str, ...], dump: str) -> None:
+    """The ledger's cross-group bytes: nothing between syncs, at each sync a fragment's pseudo-gradient
+    (+ the 32-byte status); their mean over the fragments is the planner's bytes per sync."""
+    from trainer.observe.comm_ledger import UNREGISTERED_AXIS
+    from trainer.planner.cluster import compose_cluster
+    from trainer.planner.comm import semi_sync_bytes_per_sync
+    from trainer.planner.context import build_context
+
+    measured, previous = [], 0
+    for r in _records(dump, 0):
+        sent = r["comm"]["ranks"]["0"].get("all_reduce", {}).get(UNREGISTERED_AXIS, {}).get("bytes", 0)
+        if r["ft/syncs"] == previous:
+            assert sent == 0, r  # no cross-group byte between syncs
+        else:
+            measured.append(sent)
+        previous = r["ft/syncs"]
+    plan_layout = ("parallelism.dp_replicate=2", "parallelism.dp_shard=1", f"{FT}.enable=true")
+    cfg = tiny_config(str(tmp_path / "plan"), *RUN, *extra, *plan_layout)
+    predicted = semi_sync_bytes_per_sync(build_context(cfg, compose_cluster(["cluster=cpu"])), 0)
+    fragments = cfg.parallelism.fault_tolerance.semi_sync.fragments
+    mean = sum(measured[:fragments]) / fragments
+    print(f"cross-group bytes per sync: measured {measured}, planner {predicted:.0f}")
+    assert mean == predicted, (measured, predicted)
+
+
 @pytest.mark.slow
 def test_diloco_and_streaming_match_reference(tmp_path) -> None:
     """DiLoCo (H=3: syncs after steps 3 and 6) and Streaming DiLoCo (H=4, 2 fragments: fragment 0
@@ -207,7 +233,12 @@ def test_diloco_and_streaming_match_reference(tmp_path) -> None:
         "diloco": (3, 1, (f"{SS}.method=diloco", f"{SS}.sync_every=3")),
         "streaming": (4, 2, (f"{SS}.method=streaming_diloco", f"{SS}.sync_every=4", f"{SS}.fragments=2")),
     }
-    jobs = {name: FTJob(str(tmp_path / name), (*RUN, *extra)) for name, (_, _, extra) in runs.items()}
+    ledger = "metrics.comm_ledger=true"  # counts the cross-group bytes; the arithmetic is the same
+    jobs = {name: FTJob(str(tmp_path / name), (*RUN, *extra, ledger)) for name, (_, _, extra) in runs.items()}
+    # DiLoCo stopped after step 4 (one step into its second window; each group checkpoints its own) and
+    # launched again to step 6: it resumes exactly.
+    resumed = str(tmp_path / "resumed")
+    jobs["first_part"] = FTJob(resumed, (*RUN, *runs["diloco"][2], "training.steps=4"))
     try:
         expected = {
             name: _reference(str(tmp_path / f"ref_{name}"), sync_every=h, fragments=f, lr=3e-3)
@@ -215,9 +246,18 @@ def test_diloco_and_streaming_match_reference(tmp_path) -> None:
         }
         for job in jobs.values():
             assert job.wait(timeout=600) == 0, job.log()
+        jobs["resumed"] = FTJob(resumed, (*RUN, *runs["diloco"][2]))
+        assert jobs["resumed"].wait(timeout=600) == 0, jobs["resumed"].log()
     finally:
         for job in jobs.values():
             job.stop()
+    for g in range(GROUPS):
+        whole, again = _records(jobs["diloco"].dump, g), _records(resumed, g)
+        assert [r["step"] for r in again] == list(range(1, STEPS + 1))
+        assert [r["loss"] for r in again] == [r["loss"] for r in whole], g
+        final, final_again = _final_weights(jobs["diloco"].dump, g), _final_weights(resumed, g)
+        assert all(torch.equal(final[k], final_again[k]) for k in final), g
+    del jobs["first_part"], jobs["resumed"]
     for name, job in jobs.items():
         loss_err, weight_err = _compare(job.dump, *expected[name])
         records = [_records(job.dump, g) for g in range(GROUPS)]
@@ -227,6 +267,7 @@ def test_diloco_and_streaming_match_reference(tmp_path) -> None:
         assert (
             all(r["ft/participants"] == 2 for r in records[0][2:]) and records[0][-1]["ft/failed_syncs"] == 0
         )
+        _check_sync_bytes(tmp_path, runs[name][2], job.dump)
     # the groups meet only at syncs: DiLoCo's sync count after steps 3 and 6, streaming's after 2, 4, 6
     assert [r["ft/syncs"] for r in _records(jobs["diloco"].dump, 0)] == [0, 0, 1, 1, 1, 2]
     assert [r["ft/syncs"] for r in _records(jobs["streaming"].dump, 0)] == [0, 1, 1, 2, 2, 3]
@@ -236,8 +277,11 @@ def test_diloco_and_streaming_match_reference(tmp_path) -> None:
 def test_diloco_h1_sgd_equals_synchronous(tmp_path) -> None:
     """Inner SGD, no clipping, sync_every=1, outer SGD of lr 1 without momentum: each step's outer update
     is the mean of the groups' SGD steps, i.e. SGD on the mean gradient, which the synchronous
-    fault-tolerant run takes (per-step quorum and gradient all-reduce)."""
-    sgd = (*RUN, "optimizer=sgd", "optimizer.lr=0.1", "training.grad_clip=0")
+    fault-tolerant run takes (per-step quorum and gradient all-reduce); with a loss spike skipped at
+    step 5 in both runs."""
+    # both runs skip step 5 as a loss spike (a NaN forward on rank 0 of each group, once): nothing is
+    # applied, the batch is consumed, and under DiLoCo the skipped step still counts as an inner step
+    sgd = (*RUN, "optimizer=sgd", "optimizer.lr=0.1", "training.grad_clip=0", "training.spike.enable=true")
     semi = (
         f"{SS}.method=diloco",
         f"{SS}.sync_every=1",
@@ -245,7 +289,11 @@ def test_diloco_h1_sgd_equals_synchronous(tmp_path) -> None:
         f"{SS}.outer_optimizer.momentum=0",
         f"{SS}.outer_optimizer.nesterov=false",
     )
-    jobs = [FTJob(str(tmp_path / "diloco"), (*sgd, *semi)), FTJob(str(tmp_path / "sync"), sgd)]
+    poison = {NAN_ENV: "0@5"}
+    jobs = [
+        FTJob(str(tmp_path / "diloco"), (*sgd, *semi), env=poison),
+        FTJob(str(tmp_path / "sync"), sgd, env=poison),
+    ]
     try:
         for job in jobs:
             assert job.wait(timeout=600) == 0, job.log()
@@ -266,5 +314,87 @@ def test_diloco_h1_sgd_equals_synchronous(tmp_path) -> None:
         max((w - ref[n]).abs().max().item() for n, w in _final_weights(diloco.dump, g).items())
         for g in range(GROUPS)
     )
+    for g in range(GROUPS):  # a sync after every inner step, the skipped one too (step 5 twice)
+        with open(os.path.join(group_folder(diloco.dump, g), SYNC_LOG), encoding="utf-8") as f:
+            assert [json.loads(line)["step"] for line in f] == [1, 2, 3, 4, 5, 5, 6], g
     print(f"DiLoCo H=1 vs synchronous: relative loss error {loss_err:.2e}, weight error {weight_err:.2e}")
     assert loss_err <= 1e-5 and weight_err <= 1e-5
+
+
+@pytest.mark.slow
+def test_kill_and_heal_keep_the_data_rule(tmp_path) -> None:
+    """DiLoCo (H=2) in 2 groups, min_replicas=1: group 1 is SIGKILLed between syncs (step 5), later group 0
+    inside a sync (after the quorum, before the exchange). Each time the survivor's sync misses a group
+    that opened the window: the window is dropped and its samples trained again; the restarted group joins
+    the survivor at its next sync, healing from it (outer momentum and weights of the last sync bitwise
+    equal from then on). The committed windows tile the data: each sample committed once."""
+    from trainer.resilience.fault_tolerance import KILL_ENV
+    from trainer.resilience.semi_sync import KILL_IN_SYNC_ENV
+
+    period, batch = 2, GROUP_BATCH
+    job = FTJob(
+        str(tmp_path / "ft"),
+        (
+            *RUN,
+            "training.steps=100000",
+            f"{FT}.min_replicas=1",
+            f"{FT}.quorum_timeout_s=12",
+            f"{FT}.hang_timeout_s=14",
+            f"{SS}.method=diloco",
+            f"{SS}.sync_every={period}",
+        ),
+        step_delay_s=0.1,
+        env={KILL_ENV: "1@5", KILL_IN_SYNC_ENV: "0"},
+    )
+
+    def healed(group: int, after: int) -> bool:  # healed after step ``after`` and synced twice with its peer
+        records = job.records(group)
+        heals = [r for r in records if r.get("ft/heal_s") and r["step"] > after]
+        return bool(heals) and records[-1]["ft/syncs"] >= heals[0]["ft/syncs"] + 2
+
+    try:
+        job.wait_for(lambda: healed(1, 4), 300, "group 1 to rejoin after its SIGKILL")
+        rejoined = job.last_step(1)
+        open(
+            os.path.join(group_folder(job.dump, 0), "test_kill_in_sync_arm"), "w"
+        ).close()  # group 0 dies next
+        job.wait_for(lambda: healed(0, rejoined), 300, "group 0 to rejoin after its SIGKILL in a sync")
+    finally:
+        job.stop()
+    exits = [line for line in job.supervisor_lines() if "exited" in line]
+    assert len(exits) >= 2, job.supervisor_lines()
+    records = {g: job.records(g) for g in range(GROUPS)}
+    # bitwise equal outer state (outer momentum, weights of the last sync) wherever both logged a step
+    by_step = [{r["step"]: r for r in records[g]} for g in range(GROUPS)]
+    shared = sorted(set(by_step[0]) & set(by_step[1]))
+    assert len(shared) >= 4, shared
+    for step in shared:
+        assert by_step[0][step]["ft/outer_sha"] == by_step[1][step]["ft/outer_sha"], step
+    # the windows every group logged at its syncs (syncs.jsonl, kept across restarts), merged
+    windows = set()
+    for g in range(GROUPS):
+        with open(os.path.join(group_folder(job.dump, g), SYNC_LOG), encoding="utf-8") as f:
+            for line in f:
+                w = json.loads(line)
+                windows.add((w["sync"], w["window_start"], w["window_groups"], w["committed"]))
+    committed = sorted((w for w in windows if w[3]), key=lambda w: w[0])
+    failed = [w for w in windows if not w[3]]
+    assert [w[0] for w in committed] == list(range(len(committed))), committed  # one commit per sync count
+    position = 0
+    for sync, start, groups, _ in committed:
+        assert start == position, (sync, start, position)  # each window starts where the last one ended
+        position += period * groups * batch
+    starts = {w[0]: w[1] for w in committed}
+    for sync, start, _, _ in failed:  # a dropped window's samples are trained again from its start
+        assert starts.get(sync, start) == start, (sync, start, starts.get(sync))
+    assert len(failed) >= 2, failed  # the survivor's sync after each kill
+    # per step: each group read its slot of the window's samples
+    for g in range(GROUPS):
+        for r in records[g]:
+            if r["step"] % period:
+                start, groups, slot = r["ft/window"]
+                assert r["ft/data_position"] == start + (r["step"] - 1) % period * groups * batch, r
+    print(
+        f"{len(committed)} committed windows ({position} samples, each once), {len(failed)} dropped; "
+        f"group exits: {len(exits)}; {len(shared)} steps logged by both groups with equal outer state"
+    )

@@ -77,6 +77,9 @@ STEP_DELAY_ENV = "MESHWRIGHT_TEST_FT_STEP_DELAY_S"
 # pass of its first step >= <step> (once per run folder), so the other groups are inside that step's
 # gradient all-reduce when it disappears.
 KILL_ENV = "MESHWRIGHT_TEST_FT_KILL_AT"
+# Set by the launchers' supervisor: this group process's incarnation (0: the job's first; > 0: a restart,
+# which under semi_sync joins the live groups at their next sync, trainer/resilience/semi_sync.py).
+ATTEMPT_ENV = "MESHWRIGHT_FT_ATTEMPT"
 
 
 def group_folder(dump_folder: str, group_id: int) -> str:
@@ -309,6 +312,9 @@ class FaultTolerance:
         self._startup_wait_s = ft.startup_wait_s  # spent once, at this process's first step
         # enough quorum timeouts to outlast a hung peer until the supervisor kills it
         self._quorum_attempts = 2 + int(ft.hang_timeout_s // ft.quorum_timeout_s)
+        self.attempt = int(os.environ.get(ATTEMPT_ENV, "0") or 0)  # semi_sync: > 0 joins at the next sync
+        # semi_sync: how long a restarted group looks for live groups to join before resuming on its own
+        self.join_timeout_s = 2 * ft.hang_timeout_s
 
     # -- wiring ---------------------------------------------------------------------
     @property
@@ -333,7 +339,7 @@ class FaultTolerance:
         self.manager.register_state_dict_fn("meshwright", self._load_state_dict, self._state_dict)
         samples = trainer.state.tokens_seen // self.seq_len
         if self.semi is not None:
-            self.semi.resume(trainer.state.step)
+            self.semi.resume()
         else:
             self.manager.load_state_dict(
                 {"step": trainer.state.step, "batches_committed": samples // self.batch_size}
@@ -419,11 +425,7 @@ class FaultTolerance:
         self.beat()
         if self._test_delay_s > 0:
             time.sleep(self._test_delay_s)
-        if self.semi is not None:  # no quorum between syncs; this group's own share of each step's samples
-            self.data_position = tokens_seen // self.seq_len
-            loader.seek(
-                self.data_position + self.group_id * self.batch_size, stride=self.num_groups * self.batch_size
-            )
+        if self.semi is not None:  # no quorum between syncs; SemiSync.begin_step places the data
             return
         start = time.perf_counter()
         self._quorum()  # synchronous: heals and applies the state here
@@ -459,8 +461,9 @@ class FaultTolerance:
             stride=self.num_participants * self.batch_size,
         )
 
-    def sync_quorum(self) -> None:
-        """The quorum of a semi-synchronous sync (torchft's DiLoCo asks for it); a lagging group heals."""
+    def sync_quorum(self) -> bool:
+        """The quorum of a semi-synchronous sync (torchft's DiLoCo asks for it); a lagging group heals
+        (returns whether it did)."""
         start = time.perf_counter()
         self._quorum()
         self._quorum_s = time.perf_counter() - start
@@ -476,6 +479,12 @@ class FaultTolerance:
                 f"replica group {self.group_id}: healed from a live peer at step {self._trainer.state.step} "
                 f"in {self._quorum_s:.2f}s"
             )
+            return True
+        return False
+
+    def trainer_state(self) -> _TrainerProgress:
+        """The trainer's step, data position and LR schedule, as a joining group aligns them."""
+        return _TrainerProgress(self)
 
     def after_sync(self) -> None:
         """The quorum of the sync just taken: its participants and this group's rank in it."""
@@ -545,8 +554,9 @@ class FaultTolerance:
     def step_tokens(self) -> int:
         """Tokens the committed step trained over all participating groups (semi_sync: every group's
         share of the step, the data position's advance)."""
-        groups = self.num_groups if self.semi is not None else self.num_participants
-        return groups * self.batch_size * self.seq_len
+        if self.semi is not None:
+            return self.semi.step_tokens
+        return self.num_participants * self.batch_size * self.seq_len
 
     @property
     def writes_checkpoints(self) -> bool:
@@ -581,6 +591,7 @@ class FaultTolerance:
             "ft/discarded_steps": self.discarded_steps,
             "ft/quorum_s": self._quorum_s,
             "ft/replica_group": self.group_id,
+            "ft/cross_group_bytes": self.reducer.sent_bytes,  # payload this rank all-reduced across groups
         }
         if self.last_heal_s is not None:
             out["ft/heal_s"] = self.last_heal_s
@@ -593,6 +604,30 @@ class FaultTolerance:
             self.manager.shutdown(wait=False)
         except Exception as e:  # shutting down after a failure: nothing left to save
             logger.warning(f"torchft manager shutdown: {e}")
+
+
+class _TrainerProgress:
+    """The trainer's counters for :class:`trainer.resilience.semi_sync.SemiSync` (a joining group takes its
+    peers' step, with the LR schedule at that step, and data position)."""
+
+    def __init__(self, ft: FaultTolerance) -> None:
+        self._ft = ft
+
+    @property
+    def step(self) -> int:
+        return int(self._ft._trainer.state.step)
+
+    @property
+    def tokens_seen(self) -> int:
+        return int(self._ft._trainer.state.tokens_seen)
+
+    def set_progress(self, step: int, tokens_seen: int) -> None:
+        t = self._ft._trainer
+        if step != t.state.step:
+            t.state.step = step
+            t.lr_scheduler.last_epoch = step
+            t.lr_scheduler.sync_lr()
+        t.state.tokens_seen = tokens_seen
 
 
 class FaultToleranceHook:
