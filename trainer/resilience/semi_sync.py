@@ -364,12 +364,17 @@ class SemiSync:
         fragment = self.ft.manager.current_step() % len(self.fragments)
         start = time.perf_counter()
         self.diloco._fragments[fragment].prepare_sync()
-        self.diloco._fragments[fragment].perform_sync()
-        self.diloco._local_step = 0
+        delay = self.cfg.fragment_sync_delay
+        if delay == 0:
+            self.diloco._fragments[fragment].perform_sync()
+            self.diloco._local_step = 0
+        else:  # the peers apply the exchange `delay` inner steps later: torchft's schedule does it here too
+            self.diloco._local_step = self.period - delay
         trainer.set_progress(
             trainer.step + 1, trainer.tokens_seen + self.step_groups * self.ft.batch_size * self.ft.seq_len
         )
-        self._after_sync(fragment, trainer.step, start)
+        if delay == 0:
+            self._after_sync(fragment, trainer.step, start)
         logger.info(f"replica group {self.ft.group_id}: joined the live groups at step {trainer.step}")
 
     # -- step hook points --------------------------------------------------------------
@@ -477,7 +482,12 @@ class SemiSyncState:
             saved = fragment.original_parameters[name]
             if isinstance(p, DTensor):
                 out[name] = DTensor.from_local(
-                    saved, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                    saved.to(p.to_local().device),  # DCP saves a DTensor from its mesh's device
+                    p.device_mesh,
+                    p.placements,
+                    run_check=False,
+                    shape=p.shape,
+                    stride=p.stride(),
                 )
             else:
                 out[name] = saved
