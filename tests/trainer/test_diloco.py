@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 from typing import Any
 
 import pytest
@@ -82,6 +83,81 @@ def test_semi_sync_config_errors() -> None:
     cfg = compose_config(*base, f"{SS}.quantize=true")
     with pytest.raises(ConfigError, match="CUDA only"):
         check_quantize(cfg.parallelism.fault_tolerance.semi_sync, "cpu")
+
+
+def test_sgd_is_torch_sgd() -> None:
+    """optimizer=sgd (the outer optimizer's registry entry): torch.optim.SGD with Nesterov momentum on
+    matrices decayed and vectors not, bitwise over 3 steps, and its own keys refused when out of range."""
+    from trainer.optim import build_optimizer, validate_optimizer
+    from trainer.optim.config import LRSchedulerConfig, OptimizerConfig
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 4))
+    twin = copy.deepcopy(model)
+    cfg = OptimizerConfig(name="sgd", lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)
+    ours = build_optimizer(model, cfg, device_type="cpu")
+    theirs = torch.optim.SGD(
+        [
+            {"params": [p for p in twin.parameters() if p.ndim >= 2], "weight_decay": 0.01},
+            {"params": [p for p in twin.parameters() if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=0.1,
+        momentum=0.9,
+        nesterov=True,
+    )
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        for m, opt in ((model, ours), (twin, theirs)):
+            m(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+    for bad, message in {
+        "momentum": "optimizer.momentum=1.0 must lie in [0, 1)",
+        "nesterov": "needs",
+    }.items():
+        wrong = OptimizerConfig(
+            name="sgd", momentum=1.0 if bad == "momentum" else 0.0, nesterov=bad == "nesterov"
+        )
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            validate_optimizer(wrong, LRSchedulerConfig())
+
+
+@pytest.mark.parametrize("inner", ["adamw", "sgd"])
+def test_planner_counts_the_outer_optimizer(tmp_path, inner: str) -> None:
+    """The planner's optimizer bytes under DiLoCo: the inner optimizer's state plus the outer one's (Nesterov
+    momentum), as the real torch optimizers hold them after a step over the tiny model."""
+    from trainer.planner.cluster import compose_cluster
+    from trainer.planner.plan import build_plan
+    from trainer.train import Trainer
+
+    layout = (
+        "parallelism.dp_replicate=2",
+        "parallelism.dp_shard=1",
+        f"{FT}.enable=true",
+        f"{SS}.method=diloco",
+    )
+    optimizer = ("optimizer=sgd", "optimizer.momentum=0.9") if inner == "sgd" else ()
+    plan = build_plan(
+        tiny_config(str(tmp_path / "plan"), *optimizer, *layout), compose_cluster(["cluster=cpu"])
+    )
+    trainer = Trainer(tiny_config(str(tmp_path / "one"), *optimizer))
+    try:
+        model = trainer.model_parts[0]
+        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        model(torch.randint(0, 512, (2, 32))).logsumexp(-1).mean().backward()
+        trainer.optimizer.step()
+        outer.step()
+        held = sum(
+            v.numel() * v.element_size()
+            for opt in (trainer.optimizer, outer)
+            for state in opt.state.values()
+            for v in state.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        )
+    finally:
+        trainer.close()
+    assert plan.stages[0].optimizer_bytes == held, (plan.stages[0].optimizer_bytes, held)
 
 
 def _records(dump: str, group: int) -> list[dict[str, Any]]:
