@@ -26,6 +26,36 @@ class FSDPConfig:
     cpu_offload: bool = False
 
 
+# parallelism.fault_tolerance.semi_sync.method
+SEMI_SYNC_METHODS = ("none", "diloco", "streaming_diloco")
+
+
+@dataclass
+class OuterOptimizerConfig:
+    """``parallelism.fault_tolerance.semi_sync.outer_optimizer``: the optimizer applied to the averaged
+    pseudo-gradient at each sync (a name in the optimizer registry; DiLoCo's is Nesterov SGD)."""
+
+    name: str = "sgd"  # a name in trainer.optim.OPTIMIZERS (sgd: DiLoCo's Nesterov momentum)
+    lr: float = 0.7  # DiLoCo's outer LR
+    momentum: float = 0.9
+    nesterov: bool = True
+
+
+@dataclass
+class SemiSyncConfig:
+    """``parallelism.fault_tolerance.semi_sync``: DiLoCo / Streaming DiLoCo across the replica groups
+    (torchft.local_sgd.DiLoCo; trainer/resilience/semi_sync.py). Inside a group every layout runs as
+    usual; across groups only the pseudo-gradient exchange at each sync."""
+
+    method: str = "none"  # none (per-step synchronous groups) | diloco | streaming_diloco
+    sync_every: int = 32  # H: inner steps between two syncs of the whole model
+    outer_optimizer: OuterOptimizerConfig = field(default_factory=OuterOptimizerConfig)
+    fragments: int = 1  # streaming_diloco: the model in this many fragments, one synced every H/fragments
+    fragment_sync_delay: int = 0  # streaming_diloco: inner steps a fragment's exchange overlaps (tau)
+    fragment_update_alpha: float = 0.0  # streaming_diloco: weight of the local weights when merging
+    quantize: bool = False  # exchange pseudo-gradients quantized (torchft; CUDA + Triton only)
+
+
 @dataclass
 class FaultToleranceConfig:
     """``parallelism.fault_tolerance``: torchft replica groups across ``dp_replicate``
@@ -45,6 +75,7 @@ class FaultToleranceConfig:
     )
     # main thread silent this long (not in a step, not waiting for a quorum): the supervisor kills the group
     hang_timeout_s: float = 90.0
+    semi_sync: SemiSyncConfig = field(default_factory=SemiSyncConfig)
 
 
 @dataclass

@@ -63,6 +63,7 @@ class ManagedReducer:
 
     def __init__(self, manager: Any) -> None:
         self.manager = manager
+        self.sent_bytes = 0  # payload bytes all-reduced with the other groups so far (this rank)
 
     def size(self) -> int:
         # The quorum is synchronous (computed before the forward pass), so this never blocks.
@@ -71,6 +72,7 @@ class ManagedReducer:
     def all_reduce(self, tensor: torch.Tensor) -> Any:
         # Manager.allreduce zeroes a non-participating replica's tensor, and on a failed peer returns
         # a work whose wait() reports the error to the manager instead of raising.
+        self.sent_bytes += tensor.numel() * tensor.element_size()
         return self.manager.allreduce(tensor, reduce_op=dist.ReduceOp.SUM)
 
 

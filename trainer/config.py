@@ -23,7 +23,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from models import MODEL_SPECS, get_spec
 from models.errors import ConfigError, check_choice
 from models.spec import ModelArgs, decoder_args
-from parallelisms.config import DDPConfig, FSDPConfig, ParallelismConfig
+from parallelisms.config import SEMI_SYNC_METHODS, DDPConfig, FSDPConfig, ParallelismConfig
 from parallelisms.float8 import Float8Config
 from parallelisms.utils import DTYPES
 from trainer.checkpoint.hf import parse_size
@@ -458,6 +458,7 @@ def validate(cfg: TrainConfig) -> None:
     _validate_data(cfg.data)
     validate_eval(cfg.eval)
     _validate_fault_tolerance(cfg)
+    _validate_semi_sync(cfg)
     folder = cfg.job.dump_folder
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise ConfigError(
@@ -486,6 +487,67 @@ def _validate_operations(cfg: TrainConfig) -> None:
             f"profiling.steps={list(cfg.profiling.steps)}: steps count from 1; drop {bad_steps}."
         )
     _positive(cfg.profiling.top_ops, "profiling.top_ops")
+
+
+def _validate_semi_sync(cfg: TrainConfig) -> None:
+    """``parallelism.fault_tolerance.semi_sync`` (DiLoCo, trainer/resilience/semi_sync.py): its keys and
+    the options that need the per-step quorum or a per-step exchange it does not take."""
+    from trainer.optim import optimizer_entry
+    from trainer.optim.config import OptimizerConfig
+
+    ss, key = cfg.parallelism.fault_tolerance.semi_sync, "parallelism.fault_tolerance.semi_sync"
+    check_choice(ss.method, SEMI_SYNC_METHODS, f"{key}.method")
+    if ss.method == "none":
+        return
+    if not cfg.parallelism.fault_tolerance.enable:
+        raise ConfigError(
+            f"{key}.method={ss.method} runs across replica groups: set "
+            "parallelism.fault_tolerance.enable=true (FT_GROUPS=N ./launch.sh does) or semi_sync.method=none."
+        )
+    if ss.sync_every < 1:
+        raise ConfigError(f"{key}.sync_every={ss.sync_every} must be >= 1 (inner steps between syncs).")
+    if ss.method == "diloco" and ss.fragments != 1:
+        raise ConfigError(
+            f"{key}.fragments={ss.fragments} with method=diloco (one fragment: the whole model); use "
+            "method=streaming_diloco for fragments."
+        )
+    if ss.method == "streaming_diloco" and ss.fragments < 2:
+        raise ConfigError(f"{key}.fragments={ss.fragments}: method=streaming_diloco needs >= 2 fragments.")
+    if ss.sync_every % ss.fragments:
+        raise ConfigError(
+            f"{key}.sync_every={ss.sync_every} must be a multiple of {key}.fragments={ss.fragments} "
+            "(one fragment is synced every sync_every/fragments inner steps)."
+        )
+    period = ss.sync_every // ss.fragments
+    if not 0 <= ss.fragment_sync_delay < period:
+        raise ConfigError(
+            f"{key}.fragment_sync_delay={ss.fragment_sync_delay} must lie in "
+            f"[0, sync_every/fragments={period}): "
+            "a fragment's exchange must end before the next fragment's starts."
+        )
+    if not 0.0 <= ss.fragment_update_alpha <= 1.0:
+        raise ConfigError(f"{key}.fragment_update_alpha={ss.fragment_update_alpha} must lie in [0, 1].")
+    o = ss.outer_optimizer
+    outer = OptimizerConfig(name=o.name, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov, weight_decay=0.0)
+    optimizer_entry(o.name).validate(outer)
+    if not (math.isfinite(o.lr) and o.lr > 0):
+        raise ConfigError(f"{key}.outer_optimizer.lr={o.lr} must be > 0 (DiLoCo: 0.7).")
+    if not (math.isfinite(o.momentum) and 0.0 <= o.momentum < 1.0):
+        raise ConfigError(f"{key}.outer_optimizer.momentum={o.momentum} must lie in [0, 1) (DiLoCo: 0.9).")
+    if o.nesterov and o.momentum == 0.0:
+        raise ConfigError(f"{key}.outer_optimizer.nesterov=true needs outer_optimizer.momentum > 0.")
+    refusals = {
+        # the first step's wait is a quorum, which this mode takes at syncs only
+        f"parallelism.fault_tolerance.startup_wait_s={cfg.parallelism.fault_tolerance.startup_wait_s}": (
+            cfg.parallelism.fault_tolerance.startup_wait_s > 0
+        ),
+    }
+    for name, on in refusals.items():
+        if on:
+            raise ConfigError(
+                f"{key}.method={ss.method} with {name}: not supported (the groups meet only at syncs). "
+                "Leave that option off or set semi_sync.method=none."
+            )
 
 
 def _validate_fault_tolerance(cfg: TrainConfig) -> None:

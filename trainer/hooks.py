@@ -198,6 +198,8 @@ def _fault_tolerance(c: HookContext) -> Optional[Hook]:
         return None
     from trainer.resilience.fault_tolerance import FaultToleranceHook
 
+    if c.ft.semi is not None:  # semi_sync: DiLoCo's schedule after the inner step, no per-step exchange
+        return c.ft.semi
     return FaultToleranceHook(c.ft, c.model, c.parameters)
 
 
@@ -217,6 +219,15 @@ def _z_loss(c: HookContext) -> Optional[Hook]:
     from trainer.stability import ZLossStats
 
     return ZLossStats(c.loss, c.dims)
+
+
+def _semi_sync_skipped(c: HookContext) -> Optional[Hook]:
+    """semi_sync with spike skipping: a skipped step still counts toward torchft's sync schedule."""
+    if c.ft is None or c.ft.semi is None or c.spike is None:
+        return None
+    from trainer.resilience.semi_sync import SkippedStepCounter
+
+    return SkippedStepCounter(c.ft.semi)
 
 
 def _layer_stats(c: HookContext) -> Optional[Hook]:
@@ -257,6 +268,7 @@ HOOK_BUILDERS: tuple[HookBuilder, ...] = (
     _z_loss,  # before fault tolerance: counts this replica group's own target tokens
     _fault_tolerance,
     _spike_skip,  # after fault tolerance: judges the loss summed over the replica groups
+    _semi_sync_skipped,  # after spike skipping: its skipped steps count toward DiLoCo's syncs
     _layer_stats,  # after fault tolerance: the gradients averaged over the replica groups
     _float8_scales,  # after QK-clip's and fault tolerance's weight changes (row scaling, healing)
     _memory_ledger,

@@ -58,6 +58,8 @@ from trainer.step import (
 )
 
 if TYPE_CHECKING:  # imported when pp > 1 (torch.distributed.pipelining costs ~1 s to import)
+    from torch.distributed.checkpoint.stateful import Stateful
+
     from parallelisms.pipeline_parallel import Pipeline
 
 logger = logging.getLogger("meshwright")
@@ -322,7 +324,7 @@ class Trainer:
             ac_layer_interval=t.ac_layer_interval,
             compile=t.compile,
             attention_mask=self.attention_mask,
-            replica_reducer=self.ft.reducer if self.ft is not None else None,
+            replica_reducer=self.ft.replica_reducer if self.ft is not None else None,
             float8=self.float8,
         )
         self.step_context = StepContext(
@@ -411,6 +413,8 @@ class Trainer:
         install_test_nan_hook(self.model, self.rank, lambda: self.state.step + 1)
 
     def _build_checkpointer(self, full_shapes: dict[str, torch.Size]) -> None:
+        if self.ft is not None:  # semi_sync: DiLoCo over the inner optimizer (its state is checkpointed)
+            self.ft.build_semi_sync(self.model_parts, self.optimizer, self.device)
         self.checkpointer = self._make_checkpointer(self.cfg.checkpoint, full_shapes)
         if self.checkpointer.load():
             self.lr_scheduler.sync_lr()  # this run's schedule at the restored step (WSD decay_start_step)
@@ -421,9 +425,15 @@ class Trainer:
         """The run's ``Checkpointer`` under the checkpoint options ``ckpt`` (a rehearsal builds it with
         the options that need peers off, ``trainer/rehearse.py``)."""
         cfg = self.cfg
+        extra: dict[str, Stateful] = {"spike": self.state.spike} if self.state.spike is not None else {}
+        own_root = self.ft.checkpoint_root if self.ft is not None else None  # semi_sync: per group
+        if self.ft is not None and self.ft.semi is not None:
+            from trainer.resilience.semi_sync import SemiSyncState
+
+            extra["semi_sync"] = SemiSyncState(self.ft.semi)
         return Checkpointer(
             ckpt,
-            dump_folder=self.cfg.job.dump_folder,
+            dump_folder=own_root or self.cfg.job.dump_folder,
             model_parts=self.model_parts,
             optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler,
@@ -434,8 +444,8 @@ class Trainer:
             info=model_info(cfg.model, cfg.data.tokenizer, describe_layout(self.dims, self.parallelism)),
             full_shapes=full_shapes,
             hf_target=(self.spec, cfg.model),
-            shared_folder=self.ft is not None,
-            extra_states={"spike": self.state.spike} if self.state.spike is not None else None,
+            shared_folder=self.ft is not None and own_root is None,
+            extra_states=extra or None,
         )
 
     def _build_metrics(self) -> None:

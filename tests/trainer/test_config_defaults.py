@@ -31,6 +31,7 @@ OPTION_SETTINGS: dict[str, dict[str, Any]] = {
     "data/text.yaml": {"source": "text"},
     "data/tokens.yaml": {"source": "tokens"},
     "optimizer/muon.yaml": {"name": "muon"},
+    "optimizer/sgd.yaml": {"name": "sgd", "lr": 0.01, "weight_decay": 0.0},
     "lr_scheduler/warmup_linear.yaml": {"decay_type": "linear", "min_lr_ratio": 0.0},
     "lr_scheduler/wsd.yaml": {"decay_type": "wsd", "min_lr_ratio": 0.0},
 }

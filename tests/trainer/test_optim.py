@@ -325,7 +325,7 @@ def test_planner_counts_muon_newton_schulz_and_exchange() -> None:
 # -- the registry ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["adamw", "muon"])
+@pytest.mark.parametrize("name", ["adamw", "muon", "sgd"])
 def test_every_registered_optimizer_validates_builds_and_steps(name: str) -> None:
     """Each name of the table is checked, built and steps a tiny model on one process; the table
     holds exactly the optimizers the configs offer (configs/optimizer/<name>.yaml)."""
@@ -348,11 +348,11 @@ def test_unknown_names_are_refused_naming_the_registered_ones() -> None:
     from tests.configs import make_config
     from trainer.optim import LR_SCHEDULES, lr_factor
 
-    msg = re.escape("optimizer.name='sgd' is not one of ['adamw', 'muon']")
+    msg = re.escape("optimizer.name='lion' is not one of ['adamw', 'muon', 'sgd']")
     with pytest.raises(ConfigError, match=msg):
-        build_optimizer(_tiny_llama(), OptimizerConfig(name="sgd"), device_type="cpu")
+        build_optimizer(_tiny_llama(), OptimizerConfig(name="lion"), device_type="cpu")
     with pytest.raises(ConfigError, match=msg):
-        make_config("optimizer.name=sgd")
+        make_config("optimizer.name=lion")
     assert list(LR_SCHEDULES) == ["cosine", "linear", "constant", "wsd"]
     msg = re.escape("lr_scheduler.decay_type='step' is not one of ['cosine', 'linear', 'constant', 'wsd']")
     with pytest.raises(ConfigError, match=msg):

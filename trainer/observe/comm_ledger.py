@@ -151,6 +151,12 @@ def axis_names_of_groups(mesh: Any, names: Iterable[str]) -> dict[str, str]:
     return out
 
 
+# The axis of a collective over a process group torch has no name for: in this trainer, torchft's
+# reconfigurable group across the replica groups (parallelism.fault_tolerance: per-step gradients, or
+# DiLoCo's pseudo-gradients at its syncs).
+UNREGISTERED_AXIS = "replica_groups"
+
+
 class CommLedger(TorchDispatchMode):
     """Counts the collectives issued while it is entered (``with ledger: trainer.train_step()``).
 
@@ -196,7 +202,10 @@ class CommLedger(TorchDispatchMode):
         if isinstance(group, str):
             name = group
         else:  # a c10d op's ScriptObject ProcessGroup
-            name = dist.ProcessGroup.unbox(group).group_name
+            pg = dist.ProcessGroup.unbox(group)
+            name = pg.group_name
+            if not name:  # not registered with torch: torchft's process group across the replica groups
+                return UNREGISTERED_AXIS, pg.size()
         label = self._labels.get(name)
         if label is None:
             from torch.distributed.distributed_c10d import _resolve_process_group

@@ -37,7 +37,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from models.errors import ConfigError, check_choice
-from trainer.optim.adamw import IMPLEMENTATIONS, LRScale, build_adamw, param_groups
+from trainer.optim.adamw import IMPLEMENTATIONS, LRScale, build_adamw, build_sgd, param_groups
 from trainer.optim.config import LRSchedulerConfig, OptimizerConfig
 from trainer.optim.muon import build_muon, muon_cost, muon_param_groups, validate_muon_config
 from trainer.optim.schedules import (
@@ -113,6 +113,16 @@ def _no_keys_of_its_own(cfg: OptimizerConfig) -> None:
     """An optimizer that reads only the shared keys (``validate_optimizer`` checks those)."""
 
 
+def validate_sgd_config(cfg: OptimizerConfig) -> None:
+    """SGD's keys: momentum in [0, 1), Nesterov only with momentum."""
+    if not (math.isfinite(cfg.momentum) and 0.0 <= cfg.momentum < 1.0):
+        raise ConfigError(f"optimizer.momentum={cfg.momentum} must lie in [0, 1) (e.g. 0.9).")
+    if cfg.nesterov and cfg.momentum == 0.0:
+        raise ConfigError(
+            "optimizer.nesterov=true needs optimizer.momentum > 0 (e.g. optimizer.momentum=0.9)."
+        )
+
+
 @dataclass(frozen=True)
 class OptimizerEntry:
     """One optimizer: ``build``, the :data:`LAYOUTS` it runs under, and the checks of its own keys."""
@@ -127,6 +137,8 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
     "adamw": OptimizerEntry(build_adamw, EVERY_LAYOUT),
     # finds each matrix's pieces from the parameter itself (any placement); see muon.py
     "muon": OptimizerEntry(build_muon, EVERY_LAYOUT, validate=validate_muon_config),
+    # elementwise (momentum, optionally Nesterov): DiLoCo's outer optimizer, or an inner one
+    "sgd": OptimizerEntry(build_sgd, EVERY_LAYOUT, validate=validate_sgd_config),
 }
 
 LR_SCHEDULES: dict[str, LRFactor] = {

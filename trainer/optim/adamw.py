@@ -98,3 +98,31 @@ def build_adamw(
     if shard_mesh is not None:
         return ShardedOptimizer(groups, torch.optim.AdamW, shard_mesh.get_group(), **kwargs)
     return torch.optim.AdamW(groups, **kwargs)
+
+
+def build_sgd(
+    parts: list[nn.Module],
+    cfg: OptimizerConfig,
+    *,
+    device_type: str,
+    shard_mesh: Optional[DeviceMesh],
+    adamw_modules: tuple[str, ...],
+    layout: frozenset[str] = frozenset(),
+    lr_scale: Optional[LRScale] = None,
+) -> torch.optim.Optimizer:
+    """torch.optim.SGD (``optimizer.momentum``, ``optimizer.nesterov``) over :func:`param_groups` (matrices
+    decayed, vectors not; elementwise like AdamW, so any layout); DiLoCo's outer optimizer is one."""
+    impl = impl_kwargs(cfg, device_type)
+    groups = param_groups(parts, cfg.weight_decay, lr=cfg.lr, lr_scale=lr_scale)
+    if shard_mesh is not None:
+        return ShardedOptimizer(
+            groups,
+            torch.optim.SGD,
+            shard_mesh.get_group(),
+            lr=cfg.lr,
+            momentum=cfg.momentum,
+            nesterov=cfg.nesterov,
+            fused=impl["fused"],
+            foreach=impl["foreach"],
+        )
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, **impl)

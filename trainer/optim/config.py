@@ -46,6 +46,8 @@ class OptimizerConfig:
     weight_decay: float = 0.1
     implementation: str = "auto"  # auto | fused | foreach | for-loop
     muon: MuonConfig = field(default_factory=MuonConfig)  # used when name=muon
+    momentum: float = 0.0  # name=sgd: torch.optim.SGD's momentum
+    nesterov: bool = False  # name=sgd: Nesterov momentum (needs momentum > 0)
     qk_clip_tau: float = 0.0  # QK-clip: cap on each attention head's max pre-softmax logit; 0 = off
 
 

@@ -10,7 +10,7 @@ from parallelisms.parallel_dims import DP_REPLICATE_CP, FLAT_VIEWS, MESH_DIM_NAM
 from trainer.planner.context import Collective, PlanContext, link_kind, make_collective
 from trainer.planner.low_precision import AMAX_BYTES, float8_gathered, float8_tp_amax, float8_weights
 
-__all__ = ["rank_collectives"]
+__all__ = ["rank_collectives", "semi_sync_bytes_per_sync"]
 
 
 class _Rows:
@@ -545,6 +545,33 @@ def _muon_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
     )
 
 
+def semi_sync_bytes_per_sync(c: PlanContext, pp_rank: int) -> float:
+    """``parallelism.fault_tolerance.semi_sync`` (DiLoCo): the bytes a rank all-reduces with the other
+    replica groups at one sync: its local share of one fragment's pseudo-gradient (the parameters' dtype:
+    fp32) and the sync's 4-value float64 status (trainer/resilience/semi_sync.py)."""
+    ss = c.cfg.parallelism.fault_tolerance.semi_sync
+    local = c.group(pp_rank).local(c.dims.tp, c.dims.ep)
+    return local * 4 / ss.fragments + 4 * 8
+
+
+def _semi_sync_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
+    """DiLoCo across replica groups: no per-step exchange; every sync_every / fragments steps one
+    all-reduce of a fragment's pseudo-gradient (here per step: its bytes over the steps between syncs)."""
+    ss = c.cfg.parallelism.fault_tolerance.semi_sync
+    period = ss.sync_every // ss.fragments
+    rows.rows = [r for r in rows.rows if r.axis not in ("dp_replicate", DP_REPLICATE_CP)]
+    rows.add(
+        f"DiLoCo all_reduce (a fragment's pseudo-gradient every {period} steps, per step)",
+        "all_reduce",
+        "dp_replicate",
+        ("dp_replicate",),
+        1,
+        semi_sync_bytes_per_sync(c, pp_rank) / period,
+        "none: at the sync",
+        "",
+    )
+
+
 def rank_collectives(c: PlanContext, pp_rank: int, comp: dict[str, float]) -> list[Collective]:
     rows = _Rows(c, comp)
     if c.cfg.optimizer.name == "muon":
@@ -559,4 +586,7 @@ def rank_collectives(c: PlanContext, pp_rank: int, comp: dict[str, float]) -> li
     _cp_ep_rows(rows, c, pp_rank)
     if c.dims.pp > 1:
         _pp_rows(rows, c, pp_rank)
+    ft = c.cfg.parallelism.fault_tolerance
+    if ft.enable and ft.semi_sync.method != "none":
+        _semi_sync_rows(rows, c, pp_rank)
     return rows.rows

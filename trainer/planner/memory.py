@@ -550,6 +550,11 @@ def planned_rank(c: PlanContext, pp_rank: int) -> Optional[int]:
     return c.rank
 
 
+def _sgd_bytes(momentum: float) -> int:
+    """torch.optim.SGD's state per parameter element: an fp32 momentum buffer when momentum > 0."""
+    return 4 if momentum > 0 else 0
+
+
 def _muon_optimizer_bytes(c: PlanContext, pp_rank: int, local: float, held: float) -> float:
     """Muon's momentum (fp32, 4 B) only on the primary of each piece (``trainer/optim/muon.py``), on
     average 1/replicas of the held pieces; AdamW's two moments (8 B) for the rest, sharded like the
@@ -686,6 +691,12 @@ def stage_memory_of(c: PlanContext, pp_rank: int) -> StageMemory:
         )
     if c.cfg.optimizer.name == "muon":
         opt_b = _muon_optimizer_bytes(c, pp_rank, local, held)
+    elif c.cfg.optimizer.name == "sgd":
+        opt_b = _sgd_bytes(c.cfg.optimizer.momentum) * held
+    ss = p.fault_tolerance.semi_sync
+    if p.fault_tolerance.enable and ss.method != "none":  # DiLoCo's outer optimizer, on the device (the
+        o = ss.outer_optimizer  # weights of the last sync are kept in host memory: not counted here)
+        opt_b += (_sgd_bytes(o.momentum) if o.name == "sgd" else ADAM_BYTES) * held
     saved = saved_plan(c, pp_rank)
     buffers = buffer_bytes(c, pp_rank)
     acts = saved.peak + saved.recompute + saved.sac_cache

@@ -24,6 +24,10 @@ launchers (``FT_GROUPS=N ./launch.sh``, ``FT=1 sbatch slurm/train.sbatch``; both
    peer failed during it, the step is discarded (gradients dropped, step not counted) and retried
    with the next quorum.
 
+``semi_sync.method=diloco|streaming_diloco`` (trainer/resilience/semi_sync.py) replaces 1-4 between syncs:
+no quorum, no cross-group collective; each group trains its own share of the data and writes its own
+checkpoints; the groups meet at the syncs only.
+
 DCP checkpoints are written by the group of quorum rank 0 only (DCP is collective inside a
 group); when every group is lost, the launchers restart them all and they resume from the newest
 checkpoint exactly as a plain run does (the torchft step comes from ``train_state.step``).
@@ -58,6 +62,7 @@ if TYPE_CHECKING:
     from torchft.process_group import ProcessGroup
 
     from trainer.config import TrainConfig
+    from trainer.resilience.semi_sync import SemiSync
     from trainer.step import StepState
 
 logger = logging.getLogger("meshwright")
@@ -72,6 +77,9 @@ STEP_DELAY_ENV = "MESHWRIGHT_TEST_FT_STEP_DELAY_S"
 # pass of its first step >= <step> (once per run folder), so the other groups are inside that step's
 # gradient all-reduce when it disappears.
 KILL_ENV = "MESHWRIGHT_TEST_FT_KILL_AT"
+# Set by the launchers' supervisor: this group process's incarnation (0: the job's first; > 0: a restart,
+# which under semi_sync joins the live groups at their next sync, trainer/resilience/semi_sync.py).
+ATTEMPT_ENV = "MESHWRIGHT_FT_ATTEMPT"
 
 
 def group_folder(dump_folder: str, group_id: int) -> str:
@@ -117,6 +125,12 @@ def check_environment(cfg: TrainConfig) -> None:
     from trainer.resilience.trust import read_secret
 
     read_secret()
+    from trainer.resilience.semi_sync import check_quantize
+
+    device = cfg.training.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    check_quantize(ft.semi_sync, device)
 
 
 @contextlib.contextmanager
@@ -278,6 +292,8 @@ class FaultTolerance:
             store_port=store_port,
         )
         self.reducer = ManagedReducer(self.manager)
+        self.semi_sync_cfg = ft.semi_sync if ft.semi_sync.method != "none" else None
+        self.semi: Optional[SemiSync] = None  # built once the optimizer exists (build_semi_sync)
         self.folder = group_folder(dump_folder, self.group_id)
         self._beat = os.path.join(self.folder, HEARTBEAT_DIR, f"rank{rank}")
         os.makedirs(os.path.dirname(self._beat), mode=0o750, exist_ok=True)
@@ -296,16 +312,38 @@ class FaultTolerance:
         self._startup_wait_s = ft.startup_wait_s  # spent once, at this process's first step
         # enough quorum timeouts to outlast a hung peer until the supervisor kills it
         self._quorum_attempts = 2 + int(ft.hang_timeout_s // ft.quorum_timeout_s)
+        self.attempt = int(os.environ.get(ATTEMPT_ENV, "0") or 0)  # semi_sync: > 0 joins at the next sync
+        # semi_sync: how long a restarted group looks for live groups to join before resuming on its own
+        self.join_timeout_s = 2 * ft.hang_timeout_s
 
     # -- wiring ---------------------------------------------------------------------
+    @property
+    def replica_reducer(self) -> Optional[ManagedReducer]:
+        """The per-step gradient collective over the groups (None under semi_sync: no per-step exchange)."""
+        return None if self.semi_sync_cfg is not None else self.reducer
+
+    def build_semi_sync(
+        self, model_parts: list[torch.nn.Module], optimizer: torch.optim.Optimizer, device: torch.device
+    ) -> Optional[SemiSync]:
+        """``semi_sync.method != none``: torchft's DiLoCo over the model parts and the inner optimizer."""
+        if self.semi_sync_cfg is None:
+            return None
+        from trainer.resilience.semi_sync import SemiSync
+
+        self.semi = SemiSync(self, self.semi_sync_cfg, model_parts, optimizer, device)
+        return self.semi
+
     def attach(self, trainer: Any) -> None:
         """Register the healing payload and take the step from a resumed checkpoint."""
         self._trainer = trainer
         self.manager.register_state_dict_fn("meshwright", self._load_state_dict, self._state_dict)
         samples = trainer.state.tokens_seen // self.seq_len
-        self.manager.load_state_dict(
-            {"step": trainer.state.step, "batches_committed": samples // self.batch_size}
-        )
+        if self.semi is not None:
+            self.semi.resume()
+        else:
+            self.manager.load_state_dict(
+                {"step": trainer.state.step, "batches_committed": samples // self.batch_size}
+            )
         kill = os.environ.get(KILL_ENV, "")
         if kill and int(kill.split("@")[0]) == self.group_id and self.rank == 0:
             at = int(kill.split("@")[1])
@@ -387,6 +425,8 @@ class FaultTolerance:
         self.beat()
         if self._test_delay_s > 0:
             time.sleep(self._test_delay_s)
+        if self.semi is not None:  # no quorum between syncs; SemiSync.begin_step places the data
+            return
         start = time.perf_counter()
         self._quorum()  # synchronous: heals and applies the state here
         if self._startup_wait_s > 0:  # first step: rather every group than a lone start and heals later
@@ -420,6 +460,37 @@ class FaultTolerance:
             committed + self.participating_rank * self.batch_size,
             stride=self.num_participants * self.batch_size,
         )
+
+    def sync_quorum(self) -> bool:
+        """The quorum of a semi-synchronous sync (torchft's DiLoCo asks for it); a lagging group heals
+        (returns whether it did)."""
+        start = time.perf_counter()
+        self._quorum()
+        self._quorum_s = time.perf_counter() - start
+        from trainer.resilience.trust import UntrustedPeerError
+
+        refused = getattr(self.manager.errored(), "original_exception", None)
+        if isinstance(refused, UntrustedPeerError):  # nothing was loaded: stop with the state we had
+            raise RuntimeError(f"{refused} (this group stops; its supervisor restarts it)") from refused
+        if self._healed:
+            self._healed = False
+            self.last_heal_s = self._quorum_s
+            logger.info(
+                f"replica group {self.group_id}: healed from a live peer at step {self._trainer.state.step} "
+                f"in {self._quorum_s:.2f}s"
+            )
+            return True
+        return False
+
+    def trainer_state(self) -> _TrainerProgress:
+        """The trainer's step, data position and LR schedule, as a joining group aligns them."""
+        return _TrainerProgress(self)
+
+    def after_sync(self) -> None:
+        """The quorum of the sync just taken: its participants and this group's rank in it."""
+        self.num_participants = max(self.manager.num_participants(), 1)
+        rank = self.manager.participating_rank()
+        self.participating_rank = 0 if rank is None else int(rank)
 
     def _quorum(self) -> None:
         """``Manager.start_quorum`` (synchronous; a heal is applied inside it while this thread only
@@ -481,13 +552,22 @@ class FaultTolerance:
 
     @property
     def step_tokens(self) -> int:
-        """Tokens the committed step trained over all participating groups."""
+        """Tokens the committed step trained over all participating groups (semi_sync: every group's
+        share of the step, the data position's advance)."""
+        if self.semi is not None:
+            return self.semi.step_tokens
         return self.num_participants * self.batch_size * self.seq_len
 
     @property
     def writes_checkpoints(self) -> bool:
-        """Quorum rank 0's group writes the DCP checkpoints (a collective inside the group)."""
-        return self.participating_rank == 0
+        """Quorum rank 0's group writes the DCP checkpoints (a collective inside the group); under
+        semi_sync every group writes its own (their inner states differ)."""
+        return self.semi is not None or self.participating_rank == 0
+
+    @property
+    def checkpoint_root(self) -> Optional[str]:
+        """Where this group's checkpoints live when it keeps its own (semi_sync): its group folder."""
+        return self.folder if self.semi_sync_cfg is not None else None
 
     def state_digest(self) -> str:
         """SHA-256 of this rank's weights and optimizer state (local shards), to compare replica groups
@@ -511,6 +591,7 @@ class FaultTolerance:
             "ft/discarded_steps": self.discarded_steps,
             "ft/quorum_s": self._quorum_s,
             "ft/replica_group": self.group_id,
+            "ft/cross_group_bytes": self.reducer.sent_bytes,  # payload this rank all-reduced across groups
         }
         if self.last_heal_s is not None:
             out["ft/heal_s"] = self.last_heal_s
@@ -523,6 +604,30 @@ class FaultTolerance:
             self.manager.shutdown(wait=False)
         except Exception as e:  # shutting down after a failure: nothing left to save
             logger.warning(f"torchft manager shutdown: {e}")
+
+
+class _TrainerProgress:
+    """The trainer's counters for :class:`trainer.resilience.semi_sync.SemiSync` (a joining group takes its
+    peers' step, with the LR schedule at that step, and data position)."""
+
+    def __init__(self, ft: FaultTolerance) -> None:
+        self._ft = ft
+
+    @property
+    def step(self) -> int:
+        return int(self._ft._trainer.state.step)
+
+    @property
+    def tokens_seen(self) -> int:
+        return int(self._ft._trainer.state.tokens_seen)
+
+    def set_progress(self, step: int, tokens_seen: int) -> None:
+        t = self._ft._trainer
+        if step != t.state.step:
+            t.state.step = step
+            t.lr_scheduler.last_epoch = step
+            t.lr_scheduler.sync_lr()
+        t.state.tokens_seen = tokens_seen
 
 
 class FaultToleranceHook:

@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Optional
 
-from trainer.resilience.fault_tolerance import HEARTBEAT_DIR, group_folder
+from trainer.resilience.fault_tolerance import ATTEMPT_ENV, HEARTBEAT_DIR, group_folder
 
 EXIT_CONFIG = 2
 
@@ -184,6 +184,7 @@ class Supervisor:
         from trainer.resilience.trust import ADDRESS_ENV, SECRET_ENV
 
         env = dict(os.environ, TORCHFT_LIGHTHOUSE=self.args.lighthouse, PYTHONFAULTHANDLER="1")
+        env[ATTEMPT_ENV] = str(attempt)  # > 0: a restart (semi_sync: joins the live groups at their sync)
         env.update({SECRET_ENV: self.secret_file, ADDRESS_ENV: self.args.address})
         if self.gpus >= len(self.groups) * self.args.nproc and "CUDA_VISIBLE_DEVICES" not in os.environ:
             first = self.groups.index(group) * self.args.nproc  # each local group its own GPUs
