@@ -104,6 +104,7 @@ def test_sgd_is_torch_sgd() -> None:
         lr=0.1,
         momentum=0.9,
         nesterov=True,
+        fused=True,  # what optimizer.implementation=auto picks on the CPU
     )
     for step in range(3):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
@@ -144,7 +145,7 @@ def test_planner_counts_the_outer_optimizer(tmp_path, inner: str) -> None:
     trainer = Trainer(tiny_config(str(tmp_path / "one"), *optimizer))
     try:
         model = trainer.model_parts[0]
-        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True, fused=True)
         model(torch.randint(0, 512, (2, 32))).logsumexp(-1).mean().backward()
         trainer.optimizer.step()
         outer.step()
@@ -209,6 +210,7 @@ def _reference(
                 lr=lr,
                 betas=(0.9, 0.95),
                 eps=1e-8,
+                fused=True,
             )
             for m in copies
         ]
@@ -218,7 +220,7 @@ def _reference(
             [torch.nn.Parameter(synced[i].clone()) for i in range(len(synced)) if index[i] == k]
             for k in range(fragments)
         ]
-        outer = [torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True) for ps in outer_params]
+        outer = [torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True, fused=True) for ps in outer_params]
         losses: list[list[float]] = [[] for _ in range(GROUPS)]
         period, syncs = sync_every // fragments, 0
         loader = trainer.train_loader
