@@ -156,6 +156,12 @@ class StackedExperts(nn.Module):
 
     grad_scale: float
 
+    def pad_token_groups(self, multiple: int) -> None:
+        """Run the experts as ``torch._grouped_mm`` calls (the op torchao's low-precision expert
+        weights intercept) with every expert's token group padded with zero rows to a multiple of
+        ``multiple`` (16 for float8 rowwise, 32 for MXFP8): called only when the experts convert."""
+        raise NotImplementedError(f"{type(self).__name__} has no padded grouped-GEMM path")
+
 
 class HFTensorReader(Protocol):
     """Reads slices of a Hugging Face folder's tensors (``trainer/checkpoint/hf.py``): what an

@@ -39,16 +39,22 @@ tp > 1 is refused); custom DDP and ZeRO-1 (without float8 all-gather), pipeline 
 checkpointing and context parallel (each rank scales its own sequence chunk's activations). torchao
 is imported only when float8 is enabled.
 
-MoE experts (``experts``) stay in high precision and ``experts=true`` is refused: on CPU the experts
-run as a padded ``bmm`` that torchao's weight wrapper never sees (a silent no-op); on CUDA the experts
-call ``torch._grouped_mm``, which torchao 0.18's ``Float8TrainingOpConfig`` wrapper intercepts, but its
-float8 grouped GEMM asserts ``pad_token_groups_for_grouped_mm=False`` (every expert's token group must
-already be a multiple of 16 rows; the router's groups are any size, so the dispatch would have to pad
-them, as torchtitan's does) and runs only as Triton/CUDA kernels, with no emulated mode to check its
-numerics against on CPU. torchao's MXFP8 grouped GEMM does emulate on CPU (measured with
-``model.grouped_mm=on``: forward 3.7e-2 from fp32), but only with every group a multiple of 32 rows
-(its weight gradient contracts over tokens in blocks of 32) and a bf16 output: the same dispatch
-padding is the missing piece for both.
+MoE experts (``experts=true``, ``recipe=mxfp8`` only): the stacked experts' weights carry torchao's
+MXFP8 training wrapper, which intercepts ``torch._grouped_mm``; the experts then always take the
+grouped-GEMM path (``model.grouped_mm`` is overridden to ``on``) with every expert's token group
+padded with zero rows to a multiple of 32 (``StackedExperts.pad_token_groups``: torchao's MXFP8
+grouped GEMM contracts the weight gradient over tokens in blocks of 32 and asserts the groups are
+already aligned). The padded length is a static bound, so no host sync; padding rows give zero
+outputs and add nothing to the gradients (bf16: bit-identical rows); runs without ``experts`` never
+pad. Emulated (CPU, or CUDA below SM100) and real on SM100; below SM100 without emulation the dense
+MXFP8 refusal applies. torchao's MXFP8 grouped GEMM returns bf16 only and every wrapped weight must
+share one config (fused optimizers dispatch over all of them at once), so with ``experts=true`` every
+MXFP8 matmul, dense ones included, returns bf16. Verified on gloo: one process and FSDP x2 (parity);
+refused with ``ep > 1`` (not at parity within the recipe: 5.8e-3 loss from one process by step 4,
+likely the token blocks of the weight gradient regrouped by the dispatch, not proven). Float8 (non-MX)
+experts are refused by name on every device: torchao 0.18's float8 grouped GEMM
+(``Float8TrainingOpConfig``, 16-row groups) runs only as Triton/CUDA kernels with no emulation, so
+off CUDA the experts would silently stay in high precision, and on CUDA it is not verified here.
 """
 
 from __future__ import annotations
@@ -63,7 +69,7 @@ import torch
 from torch import nn
 
 from models.errors import ConfigError, check_choice
-from models.spec import ModelArgs, ModelSpec
+from models.spec import ModelArgs, ModelSpec, StackedExperts
 
 if TYPE_CHECKING:
     from torchao.float8 import Float8LinearConfig
@@ -102,7 +108,7 @@ class Float8Config:
     fsdp_float8_all_gather: bool = False  # tensorwise + FSDP: all-gather the weights in float8
     min_features: int = 16  # convert a linear only if in and out features are >= this (and a multiple of 16)
     exclude: list[str] = field(default_factory=lambda: ["gate"])  # module names (a dotted part or the fqn)
-    experts: bool = False  # MoE experts' grouped GEMMs in float8 (CUDA only; refused elsewhere)
+    experts: bool = False  # MoE stacked experts in MXFP8 (recipe=mxfp8 only; the docstring)
 
 
 def has_float8_matmul(device: torch.device) -> bool:
@@ -144,6 +150,13 @@ def module_filter(cfg: Float8Config, spec: ModelSpec, fqn: str, module: nn.Modul
 
 def _convertible(model: nn.Module, cfg: Float8Config, spec: ModelSpec) -> list[str]:
     return [name for name, m in model.named_modules() if module_filter(cfg, spec, name, m)]
+
+
+def expert_names(model: nn.Module, cfg: Float8Config) -> list[str]:
+    """The stacked-experts modules of ``model`` (a whole model or a stage) that ``cfg`` converts."""
+    if not cfg.experts:
+        return []
+    return [name for name, m in model.named_modules() if isinstance(m, StackedExperts)]
 
 
 def float8_weight_names(model: nn.Module, cfg: Float8Config, spec: ModelSpec) -> list[str]:
@@ -211,23 +224,24 @@ def check_float8(
             "a run without float8); set training.float8.recipe=tensorwise (or rowwise) with tp, or "
             "parallelism.tp=1."
         )
-    if cfg.experts and spec.has_experts and device.type != "cuda":
-        raise ConfigError(
-            f"training.float8.experts=true on {device.type}: the float8 grouped GEMM exists only on CUDA "
-            "(torch._grouped_mm) and the CPU expert path would silently stay in high precision; set "
-            "training.float8.experts=false."
-        )
     if cfg.experts and not spec.has_experts:
         raise ConfigError(
             f"training.float8.experts=true but model.family={spec.family} has no experts; "
             "set training.float8.experts=false."
         )
-    if cfg.experts:  # CUDA: torchao 0.18's float8 grouped GEMM (see the module docstring)
+    if cfg.experts and cfg.recipe != "mxfp8":
         raise ConfigError(
-            "training.float8.experts=true: float8 grouped GEMMs for the stacked experts are not wired in "
-            "this version (torchao 0.18's needs every expert's token group padded to a multiple of 16, "
-            "which the router's dispatch does not do, and has no emulation to check it by; the dense "
-            "linears convert, the experts stay in high precision); set training.float8.experts=false."
+            f"training.float8.experts=true on {_device_name(device)} with training.float8.recipe="
+            f"{cfg.recipe}: float8 "
+            "experts need torchao's float8 grouped GEMM, which runs only as CUDA/Triton kernels with no "
+            "emulation (off CUDA the experts would silently stay in high precision) and is not verified "
+            "in this version; set training.float8.recipe=mxfp8 (emulated off SM100) or "
+            "training.float8.experts=false."
+        )
+    if cfg.experts and dims.ep > 1:
+        raise ConfigError(
+            f"training.float8.experts=true with parallelism.ep={dims.ep}: MXFP8 experts are verified in one "
+            "expert group only; set parallelism.ep=1 or training.float8.experts=false."
         )
     names = _convertible(model, cfg, spec)
     if not names:
@@ -248,6 +262,7 @@ class Float8Plan:
     config: Float8Config
     linears: list[str]
     dtype: torch.dtype = torch.float32
+    experts: list[str] = field(default_factory=list)  # stacked-experts modules (``experts=true``)
 
     def summary(self) -> dict[str, object]:
         """What start-up prints and ``metrics.jsonl``'s header records."""
@@ -258,6 +273,8 @@ class Float8Plan:
             "fsdp_float8_all_gather": c.fsdp_float8_all_gather,
             "converted": len(self.linears),
             "linears": list(self.linears),
+            "experts_converted": len(self.experts),
+            "experts": list(self.experts),
         }
 
 
@@ -279,7 +296,7 @@ def plan_float8(
         model = spec.build(model_args)
     names = check_float8(cfg, parallelism, dims, device, model, spec)
     resolved = dataclasses.replace(cfg, emulate=resolve_emulate(cfg, device), exclude=list(cfg.exclude))
-    return Float8Plan(resolved, names, compute_dtype)
+    return Float8Plan(resolved, names, compute_dtype, expert_names(model, cfg))
 
 
 def _device_name(device: torch.device) -> str:
@@ -307,11 +324,15 @@ def convert_to_low_precision(model: nn.Module, plan: Float8Plan, spec: ModelSpec
     cfg, dtype = plan.config, plan.dtype
     emulate = bool(cfg.emulate)
     names = set(_convertible(model, cfg, spec))
-    if not names:
+    experts = set(expert_names(model, cfg))  # only with recipe=mxfp8 (check_float8)
+    if not names and not experts:
         return []
 
     def keep(module: nn.Module, fqn: str) -> bool:
         return fqn in names
+
+    def keep_experts(module: nn.Module, fqn: str) -> bool:
+        return fqn in experts
 
     if cfg.recipe == "mxfp8":
         from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
@@ -320,9 +341,11 @@ def convert_to_low_precision(model: nn.Module, plan: Float8Plan, spec: ModelSpec
 
         recipe = MXFP8TrainingRecipe.MXFP8_EMULATED_RCEIL if emulate else MXFP8TrainingRecipe.MXFP8_RCEIL
         mx = MXFP8TrainingOpConfig.from_recipe(recipe)
+        # torchao's MXFP8 grouped GEMM returns bf16 only, and every wrapped weight must share one config
+        # (fused optimizers dispatch over all of them at once): with experts, every matmul returns bf16
         mx = dataclasses.replace(
             mx,
-            out_dtype=dtype,
+            out_dtype=torch.bfloat16 if experts else dtype,
             kernel_preference=KernelPreference.EMULATED if emulate else mx.kernel_preference,
         )
         # torchao logs one INFO line per swapped weight; the start-up summary names them once
@@ -330,9 +353,12 @@ def convert_to_low_precision(model: nn.Module, plan: Float8Plan, spec: ModelSpec
         level = swaps.level
         swaps.setLevel(max(level, logging.WARNING))
         try:
-            quantize_(model, mx, filter_fn=keep)
+            quantize_(model, mx, filter_fn=lambda m, fqn: keep(m, fqn) or keep_experts(m, fqn))
         finally:
             swaps.setLevel(level)
+        for name, module in model.named_modules():
+            if name in experts and isinstance(module, StackedExperts):
+                module.pad_token_groups(_MX_BLOCK)  # MXFP8's grouped GEMM: groups of 32k rows
     else:
         from torchao.float8 import convert_to_float8_training
 

@@ -512,6 +512,8 @@ class Trainer:
                 f"float8 {f8['recipe']} (emulate={f8['emulate']}, fsdp_float8_all_gather="
                 f"{f8['fsdp_float8_all_gather']}): {f8['converted']} linears converted: "
                 + ", ".join(self.float8.linears)
+                + (f"; {f8['experts_converted']} stacked experts: " + ", ".join(self.float8.experts))
+                * bool(self.float8.experts)
             )
             self.metrics.write_header(self.state.step, {"float8": f8})
 

@@ -288,12 +288,19 @@ class GroupedExperts(StackedExperts):
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.grouped_mm = grouped_mm
         self.grad_scale = 1.0
+        self.group_multiple = 1  # > 1: grouped GEMMs over token groups padded to it (pad_token_groups)
 
     def init_weights(self, init: ParamInit, prefix: str, std: float, out_std: float) -> None:
         """Like ``FeedForward``: w1 truncated normal (std); w2/w3 depth-scaled ``out_std``."""
         init.trunc_normal(f"{prefix}.w1", self.w1, std, 2.0)
         init.trunc_normal(f"{prefix}.w2", self.w2, out_std, 2.0)
         init.trunc_normal(f"{prefix}.w3", self.w3, out_std, 2.0)
+
+    def pad_token_groups(self, multiple: int) -> None:
+        """Low-precision experts (parallelisms/float8.py): always ``torch._grouped_mm``, each
+        expert's token group padded with zero rows to a multiple of ``multiple``."""
+        self.grouped_mm = "on"
+        self.group_multiple = multiple
 
     def use_grouped_mm(self, x: Tensor) -> bool:
         """``on``; ``off``; ``auto`` = CUDA with compute capability >= 9.0 and bf16 activations."""
@@ -312,17 +319,42 @@ class GroupedExperts(StackedExperts):
         w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))  # (E_l, F, H), (E_l, H, F), (E_l, F, H)
         if self.grad_scale != 1.0:
             w1, w2, w3 = (_ScaleGrad.apply(w, self.grad_scale) for w in (w1, w2, w3))
+        if self.group_multiple > 1:
+            return self._grouped_padded(x, counts, w1, w2, w3, self.group_multiple)
         if self.use_grouped_mm(x):
-            return self._grouped(x, counts, w1, w2, w3)
+            return self._grouped(x, torch.cumsum(counts, dim=0, dtype=torch.int32), w1, w2, w3)
         largest = max(host_counts, default=0) if host_counts is not None else None
         return self._padded(x, counts, w1, w2, w3, largest)
 
     @staticmethod
-    def _grouped(x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor) -> Tensor:
-        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)  # (E_l,) end row of each group
+    def _grouped(x: Tensor, offs: Tensor, w1: Tensor, w2: Tensor, w3: Tensor) -> Tensor:
+        """``offs`` (E_l,) int32: the end row of each expert's group."""
         w1t, w2t, w3t = (w.transpose(-2, -1) for w in (w1, w2, w3))  # (E_l, H, F), (E_l, F, H)
         h = F.silu(torch._grouped_mm(x, w1t, offs=offs)) * torch._grouped_mm(x, w3t, offs=offs)  # (N, F)
         return torch._grouped_mm(h.contiguous(), w2t, offs=offs)  # (N, H)
+
+    @staticmethod
+    def _grouped_padded(
+        x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, multiple: int
+    ) -> Tensor:
+        """``_grouped`` over groups padded with zero rows to a multiple of ``multiple`` rows (what
+        torchao's float8 / MXFP8 grouped GEMMs require). The padded length is a static bound, N +
+        E_l * (multiple - 1) rounded up to ``multiple`` (no host sync); the slack joins the last
+        group. Zero rows give zero outputs (silu(0) * 0 = 0) and add nothing to the weight
+        gradients; only the real rows are gathered back."""
+        n, dim = x.shape
+        num_local = counts.numel()
+        total = -(-(n + num_local * (multiple - 1)) // multiple) * multiple
+        padded = (counts + (multiple - 1)) // multiple * multiple  # (E_l,)
+        ends = torch.cumsum(padded, 0)  # (E_l,) end row of each padded group
+        starts = torch.cumsum(counts, 0) - counts  # (E_l,) start row of each group in x
+        offs = torch.cat([ends[:-1], ends.new_full((1,), total)]).to(torch.int32)
+        expert = torch.repeat_interleave(
+            torch.arange(num_local, device=x.device), counts, output_size=n
+        )  # (N,)
+        dest = torch.arange(n, device=x.device) - starts[expert] + (ends - padded)[expert]  # (N,) padded row
+        batch = x.new_zeros(total, dim).index_put((dest,), x)  # (total, H)
+        return GroupedExperts._grouped(batch, offs, w1, w2, w3)[dest]  # (N, H)
 
     @staticmethod
     def _padded(
