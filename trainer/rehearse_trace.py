@@ -41,8 +41,19 @@ def flop_counter() -> Counting:
         forward = conv_flop_count(list(x.shape), list(w.shape), list(grad_out.shape), transposed)
         return forward * (int(bool(output_mask[0])) + int(bool(output_mask[1])))
 
+    def grouped_mm_flop(a: torch.Tensor, b: torch.Tensor, *args: object, **kwargs: object) -> int:
+        """``torch._grouped_mm`` (torch's registry has none): every group's rows, padding included."""
+        if a.dim() == 2 and b.dim() == 3:  # (M, K) x (E, K, N): each row meets one expert
+            return 2 * a.shape[0] * a.shape[1] * b.shape[2]
+        if a.dim() == 2 and b.dim() == 2:  # (K, M) x (M, N) -> (E, K, N): the weight gradient
+            return 2 * a.shape[0] * a.shape[1] * b.shape[1]
+        if a.dim() == 3 and b.dim() == 2:  # (E, M, K) x (K, N_total)
+            return 2 * a.shape[1] * a.shape[2] * b.shape[1]
+        return 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]  # batched (E, M, K) x (E, K, N)
+
     formulas = {
         **flop_registry,
+        aten._grouped_mm: grouped_mm_flop,
         aten._scaled_dot_product_flash_attention_for_cpu: sdpa_flop,
         aten._scaled_dot_product_flash_attention_for_cpu_backward: sdpa_backward_flop,
         aten.convolution_backward: conv_backward_flop,
