@@ -104,7 +104,7 @@ def test_sgd_is_torch_sgd() -> None:
         lr=0.1,
         momentum=0.9,
         nesterov=True,
-        fused=True,  # what optimizer.implementation=auto picks on the CPU
+        fused=True,  # what optimizer.implementation=auto picks on the CPU for plain tensors
     )
     for step in range(3):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
@@ -306,7 +306,8 @@ def _check_sync_bytes(tmp_path, extra: tuple[str, ...], dump: str) -> None:
 def test_diloco_and_streaming_match_reference(tmp_path) -> None:
     """DiLoCo (H=3: syncs after steps 3 and 6) and Streaming DiLoCo (H=4, 2 fragments: fragment 0
     after steps 2 and 6, fragment 1 after step 4), two groups of one rank each, run side by side; each
-    group's losses and final weights against the reference (fp32)."""
+    group's losses and final weights against the reference (fp32); DiLoCo with FSDP x2 inside each
+    group against the same reference (a layout inside a group, fp32 tolerance)."""
     runs = {
         "diloco": (3, 1, (f"{SS}.method=diloco", f"{SS}.sync_every=3")),
         "streaming": (4, 2, (f"{SS}.method=streaming_diloco", f"{SS}.sync_every=4", f"{SS}.fragments=2")),
@@ -317,6 +318,13 @@ def test_diloco_and_streaming_match_reference(tmp_path) -> None:
     # launched again to step 6: it resumes exactly.
     resumed = str(tmp_path / "resumed")
     jobs["first_part"] = FTJob(resumed, (*RUN, *runs["diloco"][2], "training.steps=4"))
+    # FSDP x2 inside each group (2 samples a rank): the same DiLoCo against the same reference
+    fsdp = FTJob(
+        str(tmp_path / "fsdp"),
+        (*RUN, *runs["diloco"][2], "parallelism.dp_shard=2", "training.micro_batch_size=2"),
+        nproc=2,
+    )
+    jobs["fsdp"] = fsdp
     try:
         expected = {
             name: _reference(str(tmp_path / f"ref_{name}"), sync_every=h, fragments=f, lr=3e-3)
@@ -335,7 +343,10 @@ def test_diloco_and_streaming_match_reference(tmp_path) -> None:
         assert [r["loss"] for r in again] == [r["loss"] for r in whole], g
         final, final_again = _final_weights(jobs["diloco"].dump, g), _final_weights(resumed, g)
         assert all(torch.equal(final[k], final_again[k]) for k in final), g
-    del jobs["first_part"], jobs["resumed"]
+    del jobs["first_part"], jobs["resumed"], jobs["fsdp"]
+    loss_err, weight_err = _compare(fsdp.dump, *expected["diloco"])
+    print(f"diloco, FSDP x2 in each group: loss error {loss_err:.2e}, weight error {weight_err:.2e}")
+    assert loss_err <= 1e-5 and weight_err <= 1e-4, (loss_err, weight_err)
     for name, job in jobs.items():
         loss_err, weight_err = _compare(job.dump, *expected[name])
         records = [_records(job.dump, g) for g in range(GROUPS)]

@@ -11,8 +11,10 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from models.common import unwrapped_name
+from models.errors import ConfigError
 from parallelisms.sharded_optimizer import ShardedOptimizer
 
 if TYPE_CHECKING:
@@ -111,8 +113,17 @@ def build_sgd(
     lr_scale: Optional[LRScale] = None,
 ) -> torch.optim.Optimizer:
     """torch.optim.SGD (``optimizer.momentum``, ``optimizer.nesterov``) over :func:`param_groups` (matrices
-    decayed, vectors not; elementwise like AdamW, so any layout); DiLoCo's outer optimizer is one."""
+    decayed, vectors not; elementwise like AdamW, so any layout); DiLoCo's outer optimizer is one.
+    ``auto`` takes foreach where the parameters are DTensors (torch's fused SGD has no sharding rule)."""
     impl = impl_kwargs(cfg, device_type)
+    if impl["fused"] and any(isinstance(p, DTensor) for part in parts for p in part.parameters()):
+        # torch's fused SGD has no DTensor sharding rule (FSDP / TP parameters; fused AdamW has one)
+        if cfg.implementation == "fused":
+            raise ConfigError(
+                "optimizer.implementation=fused with optimizer=sgd: torch's fused SGD kernel cannot take "
+                "FSDP / TP (DTensor) parameters; set optimizer.implementation=auto or foreach."
+            )
+        impl = {"fused": False, "foreach": True}
     groups = param_groups(parts, cfg.weight_decay, lr=cfg.lr, lr_scale=lr_scale)
     if shard_mesh is not None:
         return ShardedOptimizer(
