@@ -10,6 +10,8 @@ them. The two families share every module: the MoE one has ``models/moe``'s expe
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from models.llama.model import attention_mask, qk_norm, ties_embeddings
 from models.moe.model import expert_modules, moe_layers
 from models.qwen3_5.args import Qwen3NextArgs
@@ -81,23 +83,7 @@ QWEN3_5_MOE_SPEC = ModelSpec(
     device_check=device_check,  # model.linear_kernel=fla: CUDA and flash-linear-attention
 )
 
-QWEN3_NEXT_SPEC = ModelSpec(
-    family="qwen3_next",
-    args_cls=Qwen3NextArgs,
-    model_cls=Qwen3_5Transformer,
-    param_counts=param_counts,
-    flops_per_token=flops_per_token,
-    tp_plan=TP_PLAN,
-    tp_divisible=tp_divisible,
-    hf=Qwen3_5HF("qwen3_next"),
-    moe_layers=moe_layers,
-    expert_modules=expert_modules,
-    ties_embeddings=ties_embeddings,
-    attention_mask=attention_mask,
-    qk_norm=qk_norm,
-    qk_clip=False,
-    generation_cores=generation_cores,
-    sequential_state=True,  # the Gated DeltaNet's state and conv window: CP hands them rank to rank
-    planner_terms=planner_terms,  # Llama's attention / the MoE feed-forward, and the DeltaNet blocks
-    device_check=device_check,  # model.linear_kernel=fla: CUDA and flash-linear-attention
+# Qwen3-Next: Qwen3.5-MoE's layers, its own arguments and HF field table (fused in_proj_qkvz / in_proj_ba)
+QWEN3_NEXT_SPEC = replace(
+    QWEN3_5_MOE_SPEC, family="qwen3_next", args_cls=Qwen3NextArgs, hf=Qwen3_5HF("qwen3_next")
 )

@@ -96,10 +96,23 @@ def build_adamw(
     with ``shard_mesh`` the ZeRO-1 ShardedOptimizer over that mesh's group wraps it."""
     kwargs: dict[str, Any] = {"lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps}
     kwargs.update(impl_kwargs(cfg, device_type))
+    return _elementwise(torch.optim.AdamW, parts, cfg, shard_mesh, lr_scale, kwargs)
+
+
+def _elementwise(
+    cls: type[torch.optim.Optimizer],
+    parts: list[nn.Module],
+    cfg: OptimizerConfig,
+    shard_mesh: Optional[DeviceMesh],
+    lr_scale: Optional[LRScale],
+    kwargs: dict[str, Any],
+) -> torch.optim.Optimizer:
+    """An elementwise torch optimizer over :func:`param_groups`, wrapped by the ZeRO-1
+    ShardedOptimizer over ``shard_mesh``'s group when there is one."""
     groups = param_groups(parts, cfg.weight_decay, lr=cfg.lr, lr_scale=lr_scale)
     if shard_mesh is not None:
-        return ShardedOptimizer(groups, torch.optim.AdamW, shard_mesh.get_group(), **kwargs)
-    return torch.optim.AdamW(groups, **kwargs)
+        return ShardedOptimizer(groups, cls, shard_mesh.get_group(), **kwargs)
+    return cls(groups, **kwargs)
 
 
 def build_sgd(
@@ -124,16 +137,5 @@ def build_sgd(
                 "FSDP / TP (DTensor) parameters; set optimizer.implementation=auto or foreach."
             )
         impl = {"fused": False, "foreach": True}
-    groups = param_groups(parts, cfg.weight_decay, lr=cfg.lr, lr_scale=lr_scale)
-    if shard_mesh is not None:
-        return ShardedOptimizer(
-            groups,
-            torch.optim.SGD,
-            shard_mesh.get_group(),
-            lr=cfg.lr,
-            momentum=cfg.momentum,
-            nesterov=cfg.nesterov,
-            fused=impl["fused"],
-            foreach=impl["foreach"],
-        )
-    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, **impl)
+    kwargs = {"lr": cfg.lr, "momentum": cfg.momentum, "nesterov": cfg.nesterov, **impl}
+    return _elementwise(torch.optim.SGD, parts, cfg, shard_mesh, lr_scale, kwargs)
