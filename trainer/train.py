@@ -152,7 +152,9 @@ class Trainer:
         )
         self.spec.device_check(cfg.model, self.device.type)  # e.g. an optional kernel forced without CUDA
         # The optimizer registry: does this optimizer run under this layout? (before any process group)
-        check_optimizer_layout(cfg.optimizer.name, optimizer_layout(self.dims, self.parallelism))
+        check_optimizer_layout(
+            cfg.optimizer.name, optimizer_layout(self.dims, self.parallelism), cfg.optimizer
+        )
         _ = self.float8  # training.float8: every check (before any process group), the linears to convert
         self.grad_accum_steps = self.dims.grad_accum_steps(self.batch_size, t.micro_batch_size)
         # training.batch_ramp / training.seq_len_warmup: each step's rows and their cut

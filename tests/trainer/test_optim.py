@@ -428,3 +428,22 @@ def test_the_recipe_for_an_optimizer_names_files_that_exist() -> None:
     assert "trainer/optim/__init__.py" in named and "trainer/optim/config.py" in named, named
     missing = sorted(p for p in named if not os.path.isfile(os.path.join(REPO, p)))
     assert not missing, missing
+
+
+def test_fused_sgd_is_refused_under_sharded_layouts_before_any_process_group() -> None:
+    """torch's fused SGD has no DTensor sharding rule: a forced ``fused`` under FSDP / TP / EP is a
+    ConfigError from the layout alone (the trainer checks it before init_process_group); ``auto``
+    takes foreach there, and fused stays allowed where the parameters are plain tensors."""
+    from models.errors import ConfigError
+    from trainer.optim import check_optimizer_layout
+
+    fused, auto = OptimizerConfig(name="sgd", implementation="fused"), OptimizerConfig(name="sgd")
+    for layout in ("fsdp", "tp", "ep"):
+        with pytest.raises(
+            ConfigError, match=rf"optimizer.implementation=fused with optimizer=sgd under .*{layout}"
+        ):
+            check_optimizer_layout("sgd", _run_layout(layout), fused)
+        check_optimizer_layout("sgd", _run_layout(layout), auto)
+        check_optimizer_layout("adamw", _run_layout(layout), OptimizerConfig(implementation="fused"))
+    for layout in ("ddp", "zero1", "pp"):
+        check_optimizer_layout("sgd", _run_layout(layout), fused)

@@ -37,7 +37,14 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from models.errors import ConfigError, check_choice
-from trainer.optim.adamw import IMPLEMENTATIONS, LRScale, build_adamw, build_sgd, param_groups
+from trainer.optim.adamw import (
+    IMPLEMENTATIONS,
+    LRScale,
+    build_adamw,
+    build_sgd,
+    check_sgd_layout,
+    param_groups,
+)
 from trainer.optim.config import LRSchedulerConfig, OptimizerConfig
 from trainer.optim.muon import build_muon, muon_cost, muon_param_groups, validate_muon_config
 from trainer.optim.schedules import (
@@ -113,6 +120,10 @@ def _no_keys_of_its_own(cfg: OptimizerConfig) -> None:
     """An optimizer that reads only the shared keys (``validate_optimizer`` checks those)."""
 
 
+def _no_layout_rules(cfg: OptimizerConfig, layout: frozenset[str]) -> None:
+    """An optimizer whose keys mean the same under every layout it runs under."""
+
+
 def validate_sgd_config(cfg: OptimizerConfig) -> None:
     """SGD's keys: momentum in [0, 1), Nesterov only with momentum."""
     if not (math.isfinite(cfg.momentum) and 0.0 <= cfg.momentum < 1.0):
@@ -130,6 +141,8 @@ class OptimizerEntry:
     build: OptimizerBuilder
     layouts: frozenset[str]
     validate: Callable[[OptimizerConfig], None] = _no_keys_of_its_own
+    # refusals that depend on the keys and the layout together (before any process group)
+    check_layout: Callable[[OptimizerConfig, frozenset[str]], None] = _no_layout_rules
 
 
 OPTIMIZERS: dict[str, OptimizerEntry] = {
@@ -138,7 +151,9 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
     # finds each matrix's pieces from the parameter itself (any placement); see muon.py
     "muon": OptimizerEntry(build_muon, EVERY_LAYOUT, validate=validate_muon_config),
     # elementwise (momentum, optionally Nesterov): DiLoCo's outer optimizer, or an inner one
-    "sgd": OptimizerEntry(build_sgd, EVERY_LAYOUT, validate=validate_sgd_config),
+    "sgd": OptimizerEntry(
+        build_sgd, EVERY_LAYOUT, validate=validate_sgd_config, check_layout=check_sgd_layout
+    ),
 }
 
 LR_SCHEDULES: dict[str, LRFactor] = {
@@ -172,8 +187,9 @@ def optimizer_layout(dims: ParallelDims, p: ParallelismConfig) -> frozenset[str]
     return frozenset(name for name, used in on.items() if used)
 
 
-def check_optimizer_layout(name: str, layout: Collection[str]) -> None:
-    """ConfigError when the optimizer ``name`` does not run under every layout in ``layout``."""
+def check_optimizer_layout(name: str, layout: Collection[str], cfg: Optional[OptimizerConfig] = None) -> None:
+    """ConfigError when the optimizer ``name`` does not run under every layout in ``layout`` (and, with
+    its config ``cfg``, when the entry refuses those keys under that layout)."""
     entry = optimizer_entry(name)
     missing = [x for x in LAYOUTS if x in layout and x not in entry.layouts]
     if missing:
@@ -182,6 +198,8 @@ def check_optimizer_layout(name: str, layout: Collection[str]) -> None:
             f"optimizer.name={name} does not run under {', '.join(f'{x} ({LAYOUTS[x]})' for x in missing)}; "
             f"choose an optimizer that does ({able or 'none is registered'}) or another layout."
         )
+    if cfg is not None:
+        entry.check_layout(cfg, frozenset(layout))
 
 
 def validate_optimizer(o: OptimizerConfig, s: LRSchedulerConfig, total_steps: Optional[int] = None) -> None:

@@ -115,6 +115,22 @@ def _elementwise(
     return cls(groups, **kwargs)
 
 
+# the layouts (trainer.optim.optimizer_layout) whose parameters are DTensors
+_DTENSOR_LAYOUTS = frozenset({"fsdp", "tp", "ep"})
+
+
+def check_sgd_layout(cfg: OptimizerConfig, layout: frozenset[str]) -> None:
+    """``optimizer.implementation=fused`` with SGD under a layout of DTensor parameters is refused:
+    torch's fused SGD kernel has no sharding rule for them (``auto`` takes foreach there)."""
+    sharded = sorted(layout & _DTENSOR_LAYOUTS)
+    if cfg.implementation == "fused" and sharded:
+        raise ConfigError(
+            f"optimizer.implementation=fused with optimizer=sgd under {', '.join(sharded)}: torch's fused "
+            "SGD kernel cannot take sharded (DTensor) parameters; set optimizer.implementation=auto or "
+            "foreach."
+        )
+
+
 def build_sgd(
     parts: list[nn.Module],
     cfg: OptimizerConfig,
@@ -130,12 +146,8 @@ def build_sgd(
     ``auto`` takes foreach where the parameters are DTensors (torch's fused SGD has no sharding rule)."""
     impl = impl_kwargs(cfg, device_type)
     if impl["fused"] and any(isinstance(p, DTensor) for part in parts for p in part.parameters()):
-        # torch's fused SGD has no DTensor sharding rule (FSDP / TP parameters; fused AdamW has one)
-        if cfg.implementation == "fused":
-            raise ConfigError(
-                "optimizer.implementation=fused with optimizer=sgd: torch's fused SGD kernel cannot take "
-                "FSDP / TP (DTensor) parameters; set optimizer.implementation=auto or foreach."
-            )
+        # torch's fused SGD has no DTensor sharding rule (FSDP / TP / EP parameters; fused AdamW has one)
+        check_sgd_layout(cfg, _DTENSOR_LAYOUTS)  # the trainer refused a forced fused before any process group
         impl = {"fused": False, "foreach": True}
     kwargs = {"lr": cfg.lr, "momentum": cfg.momentum, "nesterov": cfg.nesterov, **impl}
     return _elementwise(torch.optim.SGD, parts, cfg, shard_mesh, lr_scale, kwargs)
