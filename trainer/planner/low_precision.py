@@ -168,8 +168,10 @@ def _converted_experts(c: PlanContext) -> Optional[tuple[int, int]]:
     """(group multiple, output bytes) of the stacked experts after the trainer's conversion, run on a
     meta copy of one expert module; None unless ``training.float8.experts`` converts them."""
     f8, model = c.cfg.training.float8, c.table.model
-    experts = c.spec.expert_modules(model) if c.spec.expert_modules is not None and model is not None else []
-    if not (f8.enable and f8.experts and experts):
+    if not (f8.enable and f8.experts) or c.spec.expert_modules is None or model is None:
+        return None
+    experts = c.spec.expert_modules(model)
+    if not experts:
         return None
     holder = nn.ModuleDict({"experts": copy.deepcopy(experts[0])})  # on meta: shapes only
     emulate = True if f8.emulate is None else f8.emulate  # neither changes the padding nor the dtype
