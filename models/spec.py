@@ -55,6 +55,7 @@ __all__ = [
     "AttentionComm",
     "AttentionShape",
     "BlockLayout",
+    "ExpertGroups",
     "HFAdapter",
     "ModelArgs",
     "ModelSpec",
@@ -155,6 +156,7 @@ class StackedExperts(nn.Module):
     weights' gradients (expert parallelism sets 1 / ep)."""
 
     grad_scale: float
+    group_multiple: int  # > 1: the token groups are padded to a multiple of it (``pad_token_groups``)
 
     def pad_token_groups(self, multiple: int) -> None:
         """Run the experts as ``torch._grouped_mm`` calls (the op torchao's low-precision expert
@@ -266,6 +268,22 @@ class AttentionComm:
 
 
 @dataclass(frozen=True)
+class ExpertGroups:
+    """Low-precision stacked experts as the planner's precision term sees them
+    (``trainer/planner/low_precision.py``): the experts run as grouped GEMMs over each expert's token
+    group padded with zero rows to a multiple of ``multiple`` (``StackedExperts.pad_token_groups``);
+    torchao's grouped GEMM saves its input rows as they come (``rows_in`` bytes: the MoE input's dtype,
+    padded) and returns ``out``-byte outputs. ``tokens``: the local tokens of one microbatch the MoE
+    layer routes; ``ep``: the expert-parallel degree (the rank runs num_experts / ep experts)."""
+
+    multiple: int
+    out: int
+    rows_in: int
+    tokens: int
+    ep: int = 1
+
+
+@dataclass(frozen=True)
 class BlockLayout:
     """How one rank runs a block, as far as a family's saved-activation arithmetic needs it
     (``PlannerTerms``); the planner derives it from the layout and its dtype policy."""
@@ -281,6 +299,7 @@ class BlockLayout:
     # the attention kernel takes grouped K/V heads as they are, without the repeat copy to n_heads
     # (FlexAttention, which the GPU runs for masked attention: block-causal documents, context parallel)
     grouped_kv: bool = False
+    experts: Optional[ExpertGroups] = None  # the stacked experts in low precision (None: high precision)
 
 
 @dataclass(frozen=True)
@@ -320,7 +339,9 @@ class PlannerTerms:
     ``attention_saved(layout)``: what the attention saves for backward per local token, by term, after
     its input norm (that norm feeds ``attention_norm_consumers`` matmuls). ``ffn_saved(layout, moe)``:
     the same for the feed-forward after its norm; ``moe``: the block is one of the spec's
-    ``moe_layers`` (the planner's parameter table knows which; an MTP block never is)."""
+    ``moe_layers`` (the planner's parameter table knows which; an MTP block never is).
+    ``expert_padding_flops(groups)``: the forward matmul FLOPs one MoE layer's padding rows add per
+    microbatch when the experts run padded (``ExpertGroups``; the family's own static bound)."""
 
     comm: AttentionComm  # what the attention moves under CP / TP beyond the plan's kinds
     shape: AttentionShape
@@ -336,6 +357,7 @@ class PlannerTerms:
     # 1 + w multiplies it before the cast: Qwen3.5), not in the stream's dtype (Llama's RMSNorm)
     norm_normed_fp32: bool = False
     recurrent_blocks: frozenset[int] = frozenset()
+    expert_padding_flops: Optional[Callable[[ExpertGroups], float]] = None  # None: no padded expert path
 
 
 @dataclass(frozen=True)

@@ -48,8 +48,9 @@ already aligned). The padded length is a static bound, so no host sync; padding 
 outputs and add nothing to the gradients (bf16: bit-identical rows); runs without ``experts`` never
 pad. Emulated (CPU, or CUDA below SM100) and real on SM100; below SM100 without emulation the dense
 MXFP8 refusal applies. torchao's MXFP8 grouped GEMM returns bf16 only and every wrapped weight must
-share one config (fused optimizers dispatch over all of them at once), so with ``experts=true`` every
-MXFP8 matmul, dense ones included, returns bf16. Verified on gloo: one process and FSDP x2 (parity);
+share one config (fused optimizers dispatch over all of them at once), so with ``experts=true`` that
+config's ``out_dtype`` is bf16 (the dense MXFP8 linears ignore it: they return their input's dtype;
+the planner's term: trainer/planner/low_precision.py). Verified on gloo: one process and FSDP x2 (parity);
 refused with ``ep > 1`` (not at parity within the recipe: 5.8e-3 loss from one process by step 4,
 likely the token blocks of the weight gradient regrouped by the dispatch, not proven). Float8 (non-MX)
 experts are refused by name on every device: torchao 0.18's float8 grouped GEMM
@@ -319,8 +320,8 @@ def torchao_linear_config(cfg: Float8Config, emulate: bool) -> Float8LinearConfi
 
 def convert_to_low_precision(model: nn.Module, plan: Float8Plan, spec: ModelSpec) -> list[str]:
     """Convert ``model``'s (a whole model or a pipeline stage) filtered linears in place, on meta
-    before TP and FSDP; return their names. MXFP8 matmuls return ``plan.dtype`` (the run's compute
-    dtype); float8 recipes return their input's dtype."""
+    before TP and FSDP; return their names. MXFP8's grouped GEMMs (the experts) return bf16;
+    linears of every recipe return their input's dtype."""
     cfg, dtype = plan.config, plan.dtype
     emulate = bool(cfg.emulate)
     names = set(_convertible(model, cfg, spec))
@@ -342,7 +343,7 @@ def convert_to_low_precision(model: nn.Module, plan: Float8Plan, spec: ModelSpec
         recipe = MXFP8TrainingRecipe.MXFP8_EMULATED_RCEIL if emulate else MXFP8TrainingRecipe.MXFP8_RCEIL
         mx = MXFP8TrainingOpConfig.from_recipe(recipe)
         # torchao's MXFP8 grouped GEMM returns bf16 only, and every wrapped weight must share one config
-        # (fused optimizers dispatch over all of them at once): with experts, every matmul returns bf16
+        # (fused optimizers dispatch over all of them at once): with experts, out_dtype is bf16
         mx = dataclasses.replace(
             mx,
             out_dtype=torch.bfloat16 if experts else dtype,

@@ -81,7 +81,7 @@ from models.llama.model import (
 )
 from models.llama.model import ffn_saved as llama_ffn_saved
 from models.llama.model import planner_terms as llama_planner_terms
-from models.spec import BlockLayout, ParamCounts, PlannerTerms, StackedExperts
+from models.spec import BlockLayout, ExpertGroups, ParamCounts, PlannerTerms, StackedExperts
 
 __all__ = [
     "TP_PLAN",
@@ -94,6 +94,7 @@ __all__ = [
     "balanced_counts",
     "expert_modules",
     "moe_layers",
+    "padded_group_rows",
     "param_counts",
     "planner_terms",
 ]
@@ -264,6 +265,14 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
+def padded_group_rows(rows: int, groups: int, multiple: int) -> int:
+    """The rows ``GroupedExperts._grouped_padded`` runs its grouped GEMMs over: ``rows`` token copies
+    in ``groups`` expert groups, each padded to a multiple of ``multiple``, as a static bound (no host
+    sync): rows + groups * (multiple - 1), rounded up to ``multiple``. The planner's count too
+    (``ffn_saved``, ``expert_padding_flops``)."""
+    return -(-(rows + groups * (multiple - 1)) // multiple) * multiple
+
+
 def _local(t: Tensor) -> Tensor:
     """The local block of an expert-parallel DTensor (duck-typed: models/ never imports distributed)."""
     return t.to_local() if hasattr(t, "to_local") else t
@@ -338,13 +347,13 @@ class GroupedExperts(StackedExperts):
         x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, multiple: int
     ) -> Tensor:
         """``_grouped`` over groups padded with zero rows to a multiple of ``multiple`` rows (what
-        torchao's float8 / MXFP8 grouped GEMMs require). The padded length is a static bound, N +
-        E_l * (multiple - 1) rounded up to ``multiple`` (no host sync); the slack joins the last
-        group. Zero rows give zero outputs (silu(0) * 0 = 0) and add nothing to the weight
-        gradients; only the real rows are gathered back."""
+        torchao's float8 / MXFP8 grouped GEMMs require). The padded length is a static bound
+        (:func:`padded_group_rows`, no host sync); the slack joins the last group. Zero rows give
+        zero outputs (silu(0) * 0 = 0) and add nothing to the weight gradients; only the real rows
+        are gathered back."""
         n, dim = x.shape
         num_local = counts.numel()
-        total = -(-(n + num_local * (multiple - 1)) // multiple) * multiple
+        total = padded_group_rows(n, num_local, multiple)
         padded = (counts + (multiple - 1)) // multiple * multiple  # (E_l,)
         ends = torch.cumsum(padded, 0)  # (E_l,) end row of each padded group
         starts = torch.cumsum(counts, 0) - counts  # (E_l,) start row of each group in x
@@ -701,15 +710,52 @@ def ffn_saved(args: MoEArgs, layout: BlockLayout, moe: bool) -> dict[str, float]
         "experts": 4 * cb * k * Fe,
         "expert_combine": 2 * cb * k * H,
     }
+    if layout.experts is not None:
+        terms.update(_padded_experts_saved(args, layout.experts))
     if args.num_shared_experts:
         terms["shared_experts"] = 4 * cb * args.num_shared_experts * Fe / layout.tp
     return terms
 
 
+def _padded_rows(args: MoEArgs, groups: ExpertGroups) -> tuple[int, int]:
+    """(token copies, rows of the padded grouped GEMMs) of one MoE layer and microbatch: balanced
+    routing, so the rank's num_experts / ep experts receive tokens x top_k copies."""
+    copies = groups.tokens * args.top_k
+    return copies, padded_group_rows(copies, args.num_experts // groups.ep, groups.multiple)
+
+
+def _padded_experts_saved(args: MoEArgs, groups: ExpertGroups) -> dict[str, float]:
+    """The routed experts' terms of ``ffn_saved`` per local token when they run padded in low
+    precision (``GroupedExperts._grouped_padded`` under torchao's grouped GEMM): the padded rows in
+    the MoE input's dtype (saved once, by the w1 and w3 GEMMs), the four SwiGLU tensors of every
+    padded row in the GEMMs' output dtype, the copies' outputs in that dtype with their routing
+    weights cast to it (the weighting) and weighted in the tokens' dtype (the scatter-add); the int64
+    bookkeeping keeps the top-k ids, the sorted order and source token of each copy and one padded
+    row per copy (the E_l int32 group ends are negligible)."""
+    H, k, Fe = args.dim, args.top_k, args.moe_hidden_dim
+    rows = _padded_rows(args, groups)[1] / groups.tokens  # padded GEMM rows per local token
+    return {
+        "routing_ids": _INT64 * k * 4,
+        "expert_rows": groups.rows_in * rows * H,
+        "experts": 4 * groups.out * rows * Fe,
+        "expert_combine": k * (groups.out * (H + 1) + groups.rows_in * H),
+    }
+
+
+def expert_padding_flops(args: MoEArgs, groups: ExpertGroups) -> float:
+    """Forward matmul FLOPs the padding rows of one MoE layer add per microbatch: w1, w3 and w2
+    (2 H Fe each) over the rows beyond the copies."""
+    copies, rows = _padded_rows(args, groups)
+    return 6.0 * args.dim * args.moe_hidden_dim * (rows - copies)
+
+
 def planner_terms(args: MoEArgs) -> PlannerTerms:
     """The planner's view of MoE blocks: Llama's attention, the routed feed-forward above."""
     return dataclasses.replace(
-        llama_planner_terms(args), ffn_saved=functools.partial(ffn_saved, args), experts_per_token=args.top_k
+        llama_planner_terms(args),
+        ffn_saved=functools.partial(ffn_saved, args),
+        experts_per_token=args.top_k,
+        expert_padding_flops=functools.partial(expert_padding_flops, args),
     )
 
 

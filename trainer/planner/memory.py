@@ -20,7 +20,7 @@ from typing import Optional
 from models.spec import BlockLayout, ModelArgs, ModelSpec
 from trainer.planner.cluster import ADAM_BYTES, DTYPE_BYTES
 from trainer.planner.context import PlanContext, PlannedStage, StageMemory, planner_terms_of
-from trainer.planner.low_precision import float8_gathered
+from trainer.planner.low_precision import expert_groups, float8_gathered
 from trainer.planner.pipeline_memory import ScheduleWalk, StageBytes, schedule_actions, walk_schedule
 
 INT64 = 8
@@ -136,6 +136,7 @@ def block_layout(c: PlanContext, pol: DtypePolicy, keys: Optional[int] = None) -
         keys=c.cfg.training.seq_len if keys is None else keys,  # key positions per query (CP: all)
         fused_attention=c.cluster.backend != "gloo",  # CPU: SDPA's math path for unlike head sizes
         grouped_kv=c.cluster.backend != "gloo" and masked_attention(c),
+        experts=expert_groups(c, pol.stream),  # low-precision experts: padded rows, bf16 outputs
     )
 
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from trainer.planner.cluster import GIB, ClusterConfig, pp_bubble
 from trainer.planner.comm import rank_collectives
 from trainer.planner.context import Collective, Plan, PlanContext, build_context, strategy_of
+from trainer.planner.low_precision import expert_padding_flops
 from trainer.planner.memory import ac_input_bytes, block_bytes_per_token, stage_memory_of
 
 if TYPE_CHECKING:
@@ -54,7 +55,8 @@ def executed_flops(c: PlanContext) -> float:
     backward reads are back (early stop), so a dense block's feed-forward output projection is not
     run again; the head is never recomputed, but by the chunked loss (``training.loss_chunk_size``:
     its forward again in backward, the MTP heads' too). The attention share is the sequence-dependent part
-    of the family's ``flops_per_token``, so every family's attention counts as its own."""
+    of the family's ``flops_per_token``, so every family's attention counts as its own. Low-precision
+    experts add their padding rows' matmuls (``trainer/planner/low_precision.py``)."""
     t, args = c.cfg.training, c.cfg.model
     tokens = t.global_batch_size * t.seq_len / c.dims.world_size
     matmul = float(c.spec.flops_per_token(args, 0))  # 6 N (forward 2 N, backward 4 N)
@@ -69,7 +71,7 @@ def executed_flops(c: PlanContext) -> float:
         out += (matmul - mtp_matmul) / 3 - 2.0 * head - skipped + (attention - mtp_attention) / 3
     if t.loss_chunk_size > 0:
         out += 2.0 * args.vocab_size * args.dim * (1 + c.spec.mtp_depth(args))
-    return out * tokens
+    return out * tokens + expert_padding_flops(c)
 
 
 def _muon_ns_flops(c: PlanContext) -> float:
