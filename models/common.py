@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from models.cpu_gemm import linear
 from models.errors import ConfigError
 
 __all__ = [
@@ -308,9 +309,10 @@ class OutputHead(nn.Linear):
         super().__init__(dim, vocab_size, bias=False)
         self.softcap = softcap
         self.deferred = False
+        self.onednn = False  # fp32 CPU GEMMs through oneDNN (models/cpu_gemm.py, training.cpu_gemm)
 
     def forward(self, x: Tensor) -> Tensor:
-        logits = super().forward(x)  # (B, S, V)
+        logits = linear(x, self.weight, self.bias, onednn=self.onednn)  # (B, S, V)
         if self.softcap is None:
             return logits
         return torch.tanh(logits / self.softcap) * self.softcap

@@ -31,6 +31,10 @@ _SAVE_OPS = {
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
 }
+if (
+    torch.backends.mkldnn.is_available()
+):  # the linears' GEMM under training.cpu_gemm=onednn (models/cpu_gemm.py)
+    _SAVE_OPS.add(torch.ops.mkldnn._linear_pointwise.default)
 
 
 def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:  # noqa: ANN001

@@ -179,6 +179,9 @@ class TrainingConfig:
     ac_layer_interval: int = 2  # selective layer: checkpoint every k-th block
     deterministic: bool = False
     device: str = "auto"  # auto | cpu | cuda
+    cpu_gemm: str = (
+        "auto"  # auto (onednn on the CPU) | onednn | torch: fp32 CPU linears' GEMMs (models/cpu_gemm.py)
+    )
     eval_freq: int = 0  # steps between evaluations; 0 = never
     eval_steps: int = 4  # validation batches per evaluation
     # batch-size warmup (trainer/data/batch_ramp.py): stages {global_batch_size, until_step | until_tokens},
@@ -281,6 +284,7 @@ def _validate_training(t: TrainingConfig, max_seq_len: int) -> None:
     check_choice(t.mixed_precision, ("fp32", "bf16"), "training.mixed_precision")
     check_choice(t.activation_checkpoint, ("none", "full", "selective"), "training.activation_checkpoint")
     check_choice(t.device, ("auto", "cpu", "cuda"), "training.device")
+    check_choice(t.cpu_gemm, ("auto", "onednn", "torch"), "training.cpu_gemm")
     check_choice(t.ac_selective, ("layer", "op"), "training.ac_selective")
     if t.grad_clip < 0 or math.isnan(t.grad_clip):
         raise ConfigError(f"training.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping).")

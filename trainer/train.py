@@ -18,6 +18,7 @@ from torch import nn
 
 from models import get_spec
 from models.common import OutputHead
+from models.cpu_gemm import resolve_cpu_gemm, use_onednn_linears
 from models.errors import ConfigError
 from parallelisms.float8 import Float8Plan, plan_float8
 from parallelisms.parallel_dims import MESH_DIM_NAMES
@@ -151,6 +152,9 @@ class Trainer:
             device_type=self.device.type,
         )
         self.spec.device_check(cfg.model, self.device.type)  # e.g. an optional kernel forced without CUDA
+        resolve_cpu_gemm(
+            t.cpu_gemm, self.device.type
+        )  # training.cpu_gemm=onednn refused where torch lacks it
         # The optimizer registry: does this optimizer run under this layout? (before any process group)
         check_optimizer_layout(
             cfg.optimizer.name, optimizer_layout(self.dims, self.parallelism), cfg.optimizer
@@ -317,6 +321,13 @@ class Trainer:
         cfg, t, p = self.cfg, self.cfg.training, self.parallelism
         with torch.device("meta"):
             model = self.spec.build(cfg.model)
+        if resolve_cpu_gemm(
+            t.cpu_gemm, self.device.type
+        ):  # before the wrappers: float8 / TP / FSDP see ordinary nn.Linear subclasses
+            heads = [m for m in model.modules() if isinstance(m, OutputHead)]
+            logger.info(
+                "training.cpu_gemm: %d linears run oneDNN's fp32 GEMMs", use_onednn_linears(model, heads)
+            )
         full_shapes = {k: v.shape for k, v in model.state_dict().items()}  # before any wrapper renames
         options = PartOptions(
             device=self.device,
