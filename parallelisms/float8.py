@@ -73,6 +73,7 @@ from models.spec import ModelArgs, ModelSpec, StackedExperts
 
 if TYPE_CHECKING:
     from torchao.float8 import Float8LinearConfig
+    from torchao.prototype.moe_training.config import TrainingOpBaseConfig
 
     from parallelisms.config import ParallelismConfig
     from parallelisms.parallel_dims import ParallelDims
@@ -96,6 +97,8 @@ __all__ = [
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8")
 _MX_BLOCK = 32  # MXFP8 scales one block of 32 elements along the contraction dimension
 _F8_ALIGN = 16  # torch._scaled_mm: both matrix dimensions a multiple of 16
+_F8_GROUP = 16  # torchao's float8 grouped GEMM: every token group a multiple of 16 rows
+EXPERT_RECIPES = ("rowwise", "mxfp8")  # the recipes torchao has a grouped GEMM for
 
 
 @dataclass
@@ -108,7 +111,9 @@ class Float8Config:
     fsdp_float8_all_gather: bool = False  # tensorwise + FSDP: all-gather the weights in float8
     min_features: int = 16  # convert a linear only if in and out features are >= this (and a multiple of 16)
     exclude: list[str] = field(default_factory=lambda: ["gate"])  # module names (a dotted part or the fqn)
-    experts: bool = False  # MoE stacked experts in MXFP8 (recipe=mxfp8 only; the docstring)
+    experts: bool = (
+        False  # MoE stacked experts too: recipe=mxfp8, or rowwise on CUDA SM90/SM100 (the docstring)
+    )
 
 
 def has_float8_matmul(device: torch.device) -> bool:
@@ -119,6 +124,17 @@ def has_float8_matmul(device: torch.device) -> bool:
 def has_mxfp8_matmul(device: torch.device) -> bool:
     """Whether ``device`` runs MXFP8 matmuls: CUDA SM100 (Blackwell) or newer."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (10, 0)
+
+
+def has_float8_grouped_mm(device: torch.device) -> bool:
+    """Whether ``device`` runs torchao's float8 rowwise grouped GEMM: ``torch._scaled_grouped_mm``
+    (CUDA compute capability 9.x or 10.x exactly: Hopper, datacenter Blackwell; not Ada, not SM120)
+    and Triton (torchao's scale-and-cast kernels)."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    from torch.utils._triton import has_triton
+
+    return torch.cuda.get_device_capability(device)[0] in (9, 10) and has_triton()
 
 
 def resolve_emulate(cfg: Float8Config, device: torch.device) -> bool:
@@ -162,6 +178,42 @@ def expert_names(model: nn.Module, cfg: Float8Config) -> list[str]:
 def float8_weight_names(model: nn.Module, cfg: Float8Config, spec: ModelSpec) -> list[str]:
     """The parameter names (``<linear>.weight``) of ``model`` that ``cfg`` converts (model on any device)."""
     return [f"{name}.weight" for name in _convertible(model, cfg, spec)]
+
+
+def _check_experts(cfg: Float8Config, dims: ParallelDims, device: torch.device, model: nn.Module) -> None:
+    """``training.float8.experts=true``: a recipe torchao has a grouped GEMM for, on a device that runs
+    it (float8: no emulation exists), experts whose matrix dimensions the GEMM accepts."""
+    where = f"training.float8.experts=true on {_device_name(device)} with training.float8.recipe={cfg.recipe}"
+    if cfg.recipe not in EXPERT_RECIPES:
+        raise ConfigError(
+            f"{where}: torchao's float8 grouped GEMM scales rowwise only (per-row scales, weight gradient "
+            "in float8); it has no tensorwise or high-precision weight-gradient variant; set "
+            "training.float8.recipe=rowwise (CUDA SM90/SM100) or mxfp8, or training.float8.experts=false."
+        )
+    if cfg.recipe == "rowwise" and not has_float8_grouped_mm(device):
+        raise ConfigError(
+            f"{where}: torchao's float8 grouped GEMM runs only on CUDA SM90/SM100 "
+            "(torch._scaled_grouped_mm and Triton kernels) and has no emulation, so the experts would "
+            "silently stay in high precision; set training.float8.recipe=mxfp8 (emulated off SM100) or "
+            "training.float8.experts=false."
+        )
+    if cfg.recipe == "rowwise" and dims.tp > 1:
+        raise ConfigError(
+            f"{where} and parallelism.tp={dims.tp}: float8 experts under tensor parallel (replicated "
+            "DTensor weights around torchao's wrapper) are not verified; set parallelism.tp=1 or "
+            "training.float8.experts=false."
+        )
+    align = _alignment(cfg)
+    for name, module in model.named_modules():
+        if not isinstance(module, StackedExperts):
+            continue
+        shapes = [tuple(p.shape[1:]) for p in module.parameters()]  # dim 0 holds the experts
+        if any(d % align for shape in shapes for d in shape):
+            raise ConfigError(
+                f"{where}: {name}'s expert matrices {shapes} are not multiples of {align} (what torchao's "
+                f"grouped GEMM accepts); resize the experts to multiples of {align} or set "
+                "training.float8.experts=false."
+            )
 
 
 def _check_float8_all_gather(cfg: Float8Config, parallelism: ParallelismConfig, dims: ParallelDims) -> None:
@@ -229,15 +281,8 @@ def check_float8(
             f"training.float8.experts=true but model.family={spec.family} has no experts; "
             "set training.float8.experts=false."
         )
-    if cfg.experts and cfg.recipe != "mxfp8":
-        raise ConfigError(
-            f"training.float8.experts=true on {_device_name(device)} with training.float8.recipe="
-            f"{cfg.recipe}: float8 "
-            "experts need torchao's float8 grouped GEMM, which runs only as CUDA/Triton kernels with no "
-            "emulation (off CUDA the experts would silently stay in high precision) and is not verified "
-            "in this version; set training.float8.recipe=mxfp8 (emulated off SM100) or "
-            "training.float8.experts=false."
-        )
+    if cfg.experts:
+        _check_experts(cfg, dims, device, model)
     if cfg.experts and dims.ep > 1:
         raise ConfigError(
             f"training.float8.experts=true with parallelism.ep={dims.ep}: MXFP8 experts are verified in one "
@@ -317,6 +362,28 @@ def torchao_linear_config(cfg: Float8Config, emulate: bool) -> Float8LinearConfi
     return dataclasses.replace(Float8LinearConfig.from_recipe_name(cfg.recipe), emulate=emulate)
 
 
+def _wrap_weights(
+    model: nn.Module, config: TrainingOpBaseConfig, modules: set[str], experts: set[str], multiple: int
+) -> None:
+    """torchao's ``quantize_`` with a ``moe_training`` ``config``: the weights of the modules named in
+    ``modules`` become torchao's training weight wrapper (it intercepts ``linear`` and
+    ``torch._grouped_mm``: dynamic casts, then the low-precision GEMM); the stacked experts among them
+    then pad every token group to a multiple of ``multiple`` rows (what the grouped GEMM requires)."""
+    from torchao.quantization import quantize_
+
+    # torchao logs one INFO line per swapped weight; the start-up summary names them once
+    swaps = logging.getLogger("torchao.prototype.moe_training.conversion_utils")
+    level = swaps.level
+    swaps.setLevel(max(level, logging.WARNING))
+    try:
+        quantize_(model, config, filter_fn=lambda m, fqn: fqn in modules)
+    finally:
+        swaps.setLevel(level)
+    for name, module in model.named_modules():
+        if name in experts and isinstance(module, StackedExperts):
+            module.pad_token_groups(multiple)
+
+
 def convert_to_low_precision(model: nn.Module, plan: Float8Plan, spec: ModelSpec) -> list[str]:
     """Convert ``model``'s (a whole model or a pipeline stage) filtered linears in place, on meta
     before TP and FSDP; return their names. MXFP8 matmuls return ``plan.dtype`` (the run's compute
@@ -324,19 +391,15 @@ def convert_to_low_precision(model: nn.Module, plan: Float8Plan, spec: ModelSpec
     cfg, dtype = plan.config, plan.dtype
     emulate = bool(cfg.emulate)
     names = set(_convertible(model, cfg, spec))
-    experts = set(expert_names(model, cfg))  # only with recipe=mxfp8 (check_float8)
+    experts = set(expert_names(model, cfg))  # only with recipe=mxfp8 or rowwise (check_float8)
     if not names and not experts:
         return []
 
     def keep(module: nn.Module, fqn: str) -> bool:
         return fqn in names
 
-    def keep_experts(module: nn.Module, fqn: str) -> bool:
-        return fqn in experts
-
     if cfg.recipe == "mxfp8":
         from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
-        from torchao.quantization import quantize_
         from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
 
         recipe = MXFP8TrainingRecipe.MXFP8_EMULATED_RCEIL if emulate else MXFP8TrainingRecipe.MXFP8_RCEIL
@@ -348,17 +411,7 @@ def convert_to_low_precision(model: nn.Module, plan: Float8Plan, spec: ModelSpec
             out_dtype=torch.bfloat16 if experts else dtype,
             kernel_preference=KernelPreference.EMULATED if emulate else mx.kernel_preference,
         )
-        # torchao logs one INFO line per swapped weight; the start-up summary names them once
-        swaps = logging.getLogger("torchao.prototype.moe_training.conversion_utils")
-        level = swaps.level
-        swaps.setLevel(max(level, logging.WARNING))
-        try:
-            quantize_(model, mx, filter_fn=lambda m, fqn: keep(m, fqn) or keep_experts(m, fqn))
-        finally:
-            swaps.setLevel(level)
-        for name, module in model.named_modules():
-            if name in experts and isinstance(module, StackedExperts):
-                module.pad_token_groups(_MX_BLOCK)  # MXFP8's grouped GEMM: groups of 32k rows
+        _wrap_weights(model, mx, names | experts, experts, _MX_BLOCK)
     else:
         from torchao.float8 import convert_to_float8_training
 
@@ -367,6 +420,12 @@ def convert_to_low_precision(model: nn.Module, plan: Float8Plan, spec: ModelSpec
             config=torchao_linear_config(cfg, emulate),
             module_filter_fn=keep,
         )
+        if experts:  # recipe=rowwise (check_float8): the linears above stay torchao's Float8Linear
+            from torchao.prototype.moe_training.config import Float8TrainingOpConfig, Float8TrainingRecipe
+
+            # float8 rowwise grouped GEMM; returns bf16 (torch._scaled_grouped_mm's only output dtype)
+            f8 = Float8TrainingOpConfig.from_recipe(Float8TrainingRecipe.FP8_ROWWISE)
+            _wrap_weights(model, f8, experts, experts, _F8_GROUP)
     return sorted(names, key=lambda n: [int(p) if p.isdigit() else p for p in n.split(".")])
 
 
