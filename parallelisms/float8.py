@@ -180,7 +180,7 @@ def float8_weight_names(model: nn.Module, cfg: Float8Config, spec: ModelSpec) ->
     return [f"{name}.weight" for name in _convertible(model, cfg, spec)]
 
 
-def _check_experts(cfg: Float8Config, dims: ParallelDims, device: torch.device, model: nn.Module) -> None:
+def _check_experts(cfg: Float8Config, device: torch.device, model: nn.Module) -> None:
     """``training.float8.experts=true``: a recipe torchao has a grouped GEMM for, on a device that runs
     it (float8: no emulation exists), experts whose matrix dimensions the GEMM accepts."""
     where = f"training.float8.experts=true on {_device_name(device)} with training.float8.recipe={cfg.recipe}"
@@ -195,12 +195,6 @@ def _check_experts(cfg: Float8Config, dims: ParallelDims, device: torch.device, 
             f"{where}: torchao's float8 grouped GEMM runs only on CUDA SM90/SM100 "
             "(torch._scaled_grouped_mm and Triton kernels) and has no emulation, so the experts would "
             "silently stay in high precision; set training.float8.recipe=mxfp8 (emulated off SM100) or "
-            "training.float8.experts=false."
-        )
-    if cfg.recipe == "rowwise" and dims.tp > 1:
-        raise ConfigError(
-            f"{where} and parallelism.tp={dims.tp}: float8 experts under tensor parallel (replicated "
-            "DTensor weights around torchao's wrapper) are not verified; set parallelism.tp=1 or "
             "training.float8.experts=false."
         )
     align = _alignment(cfg)
@@ -282,7 +276,7 @@ def check_float8(
             "set training.float8.experts=false."
         )
     if cfg.experts:
-        _check_experts(cfg, dims, device, model)
+        _check_experts(cfg, device, model)
     if cfg.experts and dims.ep > 1:
         raise ConfigError(
             f"training.float8.experts=true with parallelism.ep={dims.ep}: MXFP8 experts are verified in one "
