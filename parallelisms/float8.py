@@ -39,22 +39,36 @@ tp > 1 is refused); custom DDP and ZeRO-1 (without float8 all-gather), pipeline 
 checkpointing and context parallel (each rank scales its own sequence chunk's activations). torchao
 is imported only when float8 is enabled.
 
-MoE experts (``experts=true``, ``recipe=mxfp8`` only): the stacked experts' weights carry torchao's
-MXFP8 training wrapper, which intercepts ``torch._grouped_mm``; the experts then always take the
-grouped-GEMM path (``model.grouped_mm`` is overridden to ``on``) with every expert's token group
-padded with zero rows to a multiple of 32 (``StackedExperts.pad_token_groups``: torchao's MXFP8
-grouped GEMM contracts the weight gradient over tokens in blocks of 32 and asserts the groups are
-already aligned). The padded length is a static bound, so no host sync; padding rows give zero
-outputs and add nothing to the gradients (bf16: bit-identical rows); runs without ``experts`` never
-pad. Emulated (CPU, or CUDA below SM100) and real on SM100; below SM100 without emulation the dense
-MXFP8 refusal applies. torchao's MXFP8 grouped GEMM returns bf16 only and every wrapped weight must
-share one config (fused optimizers dispatch over all of them at once), so with ``experts=true`` every
-MXFP8 matmul, dense ones included, returns bf16. Verified on gloo: one process and FSDP x2 (parity);
-refused with ``ep > 1`` (not at parity within the recipe: 5.8e-3 loss from one process by step 4,
-likely the token blocks of the weight gradient regrouped by the dispatch, not proven). Float8 (non-MX)
-experts are refused by name on every device: torchao 0.18's float8 grouped GEMM
-(``Float8TrainingOpConfig``, 16-row groups) runs only as Triton/CUDA kernels with no emulation, so
-off CUDA the experts would silently stay in high precision, and on CUDA it is not verified here.
+MoE experts (``experts=true``; ``recipe=mxfp8``, or ``rowwise`` where torchao's float8 grouped GEMM
+runs): the stacked experts' weights carry torchao's training weight wrapper (``quantize_`` with its
+``moe_training`` config, one helper for both recipes), which intercepts ``torch._grouped_mm``; the
+experts then always take the grouped-GEMM path (``model.grouped_mm`` is overridden to ``on``) with
+every expert's token group padded with zero rows to the GEMM's alignment
+(``StackedExperts.pad_token_groups``; torchao asserts the groups are already aligned). The padded
+length is a static bound, so no host sync; padding rows give zero outputs and add nothing to the
+gradients (bf16: bit-identical rows); runs without ``experts`` never pad. EP (``ep > 1``) is refused
+with either recipe.
+
+- ``mxfp8``: torchao's MXFP8 grouped GEMM, groups of 32 rows (it contracts the weight gradient over
+  tokens in blocks of 32). Emulated (CPU, or CUDA below SM100) and real on SM100; below SM100 without
+  emulation the dense MXFP8 refusal applies. It returns bf16 only and every wrapped weight must share
+  one config (fused optimizers dispatch over all of them at once), so with ``experts=true`` every
+  MXFP8 matmul, dense ones included, returns bf16. Verified on gloo: one process and FSDP x2 (parity).
+- ``rowwise``: torchao's float8 rowwise grouped GEMM (``Float8TrainingOpConfig``, recipe
+  ``FP8_ROWWISE``: per-row scales rounded to powers of two, weight gradient from per-group column
+  scales, all in float8 e4m3), groups of 16 rows. It runs only as Triton scale-and-cast kernels and
+  ``torch._scaled_grouped_mm``, which torch allows on CUDA compute capability 9.x and 10.x only (not
+  SM89, not SM120): :func:`has_float8_grouped_mm`. There is no emulation, so anywhere else (CPU, other
+  GPUs, no Triton) it is refused by name -- the experts would otherwise silently stay in high
+  precision. The dense linears stay torchao's ``Float8Linear`` (emulated or not, their own dtype);
+  only the expert weights are wrapped, all with one config, and the experts' GEMMs return bf16
+  (``torch._scaled_grouped_mm``'s only output dtype; autograd casts their input gradient back).
+  Verified on CPU with torchao's own ``_Float8GroupedMM`` forward and backward and the CUDA-only pieces
+  replaced by pure-torch reference kernels (tests/trainer/test_float8_grouped.py): one process, FSDP x2
+  and TP x2 (parity). The real kernels are exercised only on a GPU (``benchmarks/gpu_check.py``).
+- ``tensorwise`` and ``rowwise_with_gw_hp`` with ``experts=true`` are refused: torchao's float8 grouped
+  GEMM has no tensorwise or high-precision weight-gradient variant. Experts whose matrices are not
+  multiples of the alignment (16, MXFP8 32) are refused too.
 """
 
 from __future__ import annotations

@@ -33,22 +33,14 @@ from tests.configs import tiny_config
 from tests.dist import run_distributed
 from tests.parity import Case, assert_parity, run_cases
 from tests.trainer.test_float8 import _plan
+from tests.trainer.test_float8_experts import LAYERS, MOE, PARITY, STEPS  # the MXFP8 experts' run
 from trainer.config import TrainConfig
 
 pytest.importorskip("torchao")
 
-LAYERS = 1
-STEPS = 12
-MOE = (
-    "model=moe_debug",
-    f"model.n_layers={LAYERS}",
-    "training.micro_batch_size=4",
-    f"training.steps={STEPS}",
-)
 ROWWISE = ("training.float8.enable=true", "training.float8.recipe=rowwise")
 EXPERTS = (*ROWWISE, "training.float8.experts=true")
 GROUP = 16  # torchao's float8 grouped GEMM: token groups of 16k rows
-PARITY = ("training.steps=4",)  # later overrides win over MOE's steps
 PARITY_RTOL = 2e-5  # FSDP x2 / TP x2 against one process, losses and pre-clip grad norms: measured 1.9e-6
 # Per-step loss relative to the reference run: floor on the largest difference (the experts' low-precision
 # GEMMs are on; that they are float8 is what the call counts and REL_FLOOR show), ceiling on every step
