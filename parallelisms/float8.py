@@ -66,6 +66,8 @@ with either recipe.
   Verified on CPU with torchao's own ``_Float8GroupedMM`` forward and backward and the CUDA-only pieces
   replaced by pure-torch reference kernels (tests/trainer/test_float8_grouped.py): one process, FSDP x2
   and TP x2 (parity). The real kernels are exercised only on a GPU (``benchmarks/gpu_check.py``).
+- checkpoints: the wrapped weights are written as their plain data (:func:`plain_tensor`, used by the
+  checkpointer's save planner), so they load with or without float8 and under ``weights_only``.
 - ``tensorwise`` and ``rowwise_with_gw_hp`` with ``experts=true`` are refused: torchao's float8 grouped
   GEMM has no tensorwise or high-precision weight-gradient variant. Experts whose matrices are not
   multiples of the alignment (16, MXFP8 32) are refused too.
@@ -75,6 +77,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
@@ -103,6 +106,7 @@ __all__ = [
     "has_float8_matmul",
     "has_mxfp8_matmul",
     "module_filter",
+    "plain_tensor",
     "plan_float8",
     "resolve_emulate",
     "torchao_linear_config",
@@ -390,6 +394,16 @@ def _wrap_weights(
     for name, module in model.named_modules():
         if name in experts and isinstance(module, StackedExperts):
             module.pad_token_groups(multiple)
+
+
+def plain_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` without torchao's training weight wrapper (MXFP8 linears and experts, float8 experts):
+    its high-precision data, sharing storage -- what a checkpoint writes, so that it loads with or
+    without float8 (and under ``torch.load(weights_only=True)``, which refuses torchao's classes)."""
+    wrappers = sys.modules.get("torchao.prototype.moe_training.tensor")  # never imported: nothing wrapped
+    if wrappers is not None and isinstance(tensor, wrappers.TrainingWeightWrapperBaseTensor):
+        return tensor._data
+    return tensor
 
 
 def convert_to_low_precision(model: nn.Module, plan: Float8Plan, spec: ModelSpec) -> list[str]:

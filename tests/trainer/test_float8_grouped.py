@@ -15,6 +15,8 @@ trainer) and the recipe's numerics, not the real kernels: those run only on a GP
   every group a multiple of 16 rows) and padding rows give zero outputs and zero input gradients;
 - the MoE debug model trains with float8 experts; the losses differ from the run without float8 and
   from the run with float8 dense linears only by more than a floor and less than a ceiling;
+- FSDP x2 and TP x2 match one process; a run resumed from a checkpoint repeats its steps bit for bit
+  (the checkpoint holds plain tensors, not torchao's wrapper; float8 rowwise and MXFP8 experts);
 - without the kernels (CPU as it is) float8 experts are refused by name, and so are the recipes
   torchao has no grouped GEMM for.
 """
@@ -22,6 +24,7 @@ trainer) and the recipe's numerics, not the real kernels: those run only on a GP
 from __future__ import annotations
 
 import json
+import shutil
 from collections import Counter
 from typing import Optional
 
@@ -279,15 +282,20 @@ def test_experts_run_torchao_float8_grouped_gemm_padded_to_16(
         assert REL_FLOOR < rel < REL_CEILING, f"{name}: {rel:.1e}"
 
 
-def _run(cfg: TrainConfig, kernels: Optional[ReferenceScaledGroupedMM] = None) -> list[float]:
-    """One in-process run; its history kept on ``kernels`` (when given); its per-step losses."""
+def _history(cfg: TrainConfig) -> list[dict]:
+    """One in-process run's history."""
     from trainer.train import Trainer
 
     trainer = Trainer(cfg)
     try:
-        history = trainer.train()
+        return trainer.train()
     finally:
         trainer.close()
+
+
+def _run(cfg: TrainConfig, kernels: Optional[ReferenceScaledGroupedMM] = None) -> list[float]:
+    """One in-process run; its history kept on ``kernels`` (when given); its per-step losses."""
+    history = _history(cfg)
     if kernels is not None:
         kernels.history = history
     return [r["loss"] for r in history if "loss" in r]
@@ -345,6 +353,32 @@ def test_fsdp_and_tp_parity_within_float8_experts(
         history = per_rank[0][name]["history"]
         worst = assert_parity(reference_kernels.history, history, rtol=PARITY_RTOL, label=name)
         print(f"float8 experts, {name} x2 against one process: worst relative {worst}")
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "mxfp8"])
+def test_resume_with_wrapped_experts_is_exact(
+    tmp_path, reference_kernels: ReferenceScaledGroupedMM, recipe: str
+) -> None:
+    """Checkpoints of runs whose experts carry torchao's weight wrapper (float8 rowwise, MXFP8) hold plain
+    tensors (``PlainSavePlanner``): 8 steps with a checkpoint every 4, then the step-8 checkpoint removed
+    and the run restarted resumes from step 4 (DCP loads with ``weights_only``, which refuses torchao's
+    classes) and repeats steps 5-8 bit for bit."""
+    cfg = tiny_config(
+        str(tmp_path / "run"),
+        *MOE,
+        *EXPERTS,
+        f"training.float8.recipe={recipe}",
+        "training.steps=8",
+        "checkpoint.enable=true",
+        "checkpoint.interval=4",
+    )
+    first = [r for r in _history(cfg) if "loss" in r]
+    assert reference_kernels.calls["2d_2d"] > 0 or recipe == "mxfp8", reference_kernels.calls
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step-8")
+    again = [r for r in _history(cfg) if "loss" in r]
+    assert [r["step"] for r in again][-4:] == [5, 6, 7, 8], again
+    for a, b in zip(first[4:], again[-4:], strict=True):
+        assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), (a, b)
 
 
 @pytest.mark.parametrize(
