@@ -25,6 +25,13 @@ outputs/gpu_check); each part's log is ``DIR/logs/<part>.log``, each training ru
   MXFP8 skipped below SM100): tokens/s and MFU, and their ratio to the bf16 compiled run
   (``tokens_per_sec_vs_bf16``); on CPU float8 runs only emulated (numerics, not speed:
   ``tests/trainer/test_float8.py``);
+* MoE experts (``training.float8.experts``): the same eager MoE run (moe_debug widened to dim 1024,
+  expert hidden 2048, bf16, seq 2048) with bf16 ``torch._grouped_mm`` experts, float8 rowwise experts
+  (torchao's float8 grouped GEMM: SM90/SM100 only) and MXFP8 experts (SM100+): tokens/s of each
+  against bf16 (``tokens_per_sec_vs_bf16``) and its per-step loss difference from bf16; a variant the
+  GPU cannot run is reported ``unsupported`` with the reason. On CPU the float8 experts run only with
+  reference kernels and MXFP8 only emulated (``tests/trainer/test_float8_grouped.py``,
+  ``test_float8_experts.py``): numerics, not speed;
 * KV-cache generation tokens/s with the 1B shapes (``models/generation.py``);
 * with 2+ GPUs, NCCL runs of the debug model (moe_debug for EP) in bf16 whose per-step losses
   must match a 1-GPU reference: FSDP x N, TP x 2, CP x 2 (``cp_impl=ring`` and ``allgather``),
@@ -84,6 +91,9 @@ TOLERANCES = {
     # the same for the pre-clip gradient norms (a mis-scaled reduction shows here)
     "parity_grad_norm_rel": 5e-2,
     "memory_over_plan_max": 1.25,  # measured peak max_memory_allocated / planned bytes per rank
+    # low-precision MoE experts vs bf16 experts, the same run: max over steps of |loss - bf16| / bf16
+    # (CPU, reference kernels / emulation, moe_debug cut to 1 layer: 1.9e-2 over 12 steps)
+    "moe_experts_loss_rel": 5e-2,
     "loss_drop_min": 0.1,  # the last loss at most (1 - this) x the first
 }
 
@@ -163,6 +173,15 @@ PARTS = (
         1,
         480,
         300,
+    ),
+    Part(
+        "moe_experts",
+        "MoE run (eager, bf16) with bf16 grouped-GEMM experts vs float8 rowwise experts (SM90/SM100) and "
+        "MXFP8 experts (SM100+): tokens/s and loss difference",
+        "moe",
+        1,
+        600,
+        360,
     ),
     Part("generation_kv_cache", "greedy KV-cache generation, 1B shapes, bf16, batch 1", "probe", 1, 240, 180),
     Part("parity_reference", "debug model, bf16, 1 GPU: the reference of the dense layouts", "parity", 2),
@@ -264,14 +283,10 @@ def train_steps(quick: bool) -> tuple[int, int, int]:
     return (12, 9, 4) if quick else (30, 25, 5)
 
 
-def train_overrides(part: str, folder: str, quick: bool, micro_batch: int) -> list[str]:
-    """Hydra overrides of a 1B run (``train_1b_eager`` / ``train_1b_compiled``)."""
-    steps, profiled, _ = train_steps(quick)
-    o = [
-        "model=1b",
-        "training.seq_len=2048",
-        f"training.micro_batch_size={micro_batch}",
-        f"training.global_batch_size={micro_batch}",
+def one_gpu_run(steps: int, folder: str) -> list[str]:
+    """The overrides every one-GPU training run shares: bf16, ``steps`` steps each logged, no eval,
+    checkpoint or TensorBoard, the built-in corpus, the run folder."""
+    return [
         "training.mixed_precision=bf16",
         f"training.steps={steps}",
         "training.eval_freq=0",
@@ -284,6 +299,18 @@ def train_overrides(part: str, folder: str, quick: bool, micro_batch: int) -> li
         "parallelism.dp_shard=1",
         f"job.dump_folder={folder}",
     ]
+
+
+def train_overrides(part: str, folder: str, quick: bool, micro_batch: int) -> list[str]:
+    """Hydra overrides of a 1B run (``train_1b_eager`` / ``train_1b_compiled``)."""
+    steps, profiled, _ = train_steps(quick)
+    o = [
+        "model=1b",
+        "training.seq_len=2048",
+        f"training.micro_batch_size={micro_batch}",
+        f"training.global_batch_size={micro_batch}",
+        *one_gpu_run(steps, folder),
+    ]
     if part == "train_1b_eager":
         o += ["profiling.enable=true", f"profiling.steps=[{profiled}]", "profiling.memory_snapshot=true"]
     else:  # compiled: bf16, or with float8 / MXFP8 linears (the same shapes)
@@ -295,6 +322,40 @@ def train_overrides(part: str, folder: str, quick: bool, micro_batch: int) -> li
 
 # float8 training parts -> recipe; their tokens/s and MFU are set against train_1b_compiled (bf16)
 FLOAT8_PARTS = {"train_1b_float8": "tensorwise", "train_1b_mxfp8": "mxfp8"}
+
+
+# MoE experts part: variant -> its float8 overrides (bf16: none; every variant has grouped_mm=on)
+MOE_VARIANTS = {
+    "bf16": (),
+    "float8_rowwise": (
+        "training.float8.enable=true",
+        "training.float8.recipe=rowwise",
+        "training.float8.experts=true",
+    ),
+    "mxfp8": ("training.float8.enable=true", "training.float8.recipe=mxfp8", "training.float8.experts=true"),
+}
+
+
+def moe_steps(quick: bool) -> tuple[int, int]:
+    """(steps, warm-up steps left out of the throughput) of a run of the MoE experts part."""
+    return (10, 3) if quick else (20, 5)
+
+
+def moe_overrides(variant: str, folder: str, quick: bool) -> list[str]:
+    """Hydra overrides of one variant of the MoE experts part: the same shapes, data and steps."""
+    return [
+        "model=moe_debug",
+        "model.dim=1024",
+        "model.n_heads=8",
+        "model.n_kv_heads=4",
+        "model.moe_hidden_dim=2048",
+        "model.grouped_mm=on",
+        "training.seq_len=2048",
+        "training.micro_batch_size=8",
+        "training.global_batch_size=8",
+        *one_gpu_run(moe_steps(quick)[0], folder),
+        *MOE_VARIANTS[variant],
+    ]
 
 
 PARITY_LAYOUTS = {
@@ -643,6 +704,67 @@ def part_train(args: argparse.Namespace, part: Part) -> dict[str, Any]:
     return {"numbers": numbers, "artifacts": artifacts}
 
 
+def moe_unsupported(variant: str) -> Optional[str]:
+    """Why this GPU cannot run ``variant`` of the MoE experts part (None: it can), from the checks the
+    trainer itself applies (``parallelisms/float8.py``)."""
+    import torch
+
+    from parallelisms.float8 import has_float8_grouped_mm, has_mxfp8_matmul
+
+    device = _device()
+    major, minor = torch.cuda.get_device_capability(device)
+    if variant == "float8_rowwise" and not has_float8_grouped_mm(device):
+        return (
+            f"torchao's float8 grouped GEMM needs CUDA SM90/SM100 (torch._scaled_grouped_mm) and Triton; "
+            f"this GPU is SM{major}{minor}"
+        )
+    if variant == "mxfp8" and not has_mxfp8_matmul(device):
+        return f"MXFP8 experts need SM100+ (below they run only emulated); this GPU is SM{major}{minor}"
+    return None
+
+
+def part_moe_experts(args: argparse.Namespace) -> dict[str, Any]:
+    """The MoE run with bf16, float8 rowwise and MXFP8 experts (same shapes, eager): each variant's
+    tokens/s and losses, its speed against bf16 and its per-step loss difference from bf16."""
+    _require_training_packages()
+    steps, warmup = moe_steps(args.quick)
+    numbers: dict[str, Any] = {"preset": "moe_debug (dim 1024, expert hidden 2048)", "seq_len": 2048}
+    artifacts: dict[str, Any] = {}
+    problems = []
+    for variant in MOE_VARIANTS:
+        reason = moe_unsupported(variant)
+        if reason is not None:
+            numbers[variant] = {"status": "unsupported", "reason": reason}
+            continue
+        folder = os.path.abspath(os.path.join(args.out, "runs", f"moe_experts_{variant}"))
+        shutil.rmtree(folder, ignore_errors=True)
+        cmd = trainer_command(1, moe_overrides(variant, folder, args.quick))
+        artifacts[variant] = {"run_folder": folder, "command": shlex.join(cmd)}
+        rc = run_trainer(cmd, args.deadline - time.monotonic())
+        if rc != 0:
+            numbers[variant] = {"status": "fail", "reason": f"trainer/main.py exited with status {rc}"}
+            problems.append(f"{variant}: trainer/main.py exited with status {rc} (see the part's log)")
+            continue
+        run = summarize_training(read_metrics(folder), warmup=warmup)
+        numbers[variant] = {"status": "pass", **run}
+        if run["steps"] != steps:
+            problems.append(f"{variant}: {run['steps']} of {steps} steps logged")
+    bf16 = numbers.get("bf16", {})
+    for variant in MOE_VARIANTS:
+        got = numbers[variant]
+        if variant == "bf16" or got.get("status") != "pass" or bf16.get("status") != "pass":
+            continue
+        if got["tokens_per_sec"] and bf16["tokens_per_sec"]:
+            got["tokens_per_sec_vs_bf16"] = got["tokens_per_sec"] / bf16["tokens_per_sec"]
+        cmp = compare_losses(got["losses"], bf16["losses"], TOLERANCES["moe_experts_loss_rel"])
+        got["loss_vs_bf16"] = {k: v for k, v in cmp.items() if k not in ("pass", "reason")}
+        if not cmp["pass"]:
+            problems.append(f"{variant}: loss {cmp['reason']}")
+    if problems:
+        raise PartFailure("; ".join(problems), numbers, artifacts)
+    return {"numbers": numbers, "artifacts": artifacts}
+
+
 def part_parity(args: argparse.Namespace, part: Part) -> dict[str, Any]:
     """A debug-model run on 1 or more GPUs; the parent compares its losses with the reference's."""
     _require_training_packages()
@@ -678,6 +800,17 @@ PROBES = {
 }
 
 
+def run_part_kind(args: argparse.Namespace, part: Part) -> dict[str, Any]:
+    """Run ``part`` by its kind (in this process); raises ``PartFailure`` when its check fails."""
+    if part.kind == "probe":
+        return PROBES[part.name](args)
+    if part.kind == "train":
+        return part_train(args, part)
+    if part.kind == "moe":
+        return part_moe_experts(args)
+    return part_parity(args, part)
+
+
 def timeout_of(part: Part, quick: bool) -> int:
     return part.quick_timeout_s if quick else part.timeout_s
 
@@ -688,13 +821,7 @@ def run_part_here(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     args.deadline = time.monotonic() + timeout_of(part, args.quick) - 30  # the parent stops it at the timeout
     try:
-        if part.kind == "probe":
-            result = PROBES[part.name](args)
-        elif part.kind == "train":
-            result = part_train(args, part)
-        else:
-            result = part_parity(args, part)
-        result = {"status": "pass", "reason": None, **result}
+        result = {"status": "pass", "reason": None, **run_part_kind(args, part)}
     except PartFailure as e:
         result = {"status": "fail", "reason": str(e), "numbers": e.numbers, "artifacts": e.artifacts}
     except Exception as e:
@@ -989,9 +1116,16 @@ def dry_run_listing(args: argparse.Namespace, num_gpus: int) -> str:
     for part, skip in plan_parts(args.only, num_gpus):
         state = f"skip ({skip})" if skip else f"run, timeout {timeout_of(part, args.quick)} s"
         lines.append(f"- {part.name}: {part.what} [{state}]")
-        cmd = part_command(part, args.out, args.quick, max(num_gpus, 2), args.micro_batch)
-        if cmd is not None:
-            lines.append("    $ " + shlex.join(["python" if c == sys.executable else c for c in cmd]))
+        cmds = [part_command(part, args.out, args.quick, max(num_gpus, 2), args.micro_batch)]
+        if part.kind == "moe":
+            runs = os.path.join(args.out, "runs")
+            cmds = [
+                trainer_command(1, moe_overrides(v, os.path.join(runs, f"moe_experts_{v}"), args.quick))
+                for v in MOE_VARIANTS
+            ]
+        for cmd in cmds:
+            if cmd is not None:
+                lines.append("    $ " + shlex.join(["python" if c == sys.executable else c for c in cmd]))
     for name, what in DERIVED.items():
         lines.append(f"- {name} (from the parts above): {what}")
     lines.append("tolerances: " + json.dumps(TOLERANCES))
@@ -1007,7 +1141,8 @@ def _cuda_gpus(args: argparse.Namespace) -> int:
             f"gpu_check: no CUDA device here (torch {torch.__version__}, CUDA build: "
             f"{torch.version.cuda or 'none'}, "
             "torch.cuda.is_available() is False). This check needs an NVIDIA GPU; `--dry-run` lists what it "
-            "would run.",
+            "would run. On CPU, float8 / MXFP8 linears and experts run emulated or with reference kernels "
+            "(tests/trainer/test_float8*.py): that proves numerics, not speed.",
             file=sys.stderr,
         )
         sys.exit(2)

@@ -39,29 +39,47 @@ tp > 1 is refused); custom DDP and ZeRO-1 (without float8 all-gather), pipeline 
 checkpointing and context parallel (each rank scales its own sequence chunk's activations). torchao
 is imported only when float8 is enabled.
 
-MoE experts (``experts=true``, ``recipe=mxfp8`` only): the stacked experts' weights carry torchao's
-MXFP8 training wrapper, which intercepts ``torch._grouped_mm``; the experts then always take the
-grouped-GEMM path (``model.grouped_mm`` is overridden to ``on``) with every expert's token group
-padded with zero rows to a multiple of 32 (``StackedExperts.pad_token_groups``: torchao's MXFP8
-grouped GEMM contracts the weight gradient over tokens in blocks of 32 and asserts the groups are
-already aligned). The padded length is a static bound, so no host sync; padding rows give zero
-outputs and add nothing to the gradients (bf16: bit-identical rows); runs without ``experts`` never
-pad. Emulated (CPU, or CUDA below SM100) and real on SM100; below SM100 without emulation the dense
-MXFP8 refusal applies. torchao's MXFP8 grouped GEMM returns bf16 only and every wrapped weight must
-share one config (fused optimizers dispatch over all of them at once), so with ``experts=true`` that
-config's ``out_dtype`` is bf16 (the dense MXFP8 linears ignore it: they return their input's dtype;
-the planner's term: trainer/planner/low_precision.py). Verified on gloo: one process and FSDP x2 (parity);
-refused with ``ep > 1`` (not at parity within the recipe: 5.8e-3 loss from one process by step 4,
-likely the token blocks of the weight gradient regrouped by the dispatch, not proven). Float8 (non-MX)
-experts are refused by name on every device: torchao 0.18's float8 grouped GEMM
-(``Float8TrainingOpConfig``, 16-row groups) runs only as Triton/CUDA kernels with no emulation, so
-off CUDA the experts would silently stay in high precision, and on CUDA it is not verified here.
+MoE experts (``experts=true``; ``recipe=mxfp8``, or ``rowwise`` where torchao's float8 grouped GEMM
+runs): the stacked experts' weights carry torchao's training weight wrapper (``quantize_`` with its
+``moe_training`` config, one helper for both recipes), which intercepts ``torch._grouped_mm``; the
+experts then always take the grouped-GEMM path (``model.grouped_mm`` is overridden to ``on``) with
+every expert's token group padded with zero rows to the GEMM's alignment
+(``StackedExperts.pad_token_groups``; torchao asserts the groups are already aligned). The padded
+length is a static bound, so no host sync; padding rows give zero outputs and add nothing to the
+gradients (bf16: bit-identical rows); runs without ``experts`` never pad. EP (``ep > 1``) is refused
+with either recipe.
+
+- ``mxfp8``: torchao's MXFP8 grouped GEMM, groups of 32 rows (it contracts the weight gradient over
+  tokens in blocks of 32). Emulated (CPU, or CUDA below SM100) and real on SM100; below SM100 without
+  emulation the dense MXFP8 refusal applies. It returns bf16 only and every wrapped weight must share
+  one config (fused optimizers dispatch over all of them at once), so with ``experts=true`` that
+  config's ``out_dtype`` is bf16 (the dense MXFP8 linears ignore it: they return their input's dtype;
+  the planner's term: trainer/planner/low_precision.py). Verified on gloo: one process and FSDP x2
+  (parity).
+- ``rowwise``: torchao's float8 rowwise grouped GEMM (``Float8TrainingOpConfig``, recipe
+  ``FP8_ROWWISE``: per-row scales rounded to powers of two, weight gradient from per-group column
+  scales, all in float8 e4m3), groups of 16 rows. It runs only as Triton scale-and-cast kernels and
+  ``torch._scaled_grouped_mm``, which torch allows on CUDA compute capability 9.x and 10.x only (not
+  SM89, not SM120): :func:`has_float8_grouped_mm`. There is no emulation, so anywhere else (CPU, other
+  GPUs, no Triton) it is refused by name -- the experts would otherwise silently stay in high
+  precision. The dense linears stay torchao's ``Float8Linear`` (emulated or not, their own dtype);
+  only the expert weights are wrapped, all with one config, and the experts' GEMMs return bf16
+  (``torch._scaled_grouped_mm``'s only output dtype; autograd casts their input gradient back).
+  Verified on CPU with torchao's own ``_Float8GroupedMM`` forward and backward and the CUDA-only pieces
+  replaced by pure-torch reference kernels (tests/trainer/test_float8_grouped.py): one process, FSDP x2
+  and TP x2 (parity). The real kernels are exercised only on a GPU (``benchmarks/gpu_check.py``).
+- checkpoints: the wrapped weights are written as their plain data (:func:`plain_tensor`, used by the
+  checkpointer's save planner), so they load with or without float8 and under ``weights_only``.
+- ``tensorwise`` and ``rowwise_with_gw_hp`` with ``experts=true`` are refused: torchao's float8 grouped
+  GEMM has no tensorwise or high-precision weight-gradient variant. Experts whose matrices are not
+  multiples of the alignment (16, MXFP8 32) are refused too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
@@ -74,6 +92,7 @@ from models.spec import ModelArgs, ModelSpec, StackedExperts
 
 if TYPE_CHECKING:
     from torchao.float8 import Float8LinearConfig
+    from torchao.prototype.moe_training.config import TrainingOpBaseConfig
 
     from parallelisms.config import ParallelismConfig
     from parallelisms.parallel_dims import ParallelDims
@@ -89,6 +108,7 @@ __all__ = [
     "has_float8_matmul",
     "has_mxfp8_matmul",
     "module_filter",
+    "plain_tensor",
     "plan_float8",
     "resolve_emulate",
     "torchao_linear_config",
@@ -97,6 +117,8 @@ __all__ = [
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8")
 _MX_BLOCK = 32  # MXFP8 scales one block of 32 elements along the contraction dimension
 _F8_ALIGN = 16  # torch._scaled_mm: both matrix dimensions a multiple of 16
+_F8_GROUP = 16  # torchao's float8 grouped GEMM: every token group a multiple of 16 rows
+EXPERT_RECIPES = ("rowwise", "mxfp8")  # the recipes torchao has a grouped GEMM for
 
 
 @dataclass
@@ -109,7 +131,9 @@ class Float8Config:
     fsdp_float8_all_gather: bool = False  # tensorwise + FSDP: all-gather the weights in float8
     min_features: int = 16  # convert a linear only if in and out features are >= this (and a multiple of 16)
     exclude: list[str] = field(default_factory=lambda: ["gate"])  # module names (a dotted part or the fqn)
-    experts: bool = False  # MoE stacked experts in MXFP8 (recipe=mxfp8 only; the docstring)
+    experts: bool = (
+        False  # MoE stacked experts too: recipe=mxfp8, or rowwise on CUDA SM90/SM100 (the docstring)
+    )
 
 
 def has_float8_matmul(device: torch.device) -> bool:
@@ -120,6 +144,17 @@ def has_float8_matmul(device: torch.device) -> bool:
 def has_mxfp8_matmul(device: torch.device) -> bool:
     """Whether ``device`` runs MXFP8 matmuls: CUDA SM100 (Blackwell) or newer."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (10, 0)
+
+
+def has_float8_grouped_mm(device: torch.device) -> bool:
+    """Whether ``device`` runs torchao's float8 rowwise grouped GEMM: ``torch._scaled_grouped_mm``
+    (CUDA compute capability 9.x or 10.x exactly: Hopper, datacenter Blackwell; not Ada, not SM120)
+    and Triton (torchao's scale-and-cast kernels)."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    from torch.utils._triton import has_triton
+
+    return torch.cuda.get_device_capability(device)[0] in (9, 10) and has_triton()
 
 
 def resolve_emulate(cfg: Float8Config, device: torch.device) -> bool:
@@ -163,6 +198,36 @@ def expert_names(model: nn.Module, cfg: Float8Config) -> list[str]:
 def float8_weight_names(model: nn.Module, cfg: Float8Config, spec: ModelSpec) -> list[str]:
     """The parameter names (``<linear>.weight``) of ``model`` that ``cfg`` converts (model on any device)."""
     return [f"{name}.weight" for name in _convertible(model, cfg, spec)]
+
+
+def _check_experts(cfg: Float8Config, device: torch.device, model: nn.Module) -> None:
+    """``training.float8.experts=true``: a recipe torchao has a grouped GEMM for, on a device that runs
+    it (float8: no emulation exists), experts whose matrix dimensions the GEMM accepts."""
+    where = f"training.float8.experts=true on {_device_name(device)} with training.float8.recipe={cfg.recipe}"
+    if cfg.recipe not in EXPERT_RECIPES:
+        raise ConfigError(
+            f"{where}: torchao's float8 grouped GEMM scales rowwise only (per-row scales, weight gradient "
+            "in float8); it has no tensorwise or high-precision weight-gradient variant; set "
+            "training.float8.recipe=rowwise (CUDA SM90/SM100) or mxfp8, or training.float8.experts=false."
+        )
+    if cfg.recipe == "rowwise" and not has_float8_grouped_mm(device):
+        raise ConfigError(
+            f"{where}: torchao's float8 grouped GEMM runs only on CUDA SM90/SM100 "
+            "(torch._scaled_grouped_mm and Triton kernels) and has no emulation, so the experts would "
+            "silently stay in high precision; set training.float8.recipe=mxfp8 (emulated off SM100) or "
+            "training.float8.experts=false."
+        )
+    align = _alignment(cfg)
+    for name, module in model.named_modules():
+        if not isinstance(module, StackedExperts):
+            continue
+        shapes = [tuple(p.shape[1:]) for p in module.parameters()]  # dim 0 holds the experts
+        if any(d % align for shape in shapes for d in shape):
+            raise ConfigError(
+                f"{where}: {name}'s expert matrices {shapes} are not multiples of {align} (what torchao's "
+                f"grouped GEMM accepts); resize the experts to multiples of {align} or set "
+                "training.float8.experts=false."
+            )
 
 
 def _check_float8_all_gather(cfg: Float8Config, parallelism: ParallelismConfig, dims: ParallelDims) -> None:
@@ -230,15 +295,8 @@ def check_float8(
             f"training.float8.experts=true but model.family={spec.family} has no experts; "
             "set training.float8.experts=false."
         )
-    if cfg.experts and cfg.recipe != "mxfp8":
-        raise ConfigError(
-            f"training.float8.experts=true on {_device_name(device)} with training.float8.recipe="
-            f"{cfg.recipe}: float8 "
-            "experts need torchao's float8 grouped GEMM, which runs only as CUDA/Triton kernels with no "
-            "emulation (off CUDA the experts would silently stay in high precision) and is not verified "
-            "in this version; set training.float8.recipe=mxfp8 (emulated off SM100) or "
-            "training.float8.experts=false."
-        )
+    if cfg.experts:
+        _check_experts(cfg, device, model)
     if cfg.experts and dims.ep > 1:
         raise ConfigError(
             f"training.float8.experts=true with parallelism.ep={dims.ep}: MXFP8 experts are verified in one "
@@ -318,6 +376,38 @@ def torchao_linear_config(cfg: Float8Config, emulate: bool) -> Float8LinearConfi
     return dataclasses.replace(Float8LinearConfig.from_recipe_name(cfg.recipe), emulate=emulate)
 
 
+def _wrap_weights(
+    model: nn.Module, config: TrainingOpBaseConfig, modules: set[str], experts: set[str], multiple: int
+) -> None:
+    """torchao's ``quantize_`` with a ``moe_training`` ``config``: the weights of the modules named in
+    ``modules`` become torchao's training weight wrapper (it intercepts ``linear`` and
+    ``torch._grouped_mm``: dynamic casts, then the low-precision GEMM); the stacked experts among them
+    then pad every token group to a multiple of ``multiple`` rows (what the grouped GEMM requires)."""
+    from torchao.quantization import quantize_
+
+    # torchao logs one INFO line per swapped weight; the start-up summary names them once
+    swaps = logging.getLogger("torchao.prototype.moe_training.conversion_utils")
+    level = swaps.level
+    swaps.setLevel(max(level, logging.WARNING))
+    try:
+        quantize_(model, config, filter_fn=lambda m, fqn: fqn in modules)
+    finally:
+        swaps.setLevel(level)
+    for name, module in model.named_modules():
+        if name in experts and isinstance(module, StackedExperts):
+            module.pad_token_groups(multiple)
+
+
+def plain_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` without torchao's training weight wrapper (MXFP8 linears and experts, float8 experts):
+    its high-precision data, sharing storage -- what a checkpoint writes, so that it loads with or
+    without float8 (and under ``torch.load(weights_only=True)``, which refuses torchao's classes)."""
+    wrappers = sys.modules.get("torchao.prototype.moe_training.tensor")  # never imported: nothing wrapped
+    if wrappers is not None and isinstance(tensor, wrappers.TrainingWeightWrapperBaseTensor):
+        return tensor._data
+    return tensor
+
+
 def convert_to_low_precision(model: nn.Module, plan: Float8Plan, spec: ModelSpec) -> list[str]:
     """Convert ``model``'s (a whole model or a pipeline stage) filtered linears in place, on meta
     before TP and FSDP; return their names. MXFP8's grouped GEMMs (the experts) return bf16;
@@ -325,19 +415,15 @@ def convert_to_low_precision(model: nn.Module, plan: Float8Plan, spec: ModelSpec
     cfg, dtype = plan.config, plan.dtype
     emulate = bool(cfg.emulate)
     names = set(_convertible(model, cfg, spec))
-    experts = set(expert_names(model, cfg))  # only with recipe=mxfp8 (check_float8)
+    experts = set(expert_names(model, cfg))  # only with recipe=mxfp8 or rowwise (check_float8)
     if not names and not experts:
         return []
 
     def keep(module: nn.Module, fqn: str) -> bool:
         return fqn in names
 
-    def keep_experts(module: nn.Module, fqn: str) -> bool:
-        return fqn in experts
-
     if cfg.recipe == "mxfp8":
         from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
-        from torchao.quantization import quantize_
         from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
 
         recipe = MXFP8TrainingRecipe.MXFP8_EMULATED_RCEIL if emulate else MXFP8TrainingRecipe.MXFP8_RCEIL
@@ -349,17 +435,7 @@ def convert_to_low_precision(model: nn.Module, plan: Float8Plan, spec: ModelSpec
             out_dtype=torch.bfloat16 if experts else dtype,
             kernel_preference=KernelPreference.EMULATED if emulate else mx.kernel_preference,
         )
-        # torchao logs one INFO line per swapped weight; the start-up summary names them once
-        swaps = logging.getLogger("torchao.prototype.moe_training.conversion_utils")
-        level = swaps.level
-        swaps.setLevel(max(level, logging.WARNING))
-        try:
-            quantize_(model, mx, filter_fn=lambda m, fqn: keep(m, fqn) or keep_experts(m, fqn))
-        finally:
-            swaps.setLevel(level)
-        for name, module in model.named_modules():
-            if name in experts and isinstance(module, StackedExperts):
-                module.pad_token_groups(_MX_BLOCK)  # MXFP8's grouped GEMM: groups of 32k rows
+        _wrap_weights(model, mx, names | experts, experts, _MX_BLOCK)
     else:
         from torchao.float8 import convert_to_float8_training
 
@@ -368,6 +444,12 @@ def convert_to_low_precision(model: nn.Module, plan: Float8Plan, spec: ModelSpec
             config=torchao_linear_config(cfg, emulate),
             module_filter_fn=keep,
         )
+        if experts:  # recipe=rowwise (check_float8): the linears above stay torchao's Float8Linear
+            from torchao.prototype.moe_training.config import Float8TrainingOpConfig, Float8TrainingRecipe
+
+            # float8 rowwise grouped GEMM; returns bf16 (torch._scaled_grouped_mm's only output dtype)
+            f8 = Float8TrainingOpConfig.from_recipe(Float8TrainingRecipe.FP8_ROWWISE)
+            _wrap_weights(model, f8, experts, experts, _F8_GROUP)
     return sorted(names, key=lambda n: [int(p) if p.isdigit() else p for p in n.split(".")])
 
 

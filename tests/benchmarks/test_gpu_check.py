@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -68,6 +69,7 @@ def test_no_cuda_refusal_and_dry_run(tmp_path) -> None:
     proc = _script("--quick", "--out", str(out))
     assert proc.returncode == 2, proc.stderr
     assert "no CUDA device here" in proc.stderr and "--dry-run" in proc.stderr
+    assert "proves numerics, not speed" in proc.stderr
     assert proc.stdout == "" and not out.exists()
 
     proc = _script("--dry-run", "--gpus", "2", "--out", str(out))
@@ -81,6 +83,8 @@ def test_no_cuda_refusal_and_dry_run(tmp_path) -> None:
     assert "training.compile=true" in listing and "profiling.memory_snapshot=true" in listing
     assert "--nproc_per_node=2 trainer/main.py" in listing and "parallelism.cp_impl=ring" in listing
     assert "parallelism.ep=2" in listing and "tolerances:" in listing and not out.exists()
+    assert "training.float8.recipe=rowwise training.float8.experts=true" in listing  # the moe_experts part
+    assert "training.float8.recipe=mxfp8 training.float8.experts=true" in listing
 
     one = gc.dry_run_listing(gc.parse_args(["--dry-run", "--gpus", "1"]), 1)
     assert "- parity_tp2: " in one and "skip (needs 2+ GPUs, 1 in use)" in one
@@ -231,6 +235,9 @@ def test_trainer_overrides_compose_and_plan() -> None:
             compose_dict(*gc.train_overrides(part.name, "o", False, 4))
         elif part.kind == "parity":
             compose_dict(*gc.parity_overrides(part.name, "o", True, 4)[1])
+        elif part.kind == "moe":
+            for variant in gc.MOE_VARIANTS:
+                compose_dict(*gc.moe_overrides(variant, "o", True))
     assert gc.parity_overrides("parity_fsdp", "o", True, 3)[0] == 3
     assert "training.global_batch_size=48" in gc.parity_overrides("parity_tp2", "o", True, 3)[1]  # lcm(16, 6)
     planned = gc.planned_memory_gib(gc.train_overrides("train_1b_eager", "o", True, 4))
@@ -257,6 +264,34 @@ def test_metrics_of_a_real_run(tmp_path) -> None:
     assert s["losses"] == [r["loss"] for r in records] and s["last_loss"] < s["first_loss"]
     with pytest.raises(gc.PartFailure, match="no training records"):
         gc.summarize_training(gc.read_metrics(str(tmp_path / "missing")), warmup=1)
+
+
+def test_moe_experts_part_on_cpu(tmp_path, monkeypatch) -> None:
+    """The ``moe_experts`` part with real trainer runs, on CPU: its shapes cut to the tiny MoE run (one
+    layer, 4 steps, fp32) and MXFP8 experts emulated, so bf16 (here fp32) and mxfp8 run and are compared
+    (tokens/s ratio, per-step loss difference within the tolerance); float8 rowwise is reported
+    ``unsupported`` with the reason the part was given (on a GPU: ``moe_unsupported``)."""
+    from tests.configs import TINY
+
+    def tiny(variant: str, folder: str, quick: bool) -> list[str]:
+        moe = ("model=moe_debug", "model.n_layers=1", "training.micro_batch_size=4", "training.steps=4")
+        return [*TINY, *moe, "training.device=cpu", f"job.dump_folder={folder}", *gc.MOE_VARIANTS[variant]]
+
+    monkeypatch.setattr(gc, "moe_overrides", tiny)
+    monkeypatch.setattr(gc, "moe_steps", lambda quick: (4, 1))
+    reason = "torchao's float8 grouped GEMM needs CUDA SM90/SM100"
+    monkeypatch.setattr(
+        gc, "moe_unsupported", lambda variant: reason if variant == "float8_rowwise" else None
+    )
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    args = _args(tmp_path, quick=True, deadline=time.monotonic() + 300)
+    numbers = gc.part_moe_experts(args)["numbers"]
+    print(json.dumps({k: v.get("loss_vs_bf16", v) for k, v in numbers.items() if isinstance(v, dict)}))
+    assert numbers["float8_rowwise"] == {"status": "unsupported", "reason": reason}
+    assert numbers["bf16"]["status"] == "pass" and numbers["bf16"]["steps"] == 4
+    mx = numbers["mxfp8"]
+    assert mx["status"] == "pass" and mx["tokens_per_sec_vs_bf16"] > 0
+    assert 0 < mx["loss_vs_bf16"]["max_rel"] <= gc.TOLERANCES["moe_experts_loss_rel"], mx["loss_vs_bf16"]
 
 
 def test_numerics_checks_on_cpu(monkeypatch) -> None:
@@ -314,7 +349,7 @@ failures = {}
 for part in gc.PARTS:
     if part.kind != "probe":
         try:
-            (gc.part_train if part.kind == "train" else gc.part_parity)(args, part)
+            gc.run_part_kind(args, part)
         except gc.PartFailure as e:
             failures[part.name] = str(e)
 adamw = gp.check_adamw(torch.device("cpu"), steps=2)["max_rel_err"]

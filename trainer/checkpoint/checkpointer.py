@@ -77,6 +77,7 @@ from trainer.checkpoint.storage import (
     FORMAT_VERSION,
     MARKER,
     CheckpointWriter,
+    PlainSavePlanner,
     check_model_shapes,
     complete_steps,
     corrupt_files,
@@ -637,7 +638,12 @@ class Checkpointer:
         start = time.perf_counter()
         if self.async_mode and not final:
             # Returns once the state is copied (staged) to host memory; the write runs in a thread.
-            fut = dcp.async_save(state, storage_writer=CheckpointWriter(tmp, step), process_group=self._pg)
+            fut = dcp.async_save(
+                state,
+                storage_writer=CheckpointWriter(tmp, step),
+                planner=PlainSavePlanner(),
+                process_group=self._pg,
+            )
             assert isinstance(fut, Future)  # without an async stager: the write's future
             self._pending = (step, tmp, marker, fut)
             logger.info(
@@ -657,7 +663,12 @@ class Checkpointer:
         """A synchronous save of ``state`` into ``tmp``, committed as ``step-N``; visible once this
         returns on any rank."""
         try:
-            dcp.save(state, storage_writer=CheckpointWriter(tmp, step), process_group=self._pg)
+            dcp.save(
+                state,
+                storage_writer=CheckpointWriter(tmp, step),
+                planner=PlainSavePlanner(),
+                process_group=self._pg,
+            )
         except BaseException as e:  # DCP raises CheckpointException (a BaseException) on every rank
             self._save_failed(step, tmp, e)
             raise
