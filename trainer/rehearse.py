@@ -68,6 +68,7 @@ TOLERANCE = 0.05  # a term whose rehearsed / planned ratio leaves [0.95, 1.05] f
 REHEARSAL_OVERRIDES = (
     "training.device=cpu",
     "training.compile=false",
+    "training.cpu_gemm=torch",  # the target devices' F.linear (fake tensors would take it anyway)
     "metrics.memory_check=off",
     "metrics.comm_ledger=false",
     "metrics.memory_ledger=false",
