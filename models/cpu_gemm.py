@@ -20,6 +20,7 @@ saved tensors are ``F.linear``'s (input and weight), so memory is unchanged.
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Iterable
 from typing import Optional, Protocol
 
@@ -41,14 +42,16 @@ def onednn_available() -> bool:
 
 
 def resolve_cpu_gemm(choice: str, device_type: str) -> bool:
-    """Whether a run's linears take oneDNN (``training.cpu_gemm``): ``auto`` on a CPU device where torch
-    has oneDNN, ``onednn`` always (a ConfigError where torch lacks it), ``torch`` never."""
+    """Whether a run's linears take oneDNN (``training.cpu_gemm``): ``auto`` on an x86-64 CPU device
+    where torch has oneDNN (elsewhere, e.g. ARM, oneDNN's fp32 GEMMs are not known to beat torch's
+    BLAS), ``onednn`` always (a ConfigError where torch lacks it), ``torch`` never."""
     if choice == "onednn" and not onednn_available():
         raise ConfigError(
             "training.cpu_gemm=onednn: this torch build has no oneDNN CPU linear "
             "(torch.ops.mkldnn._linear_pointwise); set training.cpu_gemm=auto or torch."
         )
-    return choice == "onednn" or (choice == "auto" and device_type == "cpu" and onednn_available())
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    return choice == "onednn" or (choice == "auto" and device_type == "cpu" and x86 and onednn_available())
 
 
 def _gemm(a: Tensor, b_t: Tensor) -> Tensor:
