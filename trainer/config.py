@@ -179,9 +179,7 @@ class TrainingConfig:
     ac_layer_interval: int = 2  # selective layer: checkpoint every k-th block
     deterministic: bool = False
     device: str = "auto"  # auto | cpu | cuda
-    cpu_gemm: str = (
-        "auto"  # auto (onednn on the CPU) | onednn | torch: fp32 CPU linears' GEMMs (models/cpu_gemm.py)
-    )
+    cpu_gemm: str = "auto"  # auto (onednn on x86-64) | onednn | torch: fp32 CPU GEMMs (models/cpu_gemm.py)
     eval_freq: int = 0  # steps between evaluations; 0 = never
     eval_steps: int = 4  # validation batches per evaluation
     # batch-size warmup (trainer/data/batch_ramp.py): stages {global_batch_size, until_step | until_tokens},
