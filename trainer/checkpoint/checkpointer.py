@@ -5,7 +5,10 @@ one logical model: any layout loads what any other wrote):
 
 * ``model.<fqn>``: the weights, named as the model names them (``models/<family>/model.py``; no
   ``module.`` / FSDP / compile prefixes), via ``get_model_state_dict`` on each model part
-  (``model_parts``: DDP stripped, pipeline stages merged).
+  (``model_parts``: DDP stripped, pipeline stages merged). A weight wrapper (torchao's float8 /
+  MXFP8 training weights) is saved as the plain high-precision tensor it holds
+  (``parallelisms.utils.plain_tensor``), so float8 and high-precision runs load each other's
+  checkpoints.
 * ``optimizer.state.<fqn>.<exp_avg|exp_avg_sq|step>`` and ``optimizer.param_groups.<fqn>.<key>``:
   the flattened optimizer state (``flatten_optimizer_state_dict``), so FSDP/TP shards, ZeRO-1
   owners and replicated optimizers all write the same logical keys.
@@ -59,6 +62,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from models.errors import ConfigError
 from parallelisms.parallel_dims import DEGREE_NAMES
+from parallelisms.utils import plain_tensor
 from trainer.checkpoint.export import save_hf_step
 from trainer.checkpoint.reader import dcp_load
 from trainer.checkpoint.seed import check_seed_folder
@@ -180,7 +184,7 @@ class ModelState:
         merged: dict[str, Any] = {}
         for part in self.parts:
             merged.update(get_model_state_dict(part))
-        return merged
+        return {k: plain_tensor(v) for k, v in merged.items()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if len(self.parts) == 1:
@@ -204,7 +208,8 @@ class OptimizerState:
         self.optimizer = optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.module, self.optimizer, options=_OPTIM_OPTIONS)
+        state = get_optimizer_state_dict(self.module, self.optimizer, options=_OPTIM_OPTIONS)
+        return {k: plain_tensor(v) for k, v in state.items()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         current = self.optimizer.param_groups[0]
