@@ -49,8 +49,10 @@ outputs and add nothing to the gradients (bf16: bit-identical rows); runs withou
 pad. Emulated (CPU, or CUDA below SM100) and real on SM100; below SM100 without emulation the dense
 MXFP8 refusal applies. torchao's MXFP8 grouped GEMM returns bf16 only and every wrapped weight must
 share one config (fused optimizers dispatch over all of them at once), so with ``experts=true`` every
-MXFP8 matmul, dense ones included, returns bf16. Verified on gloo: one process, FSDP x2 and EP x2
-(parity). Under EP each expert's weight gradient is one grouped GEMM over the tokens of the whole ep
+MXFP8 matmul, dense ones included, returns bf16. Verified on gloo: one process, FSDP x2, EP x2 and
+EP x2 x FSDP x2 (parity; the last without clipping, whose coefficient carries the grad norm's fp32
+reduction order into every weight, where an e4m3 rounding boundary can amplify it: measured
+1.3e-4). Under EP each expert's weight gradient is one grouped GEMM over the tokens of the whole ep
 group, rounded to bf16 once, so its one-process reference is the micro-batch times ep (one process
 accumulating ep micro-batches rounds each: 6.9e-4 loss by step 4 in the test, the size of bf16
 rounding the weight gradient, not of the recipe: 5.8e-3 from high-precision experts). Where MXFP8's
