@@ -169,9 +169,11 @@ def apply_ep(model: nn.Module, spec: ModelSpec, dims: ParallelDims) -> nn.Module
         for name, param in list(experts.named_parameters(recurse=False)):
             if param.shape[0] % ep != 0:
                 raise ConfigError(f"{param.shape[0]} experts are not divisible by parallelism.ep={ep}.")
-            local = torch.empty(
-                (param.shape[0] // ep, *param.shape[1:]), dtype=param.dtype, device=param.device
-            )
+            # empty_like of a slice keeps a tensor subclass (torchao's MXFP8 training weight wrapper,
+            # parallelisms/float8.py: a plain ``torch.empty`` would run the experts in high precision);
+            # under TP the experts are Replicate DTensors on the tp mesh (their local block is whole)
+            whole = param.to_local() if isinstance(param, DTensor) else param
+            local = torch.empty_like(whole.detach().narrow(0, 0, param.shape[0] // ep))
             sharded = DTensor.from_local(
                 local, ep_mesh, [Shard(0)], run_check=False, shape=param.shape, stride=param.stride()
             )

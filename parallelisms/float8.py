@@ -46,16 +46,24 @@ experts then always take the grouped-GEMM path (``model.grouped_mm`` is overridd
 every expert's token group padded with zero rows to the GEMM's alignment
 (``StackedExperts.pad_token_groups``; torchao asserts the groups are already aligned). The padded
 length is a static bound, so no host sync; padding rows give zero outputs and add nothing to the
-gradients (bf16: bit-identical rows); runs without ``experts`` never pad. EP (``ep > 1``) is refused
-with either recipe.
+gradients (bf16: bit-identical rows); runs without ``experts`` never pad. EP (``ep > 1``) runs with
+MXFP8 experts and is refused with float8 ones (not verified).
 
 - ``mxfp8``: torchao's MXFP8 grouped GEMM, groups of 32 rows (it contracts the weight gradient over
   tokens in blocks of 32). Emulated (CPU, or CUDA below SM100) and real on SM100; below SM100 without
   emulation the dense MXFP8 refusal applies. It returns bf16 only and every wrapped weight must share
   one config (fused optimizers dispatch over all of them at once), so with ``experts=true`` that
   config's ``out_dtype`` is bf16 (the dense MXFP8 linears ignore it: they return their input's dtype;
-  the planner's term: trainer/planner/low_precision.py). Verified on gloo: one process and FSDP x2
-  (parity).
+  the planner's term: trainer/planner/low_precision.py). Verified on gloo: one process, FSDP x2, EP x2
+  and EP x2 x FSDP x2 (parity; the last without clipping, whose coefficient carries the grad norm's
+  fp32 reduction order into every weight, where an e4m3 rounding boundary can amplify it: measured
+  1.3e-4). Under EP each expert's weight gradient is one grouped GEMM over the tokens of the whole ep
+  group, rounded to bf16 once, so its one-process reference is the micro-batch times ep (one process
+  accumulating ep micro-batches rounds each: 6.9e-4 loss by step 4 in the test, the size of bf16
+  rounding the weight gradient, not of the recipe: 5.8e-3 from high-precision experts). Where MXFP8's
+  blocks of 32 tokens fall does not matter here: e8m0 scales are powers of two, so a value's e4m3
+  rounding depends on its block only where it falls below e4m3's normal range (measured: padding each
+  source rank's tokens separately changes no loss bit).
 - ``rowwise``: torchao's float8 rowwise grouped GEMM (``Float8TrainingOpConfig``, recipe
   ``FP8_ROWWISE``: per-row scales rounded to powers of two, weight gradient from per-group column
   scales, all in float8 e4m3), groups of 16 rows. It runs only as Triton scale-and-cast kernels and
@@ -68,8 +76,9 @@ with either recipe.
   Verified on CPU with torchao's own ``_Float8GroupedMM`` forward and backward and the CUDA-only pieces
   replaced by pure-torch reference kernels (tests/trainer/test_float8_grouped.py): one process, FSDP x2
   and TP x2 (parity). The real kernels are exercised only on a GPU (``benchmarks/gpu_check.py``).
-- checkpoints: the wrapped weights are written as their plain data (:func:`plain_tensor`, used by the
-  checkpointer's save planner), so they load with or without float8 and under ``weights_only``.
+- checkpoints: the wrapped weights are written as their plain data (``parallelisms.utils.plain_tensor``,
+  used by the checkpointer's model and optimizer states and the HF export), so they load with or
+  without float8 and under ``weights_only``.
 - ``tensorwise`` and ``rowwise_with_gw_hp`` with ``experts=true`` are refused: torchao's float8 grouped
   GEMM has no tensorwise or high-precision weight-gradient variant. Experts whose matrices are not
   multiples of the alignment (16, MXFP8 32) are refused too.
@@ -79,7 +88,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
@@ -108,7 +116,6 @@ __all__ = [
     "has_float8_matmul",
     "has_mxfp8_matmul",
     "module_filter",
-    "plain_tensor",
     "plan_float8",
     "resolve_emulate",
     "torchao_linear_config",
@@ -297,10 +304,11 @@ def check_float8(
         )
     if cfg.experts:
         _check_experts(cfg, device, model)
-    if cfg.experts and dims.ep > 1:
+    if cfg.experts and dims.ep > 1 and cfg.recipe != "mxfp8":
         raise ConfigError(
-            f"training.float8.experts=true with parallelism.ep={dims.ep}: MXFP8 experts are verified in one "
-            "expert group only; set parallelism.ep=1 or training.float8.experts=false."
+            f"training.float8.experts=true with training.float8.recipe={cfg.recipe} and parallelism.ep="
+            f"{dims.ep}: float8 experts are verified in one expert group only (MXFP8 experts under EP are); "
+            "set parallelism.ep=1, training.float8.recipe=mxfp8 or training.float8.experts=false."
         )
     names = _convertible(model, cfg, spec)
     if not names:
@@ -396,16 +404,6 @@ def _wrap_weights(
     for name, module in model.named_modules():
         if name in experts and isinstance(module, StackedExperts):
             module.pad_token_groups(multiple)
-
-
-def plain_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` without torchao's training weight wrapper (MXFP8 linears and experts, float8 experts):
-    its high-precision data, sharing storage -- what a checkpoint writes, so that it loads with or
-    without float8 (and under ``torch.load(weights_only=True)``, which refuses torchao's classes)."""
-    wrappers = sys.modules.get("torchao.prototype.moe_training.tensor")  # never imported: nothing wrapped
-    if wrappers is not None and isinstance(tensor, wrappers.TrainingWeightWrapperBaseTensor):
-        return tensor._data
-    return tensor
 
 
 def convert_to_low_precision(model: nn.Module, plan: Float8Plan, spec: ModelSpec) -> list[str]:

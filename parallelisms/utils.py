@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Optional, Union, cast
+from typing import TYPE_CHECKING, Optional, TypeVar, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -249,3 +249,44 @@ def piece_positions(piece: Piece, shape: Sequence[int]) -> Positions:
     for d, i in enumerate(piece):
         flat = flat.unsqueeze(-1) * shape[d] + torch.as_tensor(list(i), dtype=torch.int64)
     return flat.reshape(-1)
+
+
+def _wrapped(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """The plain tensor inside a weight-wrapper subclass (one inner tensor of its own shape and dtype:
+    torchao's MXFP8 training weight, its float8 all-gather weight), or None for any other tensor."""
+    flatten = getattr(type(t), "__tensor_flatten__", None)
+    if flatten is None:
+        return None
+    names, _ = flatten(t)
+    inner = [getattr(t, n) for n in names]
+    same = [x for x in inner if x.shape == t.shape and x.dtype == t.dtype]
+    if len(same) != 1:
+        return None
+    return same[0] if type(same[0]) is torch.Tensor else _wrapped(same[0])
+
+
+_T = TypeVar("_T")
+
+
+@torch.no_grad()
+def plain_tensor(t: _T) -> _T:
+    """``t`` with a weight wrapper (``_wrapped``; a DTensor's local one too) replaced by the plain
+    tensor it holds, sharing its storage; anything else unchanged. Checkpoints save this: the same
+    high-precision values under the same names, loadable without the wrapper's library (and loading
+    into it writes the parameter in place)."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        local = _wrapped(t._local_tensor)
+        if local is None:
+            return t
+        return cast(
+            _T,
+            DTensor.from_local(
+                local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+            ),
+        )
+    inner = _wrapped(t)
+    return t if inner is None else cast(_T, inner)

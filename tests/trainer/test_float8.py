@@ -438,35 +438,53 @@ def test_torchao_imported_only_with_float8() -> None:
 
 CKPT = ("checkpoint.interval=4", "training.steps=8", NO_CLIP)
 F8_AG = (F8, "training.float8.fsdp_float8_all_gather=true")
+MOE_LAYER = ("model=moe_debug", "model.n_layers=1", "training.micro_batch_size=4")
+MX_EXPERTS = (F8, "training.float8.recipe=mxfp8", "training.float8.experts=true")
+# kind -> (model, float8 of the 2-rank source, its layout, float8 of the one-process targets, their
+# other overrides). MXFP8 experts under EP x2: the targets run micro-batch 8, the tokens of one EP
+# expert GEMM (whose bf16 weight gradient is rounded once per micro-batch: test_float8_experts.py).
+CKPT_KINDS = {
+    "tensorwise_fsdp_f8_all_gather": (SMALL, F8_AG, DP_SHARD, (F8,), ()),
+    "mxfp8_experts_ep": (
+        MOE_LAYER,
+        MX_EXPERTS,
+        (*DP_SHARD, "parallelism.ep=2"),
+        MX_EXPERTS,
+        ("training.micro_batch_size=8",),
+    ),
+}
 
 
-def _ckpt_sources(tmp: str) -> dict[str, TrainConfig]:
-    """FSDP x2 runs writing step 4: float8 (tensorwise, float8 all-gather) and without float8."""
-    on = ("checkpoint.enable=true", *CKPT, *DP_SHARD)
+def _ckpt_sources(tmp: str, kind: str) -> dict[str, TrainConfig]:
+    """2-rank runs writing step 4: with float8 and without."""
+    model, f8, layout, _, _ = CKPT_KINDS[kind]
+    on = ("checkpoint.enable=true", *CKPT, *layout)
     return {
-        "f8": tiny_config(os.path.join(tmp, "f8"), *SMALL, *on, *F8_AG),
-        "off": tiny_config(os.path.join(tmp, "off"), *SMALL, *on),
+        "f8": tiny_config(os.path.join(tmp, "f8"), *model, *on, *f8),
+        "off": tiny_config(os.path.join(tmp, "off"), *model, *on),
     }
 
 
-def _ckpt_targets(tmp: str) -> dict[str, TrainConfig]:
+def _ckpt_targets(tmp: str, kind: str) -> dict[str, TrainConfig]:
     """One process from a step-4 checkpoint: float8 -> float8, float8 -> none, none -> float8."""
+    model, _, _, f8, single = CKPT_KINDS[kind]
 
     def target(name: str, source: str, *overrides: str) -> TrainConfig:
         path = os.path.join(tmp, source, "checkpoints", "step-4")
         return tiny_config(
             os.path.join(tmp, name),
-            *SMALL,
+            *model,
             *CKPT,
+            *single,
             *overrides,
             f"checkpoint.initial_load_path={path}",
             "checkpoint.initial_load_model_only=false",
         )
 
     return {
-        "f8->f8_single": target("f8_single", "f8", F8),
+        "f8->f8_single": target("f8_single", "f8", *f8),
         "f8->off_single": target("f8_off", "f8"),
-        "off->f8_single": target("off_f8", "off", F8),
+        "off->f8_single": target("off_f8", "off", *f8),
     }
 
 
@@ -485,8 +503,12 @@ def _ckpt_worker(rank: int, world: int, sources: dict, targets: dict) -> dict:
             )
             out["f8 resumed"] = {"from": trainer.state.step, **_step5(trainer.train(until_step=5))}
             trainer.close()
-            state = load_full_state(os.path.join(cfg.job.dump_folder, "checkpoints", "step-4"), "model.")
+            folder = os.path.join(cfg.job.dump_folder, "checkpoints", "step-4")
+            state = load_full_state(folder, "model.")
             out["f8 dtypes"] = sorted({str(v.dtype) for v in state.values()})
+            out["f8 files naming torchao"] = sorted(  # its tensor subclasses pickled: torchao needed to load
+                f for f in os.listdir(folder) if b"torchao" in open(os.path.join(folder, f), "rb").read()
+            )
     for name, cfg in targets.items():
         trainer = Trainer(cfg)
         path = cfg.checkpoint.initial_load_path
@@ -503,14 +525,16 @@ def _ckpt_worker(rank: int, world: int, sources: dict, targets: dict) -> dict:
     return out
 
 
-def test_checkpoints_stay_high_precision(tmp_path) -> None:
-    """A float8 FSDP run (float8 all-gather) saves fp32 masters under the plain names; it resumes
-    bitwise in float8, and reshards to one process with float8 (step 5 within RTOL), without float8,
-    and from a run without float8 -- every tensor loaded bitwise."""
+@pytest.mark.parametrize("kind", list(CKPT_KINDS))
+def test_checkpoints_stay_high_precision(tmp_path, kind: str) -> None:
+    """A float8 run on 2 ranks (FSDP with float8 all-gather; EP with MXFP8 experts) saves fp32 masters
+    under the plain names (plain tensors: no torchao class pickled); it resumes bitwise in float8,
+    and reshards to one process with float8 (step 5 within RTOL), without float8, and from a run
+    without float8 -- every tensor loaded bitwise."""
     tmp = str(tmp_path)
-    out = run_distributed(_ckpt_worker, 2, _ckpt_sources(tmp), {}, timeout=600)[0]
-    out.update(run_distributed(_ckpt_worker, 1, {}, _ckpt_targets(tmp), timeout=600)[0])
-    assert out["f8 dtypes"] == ["torch.float32"], out["f8 dtypes"]
+    out = run_distributed(_ckpt_worker, 2, _ckpt_sources(tmp, kind), {}, timeout=600)[0]
+    out.update(run_distributed(_ckpt_worker, 1, {}, _ckpt_targets(tmp, kind), timeout=600)[0])
+    assert out["f8 dtypes"] == ["torch.float32"] and out["f8 files naming torchao"] == [], out
     resumed = out["f8 resumed"]
     assert resumed["from"] == 4 and (resumed["loss"], resumed["grad_norm"]) == (
         out["f8"]["loss"],

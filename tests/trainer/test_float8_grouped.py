@@ -360,9 +360,9 @@ def test_resume_with_wrapped_experts_is_exact(
     tmp_path, reference_kernels: ReferenceScaledGroupedMM, recipe: str
 ) -> None:
     """Checkpoints of runs whose experts carry torchao's weight wrapper (float8 rowwise, MXFP8) hold plain
-    tensors (``PlainSavePlanner``): 8 steps with a checkpoint every 4, then the step-8 checkpoint removed
-    and the run restarted resumes from step 4 (DCP loads with ``weights_only``, which refuses torchao's
-    classes) and repeats steps 5-8 bit for bit."""
+    tensors (``parallelisms.utils.plain_tensor``): 8 steps with a checkpoint every 4, then the step-8
+    checkpoint removed and the run restarted resumes from step 4 (DCP loads with ``weights_only``,
+    which refuses torchao's classes) and repeats steps 5-8 bit for bit."""
     cfg = tiny_config(
         str(tmp_path / "run"),
         *MOE,

@@ -8,6 +8,7 @@ final weights saved as a HF folder by a running job (``checkpoint.last_save_in_h
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import re
@@ -340,7 +341,14 @@ def test_last_save_in_hf_single_process_fsdp_and_tp(tmp_path) -> None:
     from trainer.checkpoint.load import load_model
 
     tmp = str(tmp_path)
-    run_distributed(_train_and_save_hf, 1, tmp, {"single": ("checkpoint.enable=true",), "hf_only": ()})
+    one: dict[str, tuple[str, ...]] = {"single": ("checkpoint.enable=true",), "hf_only": ()}
+    if importlib.util.find_spec("torchao") is not None:  # MXFP8 weights are torchao wrappers: saved plain
+        one["mxfp8"] = (
+            "checkpoint.enable=true",
+            "training.float8.enable=true",
+            "training.float8.recipe=mxfp8",
+        )
+    run_distributed(_train_and_save_hf, 1, tmp, one)
     run_distributed(
         _train_and_save_hf,
         2,
@@ -352,7 +360,7 @@ def test_last_save_in_hf_single_process_fsdp_and_tp(tmp_path) -> None:
     )
     tokens = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(0))
     tensors = {}
-    for name in ("single", "hf_only", "fsdp", "tp"):
+    for name in (*one, "fsdp", "tp"):
         folder = os.path.join(tmp, name, "checkpoints")
         hf_dir = os.path.join(folder, "step-2-hf")
         assert sorted(os.listdir(folder)) == (["step-2", "step-2-hf"] if name != "hf_only" else ["step-2-hf"])

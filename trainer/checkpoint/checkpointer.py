@@ -5,7 +5,10 @@ one logical model: any layout loads what any other wrote):
 
 * ``model.<fqn>``: the weights, named as the model names them (``models/<family>/model.py``; no
   ``module.`` / FSDP / compile prefixes), via ``get_model_state_dict`` on each model part
-  (``model_parts``: DDP stripped, pipeline stages merged).
+  (``model_parts``: DDP stripped, pipeline stages merged). A weight wrapper (torchao's float8 /
+  MXFP8 training weights) is saved as the plain high-precision tensor it holds
+  (``parallelisms.utils.plain_tensor``), so float8 and high-precision runs load each other's
+  checkpoints.
 * ``optimizer.state.<fqn>.<exp_avg|exp_avg_sq|step>`` and ``optimizer.param_groups.<fqn>.<key>``:
   the flattened optimizer state (``flatten_optimizer_state_dict``), so FSDP/TP shards, ZeRO-1
   owners and replicated optimizers all write the same logical keys.
@@ -59,6 +62,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from models.errors import ConfigError
 from parallelisms.parallel_dims import DEGREE_NAMES
+from parallelisms.utils import plain_tensor
 from trainer.checkpoint.export import save_hf_step
 from trainer.checkpoint.reader import dcp_load
 from trainer.checkpoint.seed import check_seed_folder
@@ -77,7 +81,6 @@ from trainer.checkpoint.storage import (
     FORMAT_VERSION,
     MARKER,
     CheckpointWriter,
-    PlainSavePlanner,
     check_model_shapes,
     complete_steps,
     corrupt_files,
@@ -181,7 +184,7 @@ class ModelState:
         merged: dict[str, Any] = {}
         for part in self.parts:
             merged.update(get_model_state_dict(part))
-        return merged
+        return {k: plain_tensor(v) for k, v in merged.items()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if len(self.parts) == 1:
@@ -205,7 +208,8 @@ class OptimizerState:
         self.optimizer = optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.module, self.optimizer, options=_OPTIM_OPTIONS)
+        state = get_optimizer_state_dict(self.module, self.optimizer, options=_OPTIM_OPTIONS)
+        return {k: plain_tensor(v) for k, v in state.items()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         current = self.optimizer.param_groups[0]
@@ -638,12 +642,7 @@ class Checkpointer:
         start = time.perf_counter()
         if self.async_mode and not final:
             # Returns once the state is copied (staged) to host memory; the write runs in a thread.
-            fut = dcp.async_save(
-                state,
-                storage_writer=CheckpointWriter(tmp, step),
-                planner=PlainSavePlanner(),
-                process_group=self._pg,
-            )
+            fut = dcp.async_save(state, storage_writer=CheckpointWriter(tmp, step), process_group=self._pg)
             assert isinstance(fut, Future)  # without an async stager: the write's future
             self._pending = (step, tmp, marker, fut)
             logger.info(
@@ -663,12 +662,7 @@ class Checkpointer:
         """A synchronous save of ``state`` into ``tmp``, committed as ``step-N``; visible once this
         returns on any rank."""
         try:
-            dcp.save(
-                state,
-                storage_writer=CheckpointWriter(tmp, step),
-                planner=PlainSavePlanner(),
-                process_group=self._pg,
-            )
+            dcp.save(state, storage_writer=CheckpointWriter(tmp, step), process_group=self._pg)
         except BaseException as e:  # DCP raises CheckpointException (a BaseException) on every rank
             self._save_failed(step, tmp, e)
             raise

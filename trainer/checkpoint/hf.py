@@ -34,6 +34,7 @@ from models import MODEL_SPECS
 from models.common import unwrapped_name
 from models.errors import ConfigError
 from models.spec import HFAdapter, ModelArgs, ModelSpec
+from parallelisms.utils import plain_tensor
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
@@ -183,8 +184,9 @@ def save_hf_distributed(
     from torch.distributed.tensor import DTensor
 
     adapter = _hf_adapter(spec)
-    # canonical names; DTensors stay sharded (a module's state holds tensors only)
-    state = cast("dict[str, torch.Tensor]", get_model_state_dict(module))
+    # canonical names; DTensors stay sharded (a module's state holds tensors only); float8 weight
+    # wrappers give the plain tensors they hold
+    state = {k: plain_tensor(cast(torch.Tensor, v)) for k, v in get_model_state_dict(module).items()}
     # Our tensors that make one HF tensor together (a fused projection: Qwen3.5's q, k, v) are
     # gathered and converted together: a group per HF name, keyed by its first tensor's name.
     groups: dict[str, list[str]] = {}

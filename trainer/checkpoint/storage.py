@@ -21,7 +21,6 @@ phase (``after_step``, ``before_write``, ``mid_write``, ``before_commit``, ``aft
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -34,12 +33,9 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import WriteItem
 
 from models.errors import ConfigError
-from parallelisms.float8 import plain_tensor
 from trainer.checkpoint.reader import CheckpointReader, dcp_load
 from trainer.checkpoint.space import as_disk_full
 
@@ -263,17 +259,6 @@ def load_full_state(path: str, prefix: str = "model.") -> dict[str, torch.Tensor
     except Exception as e:
         raise ConfigError(f"checkpoint {path} could not be read ({type(e).__name__}: {e}).") from e
     return {k[len(prefix) :]: v for k, v in sd.items()}
-
-
-class PlainSavePlanner(DefaultSavePlanner):
-    """DCP's save planner, writing each tensor without torchao's training weight wrapper (its
-    high-precision data, ``parallelisms.float8.plain_tensor``): a checkpoint of a run with MXFP8 or
-    float8 experts holds plain tensors, like any other run's. Loading copies into the wrapped weights
-    (the wrapper's ``copy_`` writes its data)."""
-
-    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
-        data = super().resolve_data(write_item)
-        return plain_tensor(data) if isinstance(data, torch.Tensor) else data
 
 
 class CheckpointWriter(FileSystemWriter):
