@@ -5,7 +5,7 @@ experts in MXFP8 (``training.float8.experts``) rehearse in agreement with the pl
 (``trainer/planner/low_precision.py``: padded token groups, bf16 grouped-GEMM outputs), with fp32 and
 bf16 FSDP parameters, the latter also under bf16 autocast. Float8 linears under bf16 autocast over fp32
 weights save their input and weight as given, and the saved activations agree; emulated MXFP8 there is
-refused (a real run fails). ~2 s a test on one CPU core (10.5 s the file)."""
+refused (a real run fails). 1-6 s a test on one CPU core (10-30 s the file, by the load)."""
 
 from __future__ import annotations
 

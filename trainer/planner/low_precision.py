@@ -261,20 +261,21 @@ def _autocast_probe(recipe: str, family: str) -> AutocastSaves:
     what it saves off ``torch.autograd.graph.saved_tensors_hooks``."""
     spec = get_spec(family)
     f8 = Float8Config(enable=True, recipe=recipe, emulate=True, min_features=1, exclude=[])
-    holder = nn.ModuleDict({spec.blocks: nn.ModuleDict({"0": nn.Linear(64, 64, bias=False)})})
-    convert_to_low_precision(holder, Float8Plan(f8, [], torch.bfloat16), spec)
-    linear = holder[spec.blocks]["0"]
-    assert isinstance(linear, nn.Module)
-    x = torch.randn(32, 64, requires_grad=True)
     saved: list[torch.Tensor] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         saved.append(t)
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            linear(x)
+    with torch.random.fork_rng(devices=[]):  # the run's RNG stays untouched (the plan may precede init)
+        holder = nn.ModuleDict({spec.blocks: nn.ModuleDict({"0": nn.Linear(64, 64, bias=False)})})
+        convert_to_low_precision(holder, Float8Plan(f8, [], torch.bfloat16), spec)
+        linear = holder[spec.blocks]["0"]
+        assert isinstance(linear, nn.Module)
+        x = torch.randn(32, 64, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                linear(x)
     as_given = any(t.dtype == x.dtype and t.data_ptr() == x.data_ptr() for t in saved)
     copy = any(t.dtype == torch.bfloat16 and t.numel() == 64 * 64 for t in saved)
     return AutocastSaves(input_as_given=as_given, weight_copy=copy)
