@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from trainer import rehearse
 
@@ -97,8 +98,9 @@ def test_mxfp8_experts_rehearse_and_agree_with_the_plan(
 def test_mxfp8_under_autocast_needs_bf16_weights(capsys: pytest.CaptureFixture[str]) -> None:
     """Emulated MXFP8 (the CPU's, and any GPU below SM100) under bf16 autocast over fp32 weights fails in
     a real run (torchao's emulated matmul: SDPA's bf16 output x the fp32 ``wo`` weight), dense or with
-    experts; the fake-tensor rehearsal did not notice (its mm does not check dtypes) and measured a
-    fiction (activations 1.192 / 0.835 of the plan). It is refused before any process group."""
+    experts; the fake-tensor rehearsal did not notice (fake tensors' mm does not check dtypes) and
+    measured a fiction (activations 1.192 / 0.835 of the plan). It is refused before any process group,
+    and the rehearsal's matmuls check dtypes as the kernels do (``rehearse_trace.check_matmul_dtypes``)."""
     dense = (
         "+experiment=debug",
         "model.n_layers=1",
@@ -109,6 +111,17 @@ def test_mxfp8_under_autocast_needs_bf16_weights(capsys: pytest.CaptureFixture[s
         assert rehearse.main([*run, "training.mixed_precision=bf16", "--ranks=0"]) == 2
         err = capsys.readouterr().err
         assert "parallelism.fsdp.param_dtype=bfloat16" in err and "mixed_precision=bf16" in err, err
+    # and the rehearsal's own matmuls now refuse unlike dtypes as the real kernels do
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from trainer.rehearse_trace import mem_tracker
+
+    with FakeTensorMode(), mem_tracker(MemTracker):
+        x, weight = torch.empty(4, 32, dtype=torch.bfloat16), torch.empty(8, 32)
+        assert torch.mm(x, weight.bfloat16().t()).dtype == torch.bfloat16
+        with pytest.raises(RuntimeError, match="same dtype"):
+            torch.mm(x, weight.t())
 
 
 @pytest.mark.parametrize("recipe", ["rowwise_with_gw_hp", "tensorwise"])

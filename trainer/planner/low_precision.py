@@ -48,8 +48,9 @@ by the overcounted copies) is 1.088 / 1.088 / 1.041 after: the emulated casts' b
 are not planned (fp32 alike: 1.082 / 1.082 / 1.026; MXFP8 1.168). Emulated MXFP8 under bf16 autocast
 over fp32 weights is refused (``parallelisms/float8.py``): torchao's emulated matmul multiplies the
 operands in their own dtypes, and SDPA's bf16 output into ``wo``'s fp32 weight fails in a real run; the
-fake-tensor rehearsal, whose mm does not check dtypes, had measured activations 1.192 (dense) and
-0.835 (experts) of the plan there. With FSDP's bf16 parameters nothing is cast and no term applies."""
+fake-tensor rehearsal, whose mm did not check dtypes (now it does:
+``rehearse_trace.check_matmul_dtypes``), had measured activations 1.192 (dense) and 0.835 (experts) of
+the plan there. With FSDP's bf16 parameters nothing is cast and no term applies."""
 
 from __future__ import annotations
 
