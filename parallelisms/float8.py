@@ -363,6 +363,17 @@ def plan_float8(
         model = spec.build(model_args)
     names = check_float8(cfg, parallelism, dims, device, model, spec)
     resolved = dataclasses.replace(cfg, emulate=resolve_emulate(cfg, device), exclude=list(cfg.exclude))
+    bf16_weights = dims.fsdp_enabled and parallelism.fsdp.param_dtype == "bfloat16"
+    if cfg.recipe == "mxfp8" and resolved.emulate and compute_dtype == torch.bfloat16 and not bf16_weights:
+        # torchao's weight wrapper takes the linears before autocast; its emulated matmul multiplies
+        # the dequantized operands in their own dtypes: bf16 activations (SDPA's) x fp32 weights fail
+        raise ConfigError(
+            "training.float8.recipe=mxfp8 emulated with training.mixed_precision=bf16 and float32 weights "
+            f"(parallelism.fsdp.param_dtype={parallelism.fsdp.param_dtype}"
+            f"{'' if dims.fsdp_enabled else ', no FSDP'}): torchao's emulated MXFP8 matmul fails on "
+            "autocast's bf16 activations against fp32 weights; set parallelism.fsdp.param_dtype=bfloat16 "
+            "(with FSDP), training.mixed_precision=fp32, or run on SM100 with training.float8.emulate=false."
+        )
     return Float8Plan(resolved, names, compute_dtype, expert_names(model, cfg))
 
 

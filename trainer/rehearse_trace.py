@@ -212,9 +212,25 @@ def mem_tracker(base: type[MemTracker]) -> MemTracker:
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             if _PROPAGATING[0]:
                 return func(*args, **(kwargs or {}))
+            check_matmul_dtypes(func, args)
             return super().__torch_dispatch__(func, types, args, kwargs)
 
     return RehearsalMemTracker()
+
+
+def check_matmul_dtypes(func: object, args: tuple[object, ...]) -> None:
+    """Fake tensors' matmuls do not check their operands' dtypes; the CPU and CUDA kernels refuse unlike
+    ones (a bf16 activation against an fp32 weight: emulated MXFP8 under autocast did). Raise as they do,
+    so that the rehearsal fails where the real run would."""
+    aten = torch.ops.aten
+    operands = {aten.mm.default: (0, 1), aten.bmm.default: (0, 1), aten.addmm.default: (1, 2)}.get(func)
+    if operands is None:
+        return
+    a, b = (args[i] for i in operands)
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype != b.dtype:
+        raise RuntimeError(
+            f"{func}: expected m1 and m2 to have the same dtype, but got: {a.dtype} != {b.dtype}"
+        )
 
 
 def forget_meshes() -> None:

@@ -27,23 +27,46 @@ operands as given -- the padded input rows in the MoE input's dtype and the weig
 (:func:`expert_padding_flops`). The multiple and the output dtype are read off the trainer's own
 conversion (``convert_to_low_precision``) of a meta copy of one expert module, so a recipe with
 another multiple needs no change here. Dense MXFP8 linears (``mx_mm``) save their high-precision input
-and return their input's dtype: no term. Measured (moe_debug cut to 1 layer, FSDP x2, fp32,
+and, emulated, return their input's dtype: no term in fp32 (torchao's real MX GEMM on SM100 returns
+bf16: not verified here). Measured (moe_debug cut to 1 layer, FSDP x2, fp32,
 ``tests/trainer/test_rehearse_float8.py``): FLOPs 1.055 -> 0.999, saved activations 0.853 -> 1.000
 and peak 0.918 -> 0.999 of the plan before -> after these terms (bf16 FSDP parameters: FLOPs 1.055 ->
-0.999, activations 1.034 -> 1.000). Not modelled: MXFP8 linears under bf16 autocast (torchao's weight
-wrapper takes them before autocast: fp32 input saved, fp32 output), with or without experts."""
+0.999, activations 1.034 -> 1.000; with bf16 autocast too: activations 1.000, peak 1.021).
+
+Under bf16 autocast over fp32 weights (:func:`autocast_saves`): autocast's own linear saves a bf16 cast
+of its input per matmul and a bf16 copy of its weight; a converted linear does neither. torchao's
+``Float8Linear`` runs its autograd function on the fp32 input and the fp32 weight (the casts are its own,
+inside the matmul) and returns bf16, and the MXFP8 weight wrapper takes the matmul before autocast
+does. What the converted linear saves is read off the trainer's own conversion of one small linear,
+run under CPU autocast with ``saved_tensors_hooks`` (its input saved as given; no bf16 weight): the
+plan then drops the converted weights' copies (:func:`converted_weight_copies`) and, when every linear
+of the blocks is converted (not the MoE blocks: the router stays), saves each block norm's fp32 output
+once for its matmuls instead of one bf16 cast each (:func:`autocast_casts_each`). Measured (debug cut
+to 1 layer, FSDP x2): saved activations 0.904 -> 1.000 for tensorwise, rowwise and
+rowwise_with_gw_hp. Their peak (1.021 / 1.021 / 0.976 before, when the uncounted transients were hidden
+by the overcounted copies) is 1.088 / 1.088 / 1.041 after: the emulated casts' backward temporaries
+are not planned (fp32 alike: 1.082 / 1.082 / 1.026; MXFP8 1.168). Emulated MXFP8 under bf16 autocast
+over fp32 weights is refused (``parallelisms/float8.py``): torchao's emulated matmul multiplies the
+operands in their own dtypes, and SDPA's bf16 output into ``wo``'s fp32 weight fails in a real run; the
+fake-tensor rehearsal, whose mm did not check dtypes (now it does:
+``rehearse_trace.check_matmul_dtypes``), had measured activations 1.192 (dense) and 0.835 (experts) of
+the plan there. With FSDP's bf16 parameters nothing is cast and no term applies."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import nn
 
+from models import get_spec
 from models.spec import ExpertGroups
 from parallelisms.float8 import (
+    Float8Config,
     Float8Plan,
     convert_to_low_precision,
     float8_weight_names,
@@ -55,6 +78,11 @@ from trainer.planner.context import PlanContext
 __all__ = [
     "AMAX_BYTES",
     "TP_AMAX_BYTES",
+    "AutocastSaves",
+    "autocast_casts_each",
+    "autocast_saves",
+    "converted_weight_copies",
+    "converted_weights",
     "expert_groups",
     "expert_padding_flops",
     "float8_gathered",
@@ -89,20 +117,25 @@ def _all_gathers_float8(c: PlanContext) -> bool:
     return f8.enable and f8.fsdp_float8_all_gather and c.dims.fsdp_enabled and c.table.model is not None
 
 
-def float8_weights(c: PlanContext) -> list[tuple[int, float]]:
-    """Per float8 weight that FSDP all-gathers in float8: (its block's index in ``c.table.blocks``,
-    its elements on one tp rank, unsharded by FSDP). Empty without ``fsdp_float8_all_gather``."""
-    if not _all_gathers_float8(c):
+def converted_weights(c: PlanContext) -> list[tuple[int, float]]:
+    """Per weight of a converted (float8 / MXFP8) linear: (its block's index in ``c.table.blocks``, its
+    elements on one tp rank, unsharded by FSDP). Empty without float8."""
+    model, spec, f8 = c.table.model, c.spec, c.cfg.training.float8
+    if not f8.enable or model is None:
         return []
-    model, spec = c.table.model, c.spec
-    assert model is not None  # _all_gathers_float8
     index = {key: i for i, (key, _) in enumerate(spec.block_items(model))}
     params = dict(model.named_parameters())
     out = []
-    for name in float8_weight_names(model, c.cfg.training.float8, spec):
+    for name in float8_weight_names(model, f8, spec):
         key = name[len(spec.blocks) + 1 :].split(".")[0]  # "<blocks>.<key>.<...>.weight"
         out.append((index[key], params[name].numel() / c.dims.tp))  # every block linear is TP-sharded
     return out
+
+
+def float8_weights(c: PlanContext) -> list[tuple[int, float]]:
+    """:func:`converted_weights` when FSDP all-gathers them in float8; empty without
+    ``fsdp_float8_all_gather``."""
+    return converted_weights(c) if _all_gathers_float8(c) else []
 
 
 def float8_gathered(c: PlanContext) -> list[float]:
@@ -201,3 +234,72 @@ def expert_padding_flops(c: PlanContext) -> float:
         return 0.0
     passes = 3 + (1 if c.recompute else 0)
     return passes * c.terms.expert_padding_flops(groups) * len(c.table.moe_layers) * c.accum / c.dims.pp
+
+
+@dataclass(frozen=True)
+class AutocastSaves:
+    """What one converted linear keeps for backward under bf16 autocast over an fp32 input and fp32
+    weight (:func:`autocast_saves`), where autocast's own linear saves a bf16 cast of each."""
+
+    input_as_given: bool  # the fp32 input tensor itself (shared by the linears reading it), no bf16 cast
+    weight_copy: bool  # a bf16 copy of the weight
+
+
+def autocast_saves(c: PlanContext) -> Optional[AutocastSaves]:
+    """What the run's converted linears save under bf16 autocast over fp32 weights (see the module
+    docstring); None without float8, autocast, or with FSDP's bf16 parameters (nothing to cast)."""
+    f8 = c.cfg.training.float8
+    fsdp_bf16 = c.dims.fsdp_enabled and c.param_gather_bytes == 2
+    if not f8.enable or c.cfg.training.mixed_precision != "bf16" or fsdp_bf16:
+        return None
+    return _autocast_probe(f8.recipe, c.spec.family)
+
+
+@functools.cache
+def _autocast_probe(recipe: str, family: str) -> AutocastSaves:
+    """Run one linear converted by the trainer's own conversion (``convert_to_low_precision``,
+    emulated: the same autograd function) forward under CPU bf16 autocast on an fp32 input, and read
+    what it saves off ``torch.autograd.graph.saved_tensors_hooks``."""
+    spec = get_spec(family)
+    f8 = Float8Config(enable=True, recipe=recipe, emulate=True, min_features=1, exclude=[])
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.random.fork_rng(devices=[]):  # the run's RNG stays untouched (the plan may precede init)
+        holder = nn.ModuleDict({spec.blocks: nn.ModuleDict({"0": nn.Linear(64, 64, bias=False)})})
+        convert_to_low_precision(holder, Float8Plan(f8, [], torch.bfloat16), spec)
+        linear = holder[spec.blocks]["0"]
+        assert isinstance(linear, nn.Module)
+        x = torch.randn(32, 64, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                linear(x)
+    as_given = any(t.dtype == x.dtype and t.data_ptr() == x.data_ptr() for t in saved)
+    copy = any(t.dtype == torch.bfloat16 and t.numel() == 64 * 64 for t in saved)
+    return AutocastSaves(input_as_given=as_given, weight_copy=copy)
+
+
+def autocast_casts_each(c: PlanContext) -> bool:
+    """Whether each matmul of the blocks saves its own bf16 cast of its fp32 input under autocast:
+    false when every linear of the blocks is converted and saves its input as given."""
+    saves, model = autocast_saves(c), c.table.model
+    if saves is None or not saves.input_as_given or model is None:
+        return True
+    prefix = f"{c.spec.blocks}."
+    linears = sum(1 for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith(prefix))
+    return len(converted_weights(c)) < linears
+
+
+def converted_weight_copies(c: PlanContext) -> list[float]:
+    """Per block (``c.table.blocks``' order): the converted linears' weight elements (one tp rank)
+    that autocast does not copy to bf16 (their wrapper takes the matmul before autocast)."""
+    out = [0.0] * len(c.table.blocks)
+    saves = autocast_saves(c)
+    if saves is None or saves.weight_copy:
+        return out
+    for block, elements in converted_weights(c):
+        out[block] += elements
+    return out

@@ -9,18 +9,25 @@ Dtype policy (``DtypePolicy``): the residual stream (``stream``) is fp32 unless 
 bf16 parameters (FSDP then casts every unit's inputs, the embedding's output is bf16); matmul
 outputs (``compute``) are bf16 under autocast or bf16 parameters; with bf16 autocast over an
 fp32 stream each matmul casts its fp32 input anew (``cast_each``) and keeps a bf16 copy of its
-weight (``weight_copies``).
+weight (``weight_copies``) -- but the float8 / MXFP8 linears, which save both as given
+(``trainer/planner/low_precision.py``: ``as_given``, ``converted_weight_copies``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
 from models.spec import BlockLayout, ModelArgs, ModelSpec
 from trainer.planner.cluster import ADAM_BYTES, DTYPE_BYTES
 from trainer.planner.context import PlanContext, PlannedStage, StageMemory, planner_terms_of
-from trainer.planner.low_precision import expert_groups, float8_gathered
+from trainer.planner.low_precision import (
+    autocast_casts_each,
+    converted_weight_copies,
+    expert_groups,
+    float8_gathered,
+)
 from trainer.planner.pipeline_memory import ScheduleWalk, StageBytes, schedule_actions, walk_schedule
 
 INT64 = 8
@@ -33,6 +40,13 @@ class DtypePolicy:
     cast_each: bool  # autocast casts each matmul's fp32 input: one saved bf16 copy per consumer
     weight_copies: bool  # autocast saves a bf16 copy of every weight matrix per forward
     fsdp_bf16: bool  # FSDP gathers bf16 parameters (and casts the units' inputs)
+    # the blocks' linears are all converted to float8 and save their fp32 inputs as given, uncast
+    # (``trainer/planner/low_precision.py``): cast_each holds for the head only
+    as_given: bool = False
+
+    @property
+    def block_cast_each(self) -> bool:
+        return self.cast_each and not self.as_given
 
 
 def dtype_policy(c: PlanContext) -> DtypePolicy:
@@ -40,7 +54,9 @@ def dtype_policy(c: PlanContext) -> DtypePolicy:
     autocast = c.cfg.training.mixed_precision == "bf16"
     stream = 2 if fsdp_bf16 else 4
     compute = 2 if (autocast or fsdp_bf16) else 4
-    return DtypePolicy(stream, compute, autocast and stream == 4, autocast and not fsdp_bf16, fsdp_bf16)
+    cast_each = autocast and stream == 4
+    as_given = cast_each and not autocast_casts_each(c)  # converted linears: low_precision.py
+    return DtypePolicy(stream, compute, cast_each, autocast and not fsdp_bf16, fsdp_bf16, as_given)
 
 
 def activation_bytes_per_token_layer(
@@ -116,7 +132,7 @@ def _norm_terms(c: PlanContext, pol: DtypePolicy, name: str, consumers: int) -> 
     normalised ``x`` is fp32 when the family's norms say so (``PlannerTerms.norm_normed_fp32``)."""
     H = c.cfg.model.dim
     sp = c.dims.tp if c.tp_sp[1] else 1
-    linear_in = consumers * pol.compute * H if pol.cast_each else pol.stream * H  # one tensor, shared
+    linear_in = consumers * pol.compute * H if pol.block_cast_each else pol.stream * H  # one tensor, shared
     return {
         f"{name}_input": 4 * H / sp,
         f"{name}_rsqrt": 4 / sp,
@@ -132,7 +148,7 @@ def block_layout(c: PlanContext, pol: DtypePolicy, keys: Optional[int] = None) -
         tp=c.dims.tp,
         cp=c.dims.cp,
         compute=pol.compute,
-        cast_each=pol.cast_each,
+        cast_each=pol.block_cast_each,
         keys=c.cfg.training.seq_len if keys is None else keys,  # key positions per query (CP: all)
         fused_attention=c.cluster.backend != "gloo",  # CPU: SDPA's math path for unlike head sizes
         grouped_kv=c.cluster.backend != "gloo" and masked_attention(c),
@@ -180,6 +196,8 @@ def block_terms(c: PlanContext, block: int = 0, keys: Optional[int] = None) -> d
     """Bytes block ``block`` saves for backward per local token, by term (no checkpointing);
     ``keys``: the sequence length attention sees when it is not the training's (MTP)."""
     pol = dtype_policy(c)
+    if block < 0:  # an MTP module's block (``mtp_bytes``): outside the blocks, never converted
+        pol = dataclasses.replace(pol, as_given=False)
     return {**attention_terms(c, pol, keys, block), **mlp_terms(c, pol, block)}
 
 
@@ -197,11 +215,13 @@ def block_constant(c: PlanContext, block: Optional[int] = None) -> float:
 
 
 def weight_copy_bytes(c: PlanContext, block: int) -> float:
-    """bf16 autocast's copy of every matrix of ``block`` (norm gains stay fp32), per forward."""
+    """bf16 autocast's copy of every matrix of ``block`` (norm gains stay fp32) but the converted
+    linears' (``converted_weight_copies``), per forward."""
     if not dtype_policy(c).weight_copies:
         return 0.0
     g = c.table.blocks[block]
-    return 2.0 * (g.tp_sharded / c.dims.tp + g.experts / c.dims.ep + g.replicated - sum(g.norms))
+    matrices = g.tp_sharded / c.dims.tp + g.experts / c.dims.ep + g.replicated - sum(g.norms)
+    return 2.0 * (matrices - converted_weight_copies(c)[block])
 
 
 def head_terms(c: PlanContext) -> dict[str, float]:
@@ -210,7 +230,7 @@ def head_terms(c: PlanContext) -> dict[str, float]:
     chunk by chunk under torch's checkpoint (``trainer/step.py``): nothing of the logits is saved,
     only the checkpoint's input, the norm's output (this rank's sequence shard under SP), and the
     labels (counted with the loss's ids); one chunk's logits are transient (``loss_backward_bytes``)."""
-    pol = dtype_policy(c)
+    pol = dataclasses.replace(dtype_policy(c), as_given=False)  # the output head is never converted
     terms = {
         k.replace("attention_norm", "final_norm"): v
         for k, v in _norm_terms(c, pol, "attention_norm", 1).items()
