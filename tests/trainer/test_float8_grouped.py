@@ -15,8 +15,10 @@ trainer) and the recipe's numerics, not the real kernels: those run only on a GP
   every group a multiple of 16 rows) and padding rows give zero outputs and zero input gradients;
 - the MoE debug model trains with float8 experts; the losses differ from the run without float8 and
   from the run with float8 dense linears only by more than a floor and less than a ceiling;
-- FSDP x2 and TP x2 match one process; a run resumed from a checkpoint repeats its steps bit for bit
-  (the checkpoint holds plain tensors, not torchao's wrapper; float8 rowwise and MXFP8 experts);
+- FSDP x2 and TP x2 match one process, and so does EP x2 (one process at micro-batch 8, as for MXFP8 in
+  test_float8_experts.py; every rank's experts keep torchao's wrapper); a run resumed from a checkpoint
+  repeats its steps bit for bit (the checkpoint holds plain tensors, not torchao's wrapper; float8
+  rowwise and MXFP8 experts);
 - without the kernels (CPU as it is) float8 experts are refused by name, and so are the recipes
   torchao has no grouped GEMM for.
 """
@@ -36,7 +38,13 @@ from tests.configs import tiny_config
 from tests.dist import run_distributed
 from tests.parity import Case, assert_parity, run_cases
 from tests.trainer.test_float8 import _plan
-from tests.trainer.test_float8_experts import LAYERS, MOE, PARITY, STEPS  # the MXFP8 experts' run
+from tests.trainer.test_float8_experts import (  # the MXFP8 experts' run
+    LAYERS,
+    MOE,
+    PARITY,
+    STEPS,
+    _expert_weight_types,
+)
 from trainer.config import TrainConfig
 
 pytest.importorskip("torchao")
@@ -44,7 +52,8 @@ pytest.importorskip("torchao")
 ROWWISE = ("training.float8.enable=true", "training.float8.recipe=rowwise")
 EXPERTS = (*ROWWISE, "training.float8.experts=true")
 GROUP = 16  # torchao's float8 grouped GEMM: token groups of 16k rows
-PARITY_RTOL = 2e-5  # FSDP x2 / TP x2 against one process, losses and pre-clip grad norms: measured 1.9e-6
+PARITY_RTOL = 2e-5  # FSDP x2 / TP x2 / EP x2 against one process, losses and pre-clip grad norms: measured
+# <= 1.5e-7 / 1.9e-6 (EP: 7.1e-8 / 2.1e-6 against micro-batch 8; 6.9e-4 / 5.9e-4 against two of 4)
 # Per-step loss relative to the reference run: floor on the largest difference (the experts' low-precision
 # GEMMs are on; that they are float8 is what the call counts and REL_FLOOR show), ceiling on every step
 # (the same model trains). Measured: 1.9e-2 from no float8, 1.8e-2 from float8 dense linears only.
@@ -200,7 +209,7 @@ def reference_kernels(monkeypatch: pytest.MonkeyPatch) -> ReferenceScaledGrouped
 
 def _cases_with_reference_kernels(rank: int, world_size: int, cases: dict[str, Case]) -> dict[str, dict]:
     """Spawned-rank entry point: ``run_cases`` with the reference kernels installed (the rank's process
-    ends after); each case's ``observed`` is its count of scaled grouped GEMM calls on this rank."""
+    ends after); each case's ``calls`` is its count of scaled grouped GEMM calls on this rank."""
     mm = ReferenceScaledGroupedMM()
     for obj, name, value in reference_patches(mm):
         setattr(obj, name, value)
@@ -208,7 +217,7 @@ def _cases_with_reference_kernels(rank: int, world_size: int, cases: dict[str, C
     for name, case in cases.items():
         mm.calls.clear()
         out.update(run_cases(rank, world_size, {name: case}))
-        out[name]["observed"] = dict(mm.calls)
+        out[name]["calls"] = dict(mm.calls)
     return out
 
 
@@ -329,6 +338,14 @@ def test_float8_experts_train_near_high_precision(
         assert max(rel) < CEILING, f"{max(rel):.1e} away from {ref_name}"
 
 
+def _parity_case(tmp_path, name: str, world: int, *overrides: str, setup=None) -> Case:
+    """A 4-step float8-experts parity run. torch's GEMM everywhere (training.cpu_gemm=torch): TP's DTensor
+    linears run it, and oneDNN's other fp32 summation order in the reference moved a value across an e4m3
+    rounding boundary (1.3e-4, step 4)."""
+    cfg = tiny_config(str(tmp_path / name), *MOE, *PARITY, *EXPERTS, "training.cpu_gemm=torch", *overrides)
+    return Case(world, cfg, setup=setup, params=False)
+
+
 def test_fsdp_and_tp_parity_within_float8_experts(
     tmp_path, reference_kernels: ReferenceScaledGroupedMM
 ) -> None:
@@ -337,25 +354,41 @@ def test_fsdp_and_tp_parity_within_float8_experts(
     kernels in every rank): losses and pre-clip grad norms within PARITY_RTOL, and every rank's experts went
     through the float8 grouped GEMM (3 weight-gradient GEMMs per backward)."""
 
-    # torch's GEMM everywhere (training.cpu_gemm=torch): TP's DTensor linears run it, and oneDNN's other
-    # fp32 summation order in the reference moved a value across an e4m3 rounding boundary (1.3e-4, step 4)
-    def case(name: str, world: int, *overrides: str) -> Case:
-        cfg = tiny_config(
-            str(tmp_path / name), *MOE, *PARITY, *EXPERTS, "training.cpu_gemm=torch", *overrides
-        )
-        return Case(world, cfg, params=False)
-
-    single = case("single", 1)
+    single = _parity_case(tmp_path, "single", 1)
     losses = _run(single.cfg, reference_kernels)
-    layouts = {"fsdp": case("fsdp", 2, "parallelism.dp_shard=2"), "tp": case("tp", 2, "parallelism.tp=2")}
+    layouts = {
+        "fsdp": _parity_case(tmp_path, "fsdp", 2, "parallelism.dp_shard=2"),
+        "tp": _parity_case(tmp_path, "tp", 2, "parallelism.tp=2"),
+    }
     per_rank = run_distributed(_cases_with_reference_kernels, 2, layouts, timeout=600)
     assert len(losses) == 4 and reference_kernels.calls["2d_2d"] > 0
     for name in layouts:
-        calls = [r[name]["observed"] for r in per_rank]
+        calls = [r[name]["calls"] for r in per_rank]
         assert all(c.get("2d_2d", 0) > 0 and c["2d_3d"] >= 2 * c["2d_2d"] for c in calls), (name, calls)
         history = per_rank[0][name]["history"]
         worst = assert_parity(reference_kernels.history, history, rtol=PARITY_RTOL, label=name)
         print(f"float8 experts, {name} x2 against one process: worst relative {worst}")
+
+
+def test_ep_parity_within_float8_experts(tmp_path, reference_kernels: ReferenceScaledGroupedMM) -> None:
+    """EP x2 (each rank owns 4 of the 8 experts, dispatch by all_to_all; micro-batch 4 a rank) against one
+    process with the same tokens per expert GEMM (micro-batch 8: EP hands an expert both ranks' tokens in
+    one GEMM, whose weight gradient torchao rounds to bf16 once; test_float8_experts.py's MXFP8 EP test),
+    all with float8 experts (reference kernels in every rank): losses and pre-clip grad norms within
+    PARITY_RTOL; every rank's local expert weights still carry torchao's wrapper and went through the
+    float8 grouped GEMM."""
+    single = _parity_case(tmp_path, "single_mb8", 1, "training.micro_batch_size=8")
+    _run(single.cfg, reference_kernels)
+    assert reference_kernels.calls["2d_2d"] > 0, reference_kernels.calls
+    ep = _parity_case(
+        tmp_path, "ep", 2, "parallelism.dp_shard=2", "parallelism.ep=2", setup=_expert_weight_types
+    )
+    per_rank = [r["ep"] for r in run_distributed(_cases_with_reference_kernels, 2, {"ep": ep}, timeout=600)]
+    assert [r["observed"] for r in per_rank] == [["Float8TrainingWeightWrapperTensor"]] * 2, per_rank
+    calls = [r["calls"] for r in per_rank]
+    assert all(c.get("2d_2d", 0) > 0 and c["2d_3d"] >= 2 * c["2d_2d"] for c in calls), calls
+    worst = assert_parity(reference_kernels.history, per_rank[0]["history"], rtol=PARITY_RTOL, label="ep")
+    print(f"float8 experts, EP x2 against one process (micro-batch 8): worst relative {worst}")
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "mxfp8"])
@@ -411,8 +444,8 @@ def test_float8_experts_refused_on_cpu(tmp_path, recipe: str, words: str) -> Non
 def test_float8_experts_refusals_with_the_kernels(
     tmp_path, reference_kernels: ReferenceScaledGroupedMM
 ) -> None:
-    """Even where the grouped GEMM runs: tensorwise is refused (no tensorwise grouped GEMM), and so is
-    tp > 1 (not verified); rowwise plans the experts."""
+    """Even where the grouped GEMM runs: tensorwise is refused (no tensorwise grouped GEMM), and so are
+    expert matrices not multiples of 16; rowwise plans the experts."""
     plan = _plan(str(tmp_path), 1, "model=moe_debug", *EXPERTS[1:])
     assert plan is not None and plan.experts == ["layers.0.moe.experts", "layers.1.moe.experts"], plan
     with pytest.raises(ConfigError, match="scales rowwise only"):
