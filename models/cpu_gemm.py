@@ -65,7 +65,9 @@ class _OneDNNLinearFn(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])  # (N, in)
         out = torch.ops.mkldnn._linear_pointwise(x2, weight, bias, "none", [], "")  # (N, out)
         ctx.save_for_backward(x, weight)
-        return out.view(*x.shape[:-1], weight.shape[0])
+        # not a view (as aten::linear's own _unsafe_view): FSDP2 warns on views returned by its modules,
+        # whose in-place change would drop its pre-backward hook
+        return torch.ops.aten._unsafe_view(out, (*x.shape[:-1], weight.shape[0]))
 
     @staticmethod
     def backward(

@@ -64,6 +64,7 @@ def test_onednn_linear_equals_f_linear_in_value_and_gradients(bias: bool, stride
         y_got = got(x_got)
         y_got.backward(grad)
     assert ops.calls[_ONEDNN] == 3 and ops.calls[torch.ops.aten.mm.default] == 0, ops.calls
+    assert not y_got._is_view()  # as F.linear's: FSDP2 warns on (and in-place ops break) returned views
     _close(y_ref.detach(), y_got.detach())
     _close(x_ref.grad, x_got.grad)
     _close(ref.weight.grad, got.weight.grad)
