@@ -33,14 +33,13 @@ def bare_loop_step_time(trainer: Trainer, steps: int) -> float:
     """A hand-written loop over the same model class, weights, kernels (``training.cpu_gemm``), batches
     and optimizer settings."""
     cfg = trainer.cfg
-    from models.common import OutputHead
     from models.cpu_gemm import resolve_cpu_gemm, use_onednn_linears
     from models.llama import Transformer
     from trainer.optim import build_optimizer
 
     model = Transformer(cfg.model)
     if resolve_cpu_gemm(cfg.training.cpu_gemm, "cpu"):
-        use_onednn_linears(model, [m for m in model.modules() if isinstance(m, OutputHead)])
+        use_onednn_linears(model)
     model.init_weights(seed=cfg.training.seed)
     opt = build_optimizer(model, cfg.optimizer, device_type="cpu")
     loader = trainer.train_loader

@@ -21,8 +21,7 @@ saved tensors are ``F.linear``'s (input and weight), so memory is unchanged.
 from __future__ import annotations
 
 import platform
-from collections.abc import Iterable
-from typing import Optional, Protocol
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -116,20 +115,16 @@ class OneDNNLinear(nn.Linear):
         return linear(x, self.weight, self.bias, onednn=True)
 
 
-class _Head(Protocol):
-    onednn: bool  # models.common.OutputHead's switch
-
-
-def use_onednn_linears(model: nn.Module, heads: Iterable[_Head] = ()) -> int:
+def use_onednn_linears(model: nn.Module) -> int:
     """Turn every plain ``nn.Linear`` of ``model`` into :class:`OneDNNLinear` (in place, on any device,
-    meta included, before wrappers) and set ``onednn`` on each module of ``heads`` (the output heads);
-    returns how many linears were switched."""
+    meta included, before wrappers) and set the ``onednn`` switch of every module that has one (the
+    output heads); returns how many modules were switched."""
     count = 0
     for module in model.modules():
         if type(module) is nn.Linear:
             module.__class__ = OneDNNLinear
             count += 1
-    for head in heads:
-        head.onednn = True
-        count += 1
+        elif isinstance(getattr(module, "onednn", None), bool):
+            setattr(module, "onednn", True)  # noqa: B010 (any module with the switch: the output heads)
+            count += 1
     return count

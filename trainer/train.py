@@ -324,10 +324,7 @@ class Trainer:
         if resolve_cpu_gemm(
             t.cpu_gemm, self.device.type
         ):  # before the wrappers: float8 / TP / FSDP see ordinary nn.Linear subclasses
-            heads = [m for m in model.modules() if isinstance(m, OutputHead)]
-            logger.info(
-                "training.cpu_gemm: %d linears run oneDNN's fp32 GEMMs", use_onednn_linears(model, heads)
-            )
+            logger.info("training.cpu_gemm: %d linears run oneDNN's fp32 GEMMs", use_onednn_linears(model))
         full_shapes = {k: v.shape for k, v in model.state_dict().items()}  # before any wrapper renames
         options = PartOptions(
             device=self.device,
