@@ -43,12 +43,19 @@ plan then drops the converted weights' copies (:func:`converted_weight_copies`) 
 of the blocks is converted (not the MoE blocks: the router stays), saves each block norm's fp32 output
 once for its matmuls instead of one bf16 cast each (:func:`autocast_casts_each`). Measured (debug cut
 to 1 layer, FSDP x2): saved activations 0.904 -> 1.000 for tensorwise, rowwise and
-rowwise_with_gw_hp. Their peak (1.021 / 1.021 / 0.976 before, when the uncounted transients were hidden
-by the overcounted copies) is 1.088 / 1.088 / 1.041 after: the emulated casts' backward temporaries
-are not planned (fp32 alike: 1.082 / 1.082 / 1.026; MXFP8 1.168). Emulated MXFP8 under bf16 autocast
-over fp32 weights is refused (``parallelisms/float8.py``): torchao's emulated matmul multiplies the
-operands in their own dtypes, and SDPA's bf16 output into ``wo``'s fp32 weight fails in a real run; the
-fake-tensor rehearsal, whose mm did not check dtypes (now it does:
+rowwise_with_gw_hp.
+
+The casts' temporaries (:func:`converted_backward_transient`): torchao's dynamic casts in a converted
+linear's backward (an fp32 scaled copy of the output gradient, the weight and the input, their float8
+or MX bytes, emulated the dequantized fp32 operands) are live while its matmuls run; the rehearsal
+found the peak there, in the last block's first linear backward. Measured on the same run (debug, 1
+layer, FSDP x2), the peak before -> after the term: fp32 tensorwise / rowwise 1.082 -> 0.994,
+rowwise_with_gw_hp 1.026 -> 0.987, MXFP8 1.168 -> 0.994; bf16 autocast 1.088 -> 0.963 (tensorwise)
+and 1.041 -> 0.961 (rowwise_with_gw_hp); MXFP8 over bf16 FSDP parameters 1.197 -> 0.957.
+
+Emulated MXFP8 under bf16 autocast over fp32 weights is refused (``parallelisms/float8.py``): torchao's
+emulated matmul multiplies the operands in their own dtypes, and SDPA's bf16 output into ``wo``'s fp32
+weight fails in a real run; the fake-tensor rehearsal, whose mm did not check dtypes (now it does:
 ``rehearse_trace.check_matmul_dtypes``), had measured activations 1.192 (dense) and 0.835 (experts) of
 the plan there. With FSDP's bf16 parameters nothing is cast and no term applies."""
 
@@ -81,6 +88,7 @@ __all__ = [
     "AutocastSaves",
     "autocast_casts_each",
     "autocast_saves",
+    "converted_backward_transient",
     "converted_weight_copies",
     "converted_weights",
     "expert_groups",
@@ -291,6 +299,90 @@ def autocast_casts_each(c: PlanContext) -> bool:
     prefix = f"{c.spec.blocks}."
     linears = sum(1 for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith(prefix))
     return len(converted_weights(c)) < linears
+
+
+def converted_backward_transient(c: PlanContext, block: int, ffn_saved: float) -> float:
+    """What the backward of block ``block`` (``c.table.blocks``' order) allocates at most for its
+    converted linears beyond plain linears' of the same shapes (:func:`_backward_extra`: torchao's
+    dynamic casts of the output gradient, the weight and the input -- an fp32 scaled copy, then the
+    float8 or MX bytes; emulated, the dequantized fp32 operands too -- live while the backward's two
+    matmuls run), at the run's micro-batch tokens, tp-local shapes and dtypes (FSDP's bf16 parameters,
+    or fp32 ones under bf16 autocast). The planner adds it at the blocks' backward instant, every
+    block's saved bytes live: the rehearsal found the peak in the last block's first linear backward
+    (``w2``: debug, 1 layer, FSDP x2, tensorwise, fp32: 1.082 of the plan before this term). In an MoE
+    layer's block the linears outside the MoE layer (attention's) run their backward after it, whose
+    saved bytes (``ffn_saved``: its norm's and its own) are freed by then. 0 without float8."""
+    f8, model, spec = c.cfg.training.float8, c.table.model, c.spec
+    if not f8.enable or model is None:
+        return 0.0
+    tp, kinds, modules = c.dims.tp, tp_kinds(model, spec), dict(model.named_modules())
+    key = spec.block_items(model)[block][0]
+    prefix = f"{spec.blocks}.{key}."
+    moe = [name for name, _ in spec.moe_layers(model)] if spec.moe_layers is not None else []
+    moe = [name for name in moe if name.startswith(prefix)]
+    fsdp_bf16 = c.dims.fsdp_enabled and c.param_gather_bytes == 2
+    autocast = c.cfg.training.mixed_precision == "bf16"
+    # the rehearsal and a CPU run emulate; torchao's real MX matmul needs Triton (absent): MXFP8 is
+    # probed emulated (the real SM100 kernel's temporaries are not verified)
+    emulate = f8.emulate if f8.emulate is not None else c.cfg.training.device != "cuda"
+    emulate = emulate or f8.recipe == "mxfp8"
+    out = 0.0
+    for name in float8_weight_names(model, f8, spec):
+        module = name[: -len(".weight")]
+        if not module.startswith(prefix):
+            continue
+        linear = modules[module]
+        assert isinstance(linear, nn.Linear)
+        kind = kinds.get(module, "") if tp > 1 else ""
+        in_f = linear.in_features // (tp if kind == "rowwise" else 1)
+        out_f = linear.out_features // (tp if kind == "colwise" else 1)
+        extra = _backward_extra(
+            f8.recipe, emulate, spec.family, c.micro_tokens, in_f, out_f, fsdp_bf16, autocast
+        )
+        after_moe = bool(moe) and not any(module.startswith(f"{m}.") for m in moe)
+        out = max(out, extra - (ffn_saved if after_moe else 0.0))
+    return out
+
+
+@functools.cache
+def _backward_extra(
+    recipe: str, emulate: bool, family: str, tokens: int, in_f: int, out_f: int, bf16: bool, autocast: bool
+) -> float:
+    """Peak bytes of one (tokens, in_f) x (in_f, out_f) linear's backward, converted by the trainer's
+    own conversion (``convert_to_low_precision``) minus a plain ``nn.Linear``'s (its gradients), on
+    fake tensors under torch's ``MemTracker``: the memory of the same allocations the rehearsal counts,
+    at any shape, for nothing."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    spec = get_spec(family)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    f8 = Float8Config(enable=True, recipe=recipe, emulate=emulate, min_features=1, exclude=[])
+    compute = torch.bfloat16 if (bf16 or autocast) else torch.float32
+
+    def backward(convert: bool) -> float:
+        """The peak's rise over what is live when the backward starts (the forward's, if higher)."""
+        tracker = MemTracker()
+        with FakeTensorMode(), tracker:
+            holder = nn.ModuleDict(
+                {spec.blocks: nn.ModuleDict({"0": nn.Linear(in_f, out_f, bias=False, dtype=dtype)})}
+            )
+            if convert:
+                convert_to_low_precision(holder, Float8Plan(f8, [], compute), spec)
+            x = torch.empty(tokens, in_f, dtype=dtype, requires_grad=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                y = holder[spec.blocks]["0"](x)
+            grad = torch.empty_like(y)
+            live = _cpu_total(tracker.get_tracker_snapshot())
+            y.backward(grad)
+            return _cpu_total(tracker.get_tracker_snapshot("peak")) - live
+
+    return max(0.0, backward(True) - backward(False))
+
+
+def _cpu_total(snapshot: dict) -> float:  # type: ignore[type-arg]
+    (total,) = [s["Total"] for device, s in snapshot.items() if device.type == "cpu"]
+    return float(total)
 
 
 def converted_weight_copies(c: PlanContext) -> list[float]:

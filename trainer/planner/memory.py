@@ -24,6 +24,7 @@ from trainer.planner.cluster import ADAM_BYTES, DTYPE_BYTES
 from trainer.planner.context import PlanContext, PlannedStage, StageMemory, planner_terms_of
 from trainer.planner.low_precision import (
     autocast_casts_each,
+    converted_backward_transient,
     converted_weight_copies,
     expert_groups,
     float8_gathered,
@@ -391,6 +392,14 @@ def _stage_units(c: PlanContext, st: PlannedStage) -> list[tuple[float, float]]:
     return units
 
 
+def _casts_transient(c: PlanContext, block: int) -> float:
+    """Block ``block``'s float8 linears' cast temporaries in its backward, at the blocks' instant
+    (``low_precision.converted_backward_transient``); its feed-forward's saved bytes are freed before
+    an MoE block's attention runs its backward."""
+    ffn = sum(mlp_terms(c, dtype_policy(c), block).values()) * c.micro_tokens
+    return converted_backward_transient(c, block, ffn)
+
+
 def _stage_bytes(c: PlanContext, pp_rank: int, st: PlannedStage) -> StageBytes:
     dims = c.dims
     units = _stage_units(c, st)
@@ -410,6 +419,7 @@ def _stage_bytes(c: PlanContext, pp_rank: int, st: PlannedStage) -> StageBytes:
         root_transient=max((g for _, g in units[len(st.blocks) :]), default=0.0) * c.param_gather_bytes,
         sharded_grads=grads_b,
         gathered=local * c.param_gather_bytes if fsdp and not c.reshard_after_forward else 0.0,
+        matmul_transient=_casts_transient(c, st.blocks[-1]) if st.blocks else 0.0,
     )
 
 
@@ -687,7 +697,7 @@ def _fsdp_backward_peak(
     # unit's gradient made): its two ends
     first = blocks_saved / max(1, len(blocks)) + grads_b
     block = gathered["block"] + max(grads_then + blocks_saved, first) + saved.recompute + saved.sac_cache
-    block += block_grad
+    block += block_grad + (_casts_transient(c, st.blocks[-1]) if st.blocks else 0.0)
     # the embedding's gradient, its tp shard's copy (Replicate -> Shard), the first block's reduce input
     root_grad = root[1] * pb + (root[0] * pb if tp > 1 else 0.0) + (blocks[0][0] * sb if blocks else 0.0)
     return base + max(loss, block, gathered["root"] + grads_b + root_grad)
@@ -721,7 +731,9 @@ def stage_memory_of(c: PlanContext, pp_rank: int) -> StageMemory:
     saved = saved_plan(c, pp_rank)
     buffers = buffer_bytes(c, pp_rank)
     acts = saved.peak + saved.recompute + saved.sac_cache
-    total = params_b + grads_b + opt_b + acts + sum(buffers.values())
+    blocks = sum(len(st.blocks) for st in c.ranks[pp_rank])
+    casts = max((_casts_transient(c, st.blocks[-1]) for st in c.ranks[pp_rank] if st.blocks), default=0.0)
+    total = params_b + grads_b + opt_b + acts + sum(buffers.values()) + casts
     loss_backward = loss_backward_bytes(c, pp_rank)
     walk = schedule_walk(c, pp_rank)
     if walk is not None:  # the schedule's own instants (pipeline_memory.py)
@@ -732,7 +744,6 @@ def stage_memory_of(c: PlanContext, pp_rank: int) -> StageMemory:
         grads_then = grads_b if c.accum > 1 else 0.0  # earlier microbatches' gradients
         gathered = buffers.get("fsdp_unsharded_params", 0.0)
         total = max(total, params_b + opt_b + grads_then + gathered + saved.peak + loss_backward)
-    blocks = sum(len(st.blocks) for st in c.ranks[pp_rank])
     return StageMemory(
         pp_rank=pp_rank,
         layers=blocks,

@@ -76,6 +76,7 @@ class StageBytes:
     loss_transient: float = 0.0  # the last stage: the loss's backward (two fp32 tokens x vocab gradients)
     root_transient: float = 0.0  # FSDP: the embedding's or the head's gradient in the parameter dtype,
     # made outside the blocks' backward (no block is recomputed then)
+    matmul_transient: float = 0.0  # a float8 linear's casts in its backward (planner/low_precision.py)
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ def walk_schedule(
         peak = max(
             peak,
             saved + grads + max(st.loss_transient, st.root_transient if fsdp else 0.0),
-            saved - st.head + grads + transient + recompute,
+            saved - st.head + grads + transient + recompute + st.matmul_transient,
         )
         flight[s] -= 1
         backwards[s] += 1
