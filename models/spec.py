@@ -330,6 +330,10 @@ class RecurrentMixerTerms:
     cp_handoff: Callable[[int], list[tuple[str, float]]]
 
 
+def _swiglu_consumers(moe: bool) -> int:
+    return 2
+
+
 @dataclass(frozen=True)
 class PlannerTerms:
     """The planner's view of a family's blocks (``ModelSpec.planner_terms(args)``): the family's own
@@ -350,6 +354,9 @@ class PlannerTerms:
     attention_saved: Callable[[BlockLayout], dict[str, float]]
     ffn_saved: Callable[[BlockLayout, bool], dict[str, float]]
     attention_norm_consumers: int = 3  # matmuls the attention's input norm feeds (Llama: wq, wk, wv)
+    # matmuls the feed-forward's input norm feeds, by ``moe`` (Llama: w1, w3; an MoE layer: its router
+    # and shared experts -- the routed experts read gathered rows, not the norm's output)
+    ffn_norm_consumers: Callable[[bool], int] = _swiglu_consumers
     experts_per_token: int = 0  # routed copies of each token (top_k); 0 without experts
     # Hybrid families: the blocks whose token mixer is recurrent (``recurrent``) rather than attention
     recurrent: Optional[RecurrentMixerTerms] = None

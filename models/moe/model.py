@@ -699,22 +699,34 @@ def ffn_saved(args: MoEArgs, layout: BlockLayout, moe: bool) -> dict[str, float]
     ids, the sorted order and source token of each copy, the received copies' expert / row /
     position indices), the rows the local experts receive, the four SwiGLU tensors per copy (w1, w3
     outputs, silu, product), the copies back at their tokens and weighted; shared experts are a
-    dense SwiGLU. A dense block (``moe`` false) saves Llama's."""
+    dense SwiGLU. Under bf16 autocast over an fp32 stream (``layout.cast_each``) each of w1 and w3
+    saves its own bf16 cast of the rows and the weighted copies stay fp32 (measured, deepseek_v3_debug
+    and moe_debug: 1.134 and 1.062 of the plan's saved activations before these terms). A dense block
+    (``moe`` false) saves Llama's."""
     if not moe:
         return llama_ffn_saved(args, layout)
     H, k, E, Fe, cb = args.dim, args.top_k, args.num_experts, args.moe_hidden_dim, layout.compute
+    # bf16 autocast over an fp32 stream: the w1 and w3 GEMMs each save their own bf16 cast of the
+    # gathered fp32 rows, and the weighted copies are fp32 (the stream's dtype) beside the bf16 outputs
+    casts, stream = (2, 4) if layout.cast_each else (1, cb)
     terms: dict[str, float] = {
         "router": 4 * E + 4 * k + (4 if args.route_norm and k > 1 else 0),
         "routing_ids": _INT64 * k * 6,
-        "expert_rows": cb * k * H,
+        "expert_rows": casts * cb * k * H,
         "experts": 4 * cb * k * Fe,
-        "expert_combine": 2 * cb * k * H,
+        "expert_combine": (cb + stream) * k * H,
     }
     if layout.experts is not None:
         terms.update(_padded_experts_saved(args, layout.experts))
     if args.num_shared_experts:
         terms["shared_experts"] = 4 * cb * args.num_shared_experts * Fe / layout.tp
     return terms
+
+
+def ffn_norm_consumers(args: MoEArgs, moe: bool) -> int:
+    """Matmuls the feed-forward's norm feeds: an MoE layer's router gate and its shared experts' w1 and
+    w3 (the routed experts read gathered rows); a dense block's SwiGLU w1 and w3."""
+    return 1 + (2 if args.num_shared_experts else 0) if moe else 2
 
 
 def _padded_rows(args: MoEArgs, groups: ExpertGroups) -> tuple[int, int]:
@@ -754,6 +766,7 @@ def planner_terms(args: MoEArgs) -> PlannerTerms:
     return dataclasses.replace(
         llama_planner_terms(args),
         ffn_saved=functools.partial(ffn_saved, args),
+        ffn_norm_consumers=functools.partial(ffn_norm_consumers, args),
         experts_per_token=args.top_k,
         expert_padding_flops=functools.partial(expert_padding_flops, args),
     )

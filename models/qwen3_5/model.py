@@ -424,12 +424,22 @@ def moe_ffn_saved(args: Qwen3_5MoeArgs, layout: BlockLayout, moe: bool) -> dict[
     return terms
 
 
+def moe_ffn_norm_consumers(args: Qwen3_5MoeArgs, moe: bool) -> int:
+    """Matmuls the feed-forward's norm feeds: the router gate and the gated shared expert's w1, w3 and
+    gate (``models/moe`` counts shared experts without a gate)."""
+    return 1 + (3 if args.shared_expert_hidden_dim else 0) if moe else 2
+
+
 def planner_terms(args: Qwen3_5Args) -> PlannerTerms:
     """The planner's view of Qwen3.5 blocks: Llama's attention (MoE family: ``models/moe``'s routed
     feed-forward) on the full-attention blocks, the Gated DeltaNet (``delta_net_saved``, its input
     norm feeding six projections, the CP hand-off) on the others."""
     if isinstance(args, Qwen3_5MoeArgs):
-        base = dataclasses.replace(moe_planner_terms(args), ffn_saved=functools.partial(moe_ffn_saved, args))
+        base = dataclasses.replace(
+            moe_planner_terms(args),
+            ffn_saved=functools.partial(moe_ffn_saved, args),
+            ffn_norm_consumers=functools.partial(moe_ffn_norm_consumers, args),
+        )
     else:
         base = llama_planner_terms(args)
     return dataclasses.replace(

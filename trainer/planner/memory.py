@@ -185,11 +185,13 @@ def attention_terms(
 
 
 def mlp_terms(c: PlanContext, pol: DtypePolicy, block: int) -> dict[str, float]:
-    """The feed-forward: its input norm (feeding two matmuls), then what the family's feed-forward
+    """The feed-forward: its input norm (feeding the family's ``ffn_norm_consumers`` matmuls: a
+    SwiGLU's two; an MoE layer's router and shared experts), then what the family's feed-forward
     saves (``PlannerTerms.ffn_saved``: SwiGLU; an MoE block -- one of the parameter table's
     ``moe_layers`` -- its router, routed copies and shared experts)."""
-    terms = _norm_terms(c, pol, "ffn_norm", 2)
-    terms.update(c.terms.ffn_saved(block_layout(c, pol), block in c.table.moe_layers))
+    moe = block in c.table.moe_layers
+    terms = _norm_terms(c, pol, "ffn_norm", c.terms.ffn_norm_consumers(moe))
+    terms.update(c.terms.ffn_saved(block_layout(c, pol), moe))
     return terms
 
 
