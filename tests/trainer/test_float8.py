@@ -440,10 +440,12 @@ CKPT = ("checkpoint.interval=4", "training.steps=8", NO_CLIP)
 F8_AG = (F8, "training.float8.fsdp_float8_all_gather=true")
 MOE_LAYER = ("model=moe_debug", "model.n_layers=1", "training.micro_batch_size=4")
 MX_EXPERTS = (F8, "training.float8.recipe=mxfp8", "training.float8.experts=true")
-# kind -> (model, float8 of the 2-rank source, its layout, float8 of the one-process targets, their
+# kind -> (model, float8 of the multi-rank source, its layout, float8 of the one-process targets, their
 # other overrides). MXFP8 experts under EP x2: the targets run micro-batch 8, the tokens of one EP
 # expert GEMM (whose bf16 weight gradient is rounded once per micro-batch: test_float8_experts.py).
-CKPT_KINDS = {
+# (Float8 rowwise experts under EP x2 x FSDP x2: test_float8_grouped.py, with its reference kernels.)
+CkptKind = tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], tuple[str, ...], tuple[str, ...]]
+CKPT_KINDS: dict[str, CkptKind] = {
     "tensorwise_fsdp_f8_all_gather": (SMALL, F8_AG, DP_SHARD, (F8,), ()),
     "mxfp8_experts_ep": (
         MOE_LAYER,
@@ -455,9 +457,9 @@ CKPT_KINDS = {
 }
 
 
-def _ckpt_sources(tmp: str, kind: str) -> dict[str, TrainConfig]:
-    """2-rank runs writing step 4: with float8 and without."""
-    model, f8, layout, _, _ = CKPT_KINDS[kind]
+def _ckpt_sources(tmp: str, kind: CkptKind) -> dict[str, TrainConfig]:
+    """Multi-rank runs writing step 4: with float8 and without."""
+    model, f8, layout, _, _ = kind
     on = ("checkpoint.enable=true", *CKPT, *layout)
     return {
         "f8": tiny_config(os.path.join(tmp, "f8"), *model, *on, *f8),
@@ -465,9 +467,9 @@ def _ckpt_sources(tmp: str, kind: str) -> dict[str, TrainConfig]:
     }
 
 
-def _ckpt_targets(tmp: str, kind: str) -> dict[str, TrainConfig]:
+def _ckpt_targets(tmp: str, kind: CkptKind) -> dict[str, TrainConfig]:
     """One process from a step-4 checkpoint: float8 -> float8, float8 -> none, none -> float8."""
-    model, _, _, f8, single = CKPT_KINDS[kind]
+    model, _, _, f8, single = kind
 
     def target(name: str, source: str, *overrides: str) -> TrainConfig:
         path = os.path.join(tmp, source, "checkpoints", "step-4")
@@ -489,13 +491,16 @@ def _ckpt_targets(tmp: str, kind: str) -> dict[str, TrainConfig]:
 
 
 def _ckpt_worker(rank: int, world: int, sources: dict, targets: dict) -> dict:
+    """Sources (5 steps, checkpoint at 4; then the float8 run resumed from 4) and targets (step 5 from a
+    source's step-4 checkpoint), in this process group; each run's step 5, the float8 source's history."""
     from trainer.checkpoint.checkpointer import load_full_state
     from trainer.train import Trainer
 
     out: dict = {}
-    for name, cfg in sources.items():  # 5 steps, checkpoint at 4; then resume the float8 run from 4
+    for name, cfg in sources.items():
         trainer = Trainer(cfg)
-        out[name] = _step5(trainer.train(until_step=5))
+        history = trainer.train(until_step=5)
+        out[name], out[f"{name} history"] = _step5(history), history
         trainer.close()
         if name == "f8":
             trainer = Trainer(
@@ -525,15 +530,11 @@ def _ckpt_worker(rank: int, world: int, sources: dict, targets: dict) -> dict:
     return out
 
 
-@pytest.mark.parametrize("kind", list(CKPT_KINDS))
-def test_checkpoints_stay_high_precision(tmp_path, kind: str) -> None:
-    """A float8 run on 2 ranks (FSDP with float8 all-gather; EP with MXFP8 experts) saves fp32 masters
-    under the plain names (plain tensors: no torchao class pickled); it resumes bitwise in float8,
-    and reshards to one process with float8 (step 5 within RTOL), without float8, and from a run
-    without float8 -- every tensor loaded bitwise."""
-    tmp = str(tmp_path)
-    out = run_distributed(_ckpt_worker, 2, _ckpt_sources(tmp, kind), {}, timeout=600)[0]
-    out.update(run_distributed(_ckpt_worker, 1, {}, _ckpt_targets(tmp, kind), timeout=600)[0])
+def _assert_checkpoints(out: dict, label: str) -> tuple[dict[str, float], float]:
+    """The checks of a ``_ckpt_worker`` result (sources and targets): fp32 plain tensors saved, the resume
+    bitwise, every tensor loaded bitwise into one process, step 5 of the float8 target within RTOL of the
+    source's. Returns that step's worst relative differences and the float8 -> none target's loss
+    difference from the source (asserted > 0: float8 is on)."""
     assert out["f8 dtypes"] == ["torch.float32"] and out["f8 files naming torchao"] == [], out
     resumed = out["f8 resumed"]
     assert resumed["from"] == 4 and (resumed["loss"], resumed["grad_norm"]) == (
@@ -542,7 +543,20 @@ def test_checkpoints_stay_high_precision(tmp_path, kind: str) -> None:
     ), (resumed, out["f8"])
     for name in ("f8->f8_single", "f8->off_single", "off->f8_single"):
         assert out[name]["mismatched"] == [] and out[name]["tensors"] > 30, (name, out[name])
-    worst = assert_parity([out["f8"]], [out["f8->f8_single"]], rtol=RTOL, label="float8 fsdp -> single")
+    worst = assert_parity([out["f8"]], [out["f8->f8_single"]], rtol=RTOL, label=f"{label} -> single")
     off_vs_f8 = abs(out["f8->off_single"]["loss"] - out["f8"]["loss"]) / out["f8"]["loss"]
-    print(f"float8 reshard step 5: {worst}; the same weights without float8 differ by {off_vs_f8:.1e}")
+    print(f"{label} reshard step 5: {worst}; the same weights without float8 differ by {off_vs_f8:.1e}")
     assert off_vs_f8 > 0, "the float8 and high-precision step 5 from the same weights are identical"
+    return worst, off_vs_f8
+
+
+@pytest.mark.parametrize("kind", list(CKPT_KINDS))
+def test_checkpoints_stay_high_precision(tmp_path, kind: str) -> None:
+    """A float8 run on 2 ranks (FSDP with float8 all-gather; EP with MXFP8 experts) saves fp32 masters
+    under the plain names (plain tensors: no torchao class pickled); it resumes bitwise in float8,
+    and reshards to one process with float8 (step 5 within RTOL), without float8, and from a run
+    without float8 -- every tensor loaded bitwise."""
+    tmp = str(tmp_path)
+    out = run_distributed(_ckpt_worker, 2, _ckpt_sources(tmp, CKPT_KINDS[kind]), {}, timeout=600)[0]
+    out.update(run_distributed(_ckpt_worker, 1, {}, _ckpt_targets(tmp, CKPT_KINDS[kind]), timeout=600)[0])
+    _assert_checkpoints(out, kind)

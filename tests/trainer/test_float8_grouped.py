@@ -16,9 +16,11 @@ trainer) and the recipe's numerics, not the real kernels: those run only on a GP
 - the MoE debug model trains with float8 experts; the losses differ from the run without float8 and
   from the run with float8 dense linears only by more than a floor and less than a ceiling;
 - FSDP x2 and TP x2 match one process, and so does EP x2 (one process at micro-batch 8, as for MXFP8 in
-  test_float8_experts.py; every rank's experts keep torchao's wrapper); a run resumed from a checkpoint
-  repeats its steps bit for bit (the checkpoint holds plain tensors, not torchao's wrapper; float8
-  rowwise and MXFP8 experts);
+  test_float8_experts.py; every rank's experts keep torchao's wrapper) and EP x2 x FSDP x2 (4 ranks,
+  without clipping); a run resumed from a checkpoint repeats its steps bit for bit (the checkpoint holds
+  plain tensors, not torchao's wrapper; float8 rowwise and MXFP8 experts); the EP x2 x FSDP x2 run's
+  checkpoint resumes bitwise on its 4 ranks and reshards to one process with and without float8, and a
+  run without float8 reshards into one with float8 experts (test_float8.py's checkpoint checks);
 - without the kernels (CPU as it is) float8 experts are refused by name, and so are the recipes
   torchao has no grouped GEMM for.
 """
@@ -37,7 +39,16 @@ from models.errors import ConfigError
 from tests.configs import tiny_config
 from tests.dist import run_distributed
 from tests.parity import Case, assert_parity, run_cases
-from tests.trainer.test_float8 import _plan
+from tests.trainer.test_float8 import (  # the float8 checkpoint checks
+    CKPT,
+    MOE_LAYER,
+    CkptKind,
+    _assert_checkpoints,
+    _ckpt_sources,
+    _ckpt_targets,
+    _ckpt_worker,
+    _plan,
+)
 from tests.trainer.test_float8_experts import (  # the MXFP8 experts' run
     LAYERS,
     MOE,
@@ -53,7 +64,9 @@ ROWWISE = ("training.float8.enable=true", "training.float8.recipe=rowwise")
 EXPERTS = (*ROWWISE, "training.float8.experts=true")
 GROUP = 16  # torchao's float8 grouped GEMM: token groups of 16k rows
 PARITY_RTOL = 2e-5  # FSDP x2 / TP x2 / EP x2 against one process, losses and pre-clip grad norms: measured
-# <= 1.5e-7 / 1.9e-6 (EP: 7.1e-8 / 2.1e-6 against micro-batch 8; 6.9e-4 / 5.9e-4 against two of 4)
+# <= 1.5e-7 / 1.9e-6 (EP: 7.1e-8 / 2.1e-6 against micro-batch 8; 6.9e-4 / 5.9e-4 against two of 4);
+# EP x2 x FSDP x2, without clipping: 7.5e-8 / 3.1e-6 (steps 1-5), its checkpoint's step 5 in one process
+# 7.5e-8 / 1.6e-6
 # Per-step loss relative to the reference run: floor on the largest difference (the experts' low-precision
 # GEMMs are on; that they are float8 is what the call counts and REL_FLOOR show), ceiling on every step
 # (the same model trains). Measured: 1.9e-2 from no float8, 1.8e-2 from float8 dense linears only.
@@ -207,17 +220,32 @@ def reference_kernels(monkeypatch: pytest.MonkeyPatch) -> ReferenceScaledGrouped
     return mm
 
 
-def _cases_with_reference_kernels(rank: int, world_size: int, cases: dict[str, Case]) -> dict[str, dict]:
-    """Spawned-rank entry point: ``run_cases`` with the reference kernels installed (the rank's process
-    ends after); each case's ``calls`` is its count of scaled grouped GEMM calls on this rank."""
+def _install_reference_kernels() -> ReferenceScaledGroupedMM:
+    """In a spawned rank: the reference kernels for the rest of its process (it ends after its test)."""
     mm = ReferenceScaledGroupedMM()
     for obj, name, value in reference_patches(mm):
         setattr(obj, name, value)
+    return mm
+
+
+def _cases_with_reference_kernels(rank: int, world_size: int, cases: dict[str, Case]) -> dict[str, dict]:
+    """Spawned-rank entry point: ``run_cases`` with the reference kernels installed; each case's
+    ``calls`` is its count of scaled grouped GEMM calls on this rank."""
+    mm = _install_reference_kernels()
     out = {}
     for name, case in cases.items():
         mm.calls.clear()
         out.update(run_cases(rank, world_size, {name: case}))
         out[name]["calls"] = dict(mm.calls)
+    return out
+
+
+def _ckpt_with_reference_kernels(rank: int, world_size: int, sources: dict, targets: dict) -> dict:
+    """Spawned-rank entry point: test_float8.py's ``_ckpt_worker`` with the reference kernels installed;
+    ``calls``: this rank's scaled grouped GEMM calls over all its runs."""
+    mm = _install_reference_kernels()
+    out = _ckpt_worker(rank, world_size, sources, targets)
+    out["calls"] = dict(mm.calls)
     return out
 
 
@@ -291,13 +319,13 @@ def test_experts_run_torchao_float8_grouped_gemm_padded_to_16(
         assert REL_FLOOR < rel < REL_CEILING, f"{name}: {rel:.1e}"
 
 
-def _history(cfg: TrainConfig) -> list[dict]:
-    """One in-process run's history."""
+def _history(cfg: TrainConfig, until_step: Optional[int] = None) -> list[dict]:
+    """One in-process run's history (to ``until_step`` if given)."""
     from trainer.train import Trainer
 
     trainer = Trainer(cfg)
     try:
-        return trainer.train()
+        return trainer.train(until_step)
     finally:
         trainer.close()
 
@@ -389,6 +417,60 @@ def test_ep_parity_within_float8_experts(tmp_path, reference_kernels: ReferenceS
     assert all(c.get("2d_2d", 0) > 0 and c["2d_3d"] >= 2 * c["2d_2d"] for c in calls), calls
     worst = assert_parity(reference_kernels.history, per_rank[0]["history"], rtol=PARITY_RTOL, label="ep")
     print(f"float8 experts, EP x2 against one process (micro-batch 8): worst relative {worst}")
+
+
+# EP x2 x FSDP x2 (4 ranks, the experts FSDP-sharded over the other half): 2 sequences a rank, so an ep
+# group's expert GEMM holds 4, as one process's micro-batch of 4 (MOE_LAYER); without clipping (CKPT: see
+# test_float8_experts.py's EP x2 x FSDP x2 test for why). torch's GEMM everywhere (as _parity_case). Run
+# as test_float8.py's checkpoint source: 5 steps writing step 4, resumed from it; a run without float8.
+EP_FSDP_EXPERTS = (*EXPERTS, "training.cpu_gemm=torch")
+EP_FSDP: CkptKind = (
+    MOE_LAYER,
+    EP_FSDP_EXPERTS,
+    ("parallelism.dp_shard=4", "parallelism.ep=2", "training.micro_batch_size=2"),
+    EP_FSDP_EXPERTS,
+    (),
+)
+
+
+@pytest.fixture(scope="module")
+def ep_fsdp(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The file's one 4-rank launch (reference kernels on every rank): the EP x2 x FSDP x2 float8-experts
+    run (5 steps, checkpoint at 4), the same run resumed from step 4, and the run without float8.
+    Rank 0's ``_ckpt_worker`` result, every rank's ``calls``, and the folder."""
+    tmp = str(tmp_path_factory.mktemp("ep_fsdp"))
+    per_rank = run_distributed(_ckpt_with_reference_kernels, 4, _ckpt_sources(tmp, EP_FSDP), {}, timeout=600)
+    return {"tmp": tmp, "out": per_rank[0], "calls": [r["calls"] for r in per_rank]}
+
+
+def test_ep_fsdp_parity_within_float8_experts(
+    tmp_path, ep_fsdp: dict, reference_kernels: ReferenceScaledGroupedMM
+) -> None:
+    """EP x2 x FSDP x2 (4 ranks) against one process with the same 4-sequence micro-batches, both with
+    float8 rowwise experts (reference kernels) and without clipping: losses and pre-clip grad norms of
+    steps 1-5 within PARITY_RTOL (measured 7.5e-8 and 3.1e-6). Every rank ran the float8 grouped GEMM
+    in every step of its float8 runs: 3 forward, 3 grad-input and 3 weight-gradient GEMMs per step (one
+    layer, one micro-batch), 5 steps and the resumed step 5 (the run without float8 makes none)."""
+    model, _, _, f8, single = EP_FSDP
+    ref = _history(tiny_config(str(tmp_path / "single"), *model, *CKPT, *f8, *single), until_step=5)
+    assert reference_kernels.calls["2d_2d"] > 0, reference_kernels.calls
+    assert ep_fsdp["calls"] == [{"2d_3d": 6 * 6, "2d_2d": 3 * 6}] * 4, ep_fsdp["calls"]
+    worst = assert_parity(ref, ep_fsdp["out"]["f8 history"], rtol=PARITY_RTOL, label="ep_fsdp")
+    print(f"float8 experts, EP x2 x FSDP x2 against one process: worst relative {worst}")
+
+
+def test_ep_fsdp_checkpoint_within_float8_experts(
+    ep_fsdp: dict, reference_kernels: ReferenceScaledGroupedMM
+) -> None:
+    """The EP x2 x FSDP x2 float8-experts run's step-4 checkpoint (test_float8.py's checks): fp32 plain
+    tensors, no torchao class pickled; resumed on its 4 ranks, step 5 bit for bit; loaded into one process
+    (float8 experts, high precision; and the run without float8 into one with float8 experts) every tensor
+    bitwise, the float8 one's step 5 within test_float8.py's RTOL (2e-5) of the 4-rank run's (measured:
+    loss 7.5e-8, grad norm 1.6e-6; the same weights without float8: loss 3.5e-5 away)."""
+    out = dict(ep_fsdp["out"])
+    out.update(_ckpt_worker(0, 1, {}, _ckpt_targets(ep_fsdp["tmp"], EP_FSDP)))
+    assert reference_kernels.calls["2d_2d"] > 0, reference_kernels.calls  # float8 -> float8, none -> float8
+    _assert_checkpoints(out, "float8 rowwise experts, EP x2 x FSDP x2")
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "mxfp8"])
