@@ -41,7 +41,8 @@ LAYOUTS = {  # name -> (world, overrides)
 
 def _owner_balance(optimizer) -> float | None:  # noqa: ANN001
     """max / mean Newton-Schulz FLOPs per rank: Muon's owners, or ZeRO-1's owners of the Muon matrices."""
-    from trainer.optim.muon import Muon, ns_flops
+    from trainer.optim.muon import Muon
+    from trainer.optim.muon_plan import ns_flops
 
     if isinstance(optimizer, Muon):
         return optimizer.owner_balance() if optimizer.process_group is not None else 1.0

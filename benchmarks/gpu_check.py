@@ -12,7 +12,7 @@ outputs/gpu_check); each part's log is ``DIR/logs/<part>.log``, each training ru
   measured dense bf16 matmul TFLOP/s: the denominator of this check's MFU;
 * numerics against a float32 or eager reference: FlexAttention block-causal forward and backward
   vs SDPA with the dense mask (``models/attention.py``); grouped-GEMM experts
-  (``torch._grouped_mm``) vs the padded batched fallback (``models/moe/model.py``); fused vs
+  (``torch._grouped_mm``) vs the padded batched fallback (``models/moe/experts.py``); fused vs
   foreach AdamW (``optimizer.implementation``); compiled vs eager training losses; Qwen3.5's Gated
   DeltaNet core with flash-linear-attention's kernels vs our torch form, and its speed (when the
   optional ``fla`` package is installed; ``model.linear_kernel``);

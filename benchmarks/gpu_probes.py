@@ -248,7 +248,7 @@ def check_grouped_experts(
     uneven and one expert gets no rows. Returns norm-relative errors of the output and the
     gradients of the input and of w1, w2, w3.
     """
-    from models.moe.model import GroupedExperts
+    from models.moe.experts import GroupedExperts
 
     gen = torch.Generator().manual_seed(seed)
     ref_mod = GroupedExperts(num_experts, dim, hidden_dim, grouped_mm="off")

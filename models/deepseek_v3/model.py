@@ -76,8 +76,9 @@ from models.common import (
 )
 from models.errors import ConfigError
 from models.llama.model import _positive_int, rope_rows
+from models.moe.args import MoEArgs
 from models.moe.model import TP_PLAN as MOE_TP_PLAN
-from models.moe.model import AddAuxGrad, MoEArgs, MoEBlock, MoETransformer, _recomputing
+from models.moe.model import AddAuxGrad, MoEBlock, MoETransformer, _recomputing
 from models.moe.model import planner_terms as moe_planner_terms
 from models.spec import AttentionComm, AttentionShape, BlockLayout, ParamCounts, PlannerTerms
 

@@ -1,18 +1,19 @@
 """The mixture-of-experts family: ``MOE_SPEC``, what the rest of the stack sees of it.
 
-``model.py`` holds the arguments, the modules (router, stacked experts, load balancing), the counts
-and the TP plan; ``hf.py`` the Hugging Face adapter (Mixtral, Qwen3-MoE). The model never imports
+``model.py`` holds the modules (router, MoE layer with its load balancing, blocks), the counts and
+the TP plan; ``args.py`` the arguments (``MoEArgs``); ``experts.py`` the stacked experts
+(``GroupedExperts``); ``hf.py`` the Hugging Face adapter (Mixtral, Qwen3-MoE). The model never imports
 the adapter; this file joins the two.
 """
 
 from __future__ import annotations
 
 from models.llama.model import attention_mask, qk_norm, ties_embeddings
+from models.moe.args import MoEArgs
 from models.moe.hf import MoEHF
 from models.moe.model import (
     TP_PLAN,
     MoE,
-    MoEArgs,
     MoETransformer,
     expert_modules,
     flops_per_token,

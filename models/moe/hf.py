@@ -26,7 +26,8 @@ from models.hf_config import (
     write_hf_config,
 )
 from models.hf_tensors import LLAMA_HF_LAYER_NAMES, LLAMA_HF_TOP_NAMES, finish_state_from_hf
-from models.moe.model import MoEArgs, MoETransformer
+from models.moe.args import MoEArgs
+from models.moe.model import MoETransformer
 from models.spec import HFTensorReader
 
 __all__ = ["MIXTRAL_HF_FORMAT", "QWEN3_MOE_HF_FORMAT", "MoEHF", "routing_rows"]

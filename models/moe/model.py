@@ -46,6 +46,8 @@ untouched and works with pipeline stages. The weight of each forward's aux term 
 ``aux_grad_scale * tokens`` (the trainer sets ``aux_grad_scale`` = dp_cp / tokens per step, so that
 over all microbatches and ranks the objective is ``LM mean + coeff * token-weighted mean aux``).
 
+The arguments (``MoEArgs``) are ``args.py``'s, the stacked experts (``GroupedExperts``) ``experts.py``'s;
+this file holds the router, the MoE layer, the blocks, the counts, the planner's terms and the TP plan.
 ``MOE_SPEC`` (``models/moe/__init__.py``) is what the rest of the stack sees; it declares
 ``moe_layers(model)`` (the MoE modules by name) and ``expert_modules(model)`` (the stacked experts),
 which expert parallelism, FSDP, the load balancer and the planner use.
@@ -58,31 +60,22 @@ import functools
 import itertools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.common import ParamInit, RMSNorm, unwrapped_name
-from models.errors import ConfigError, check_choice
-from models.llama.model import (
-    TP_PLAN as LLAMA_TP_PLAN,
-)
-from models.llama.model import (
-    Attention,
-    FeedForward,
-    LlamaArgs,
-    Transformer,
-    _attention_params,
-    _positive_int,
-    num_flops_per_token,
-)
+from models.llama.model import TP_PLAN as LLAMA_TP_PLAN
+from models.llama.model import Attention, FeedForward, Transformer, _attention_params, num_flops_per_token
 from models.llama.model import ffn_saved as llama_ffn_saved
 from models.llama.model import planner_terms as llama_planner_terms
-from models.spec import BlockLayout, ExpertGroups, ParamCounts, PlannerTerms, StackedExperts
+from models.moe.args import MoEArgs
+from models.moe.experts import GroupedExperts, padded_group_rows
+from models.spec import BlockLayout, ExpertGroups, ParamCounts, PlannerTerms
 
+# MoEArgs (models/moe/args.py) and GroupedExperts (models/moe/experts.py) are re-exported: the family's
+# arguments and its stacked experts, which other families and the float8 tests import from here.
 __all__ = [
     "TP_PLAN",
     "GroupedExperts",
@@ -94,107 +87,11 @@ __all__ = [
     "balanced_counts",
     "expert_modules",
     "moe_layers",
-    "padded_group_rows",
     "param_counts",
     "planner_terms",
 ]
 
 _INT64 = 8  # bytes of an int64 index
-SCORE_FUNCS = ("softmax", "sigmoid")
-AUX_LOSS_TYPES = ("global", "sequence")
-GROUPED_MM = ("auto", "on", "off")
-
-
-# --------------------------------------------------------------------------------------------
-# Arguments
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class MoEArgs(LlamaArgs):
-    """A Llama decoder plus the mixture-of-experts hyper-parameters."""
-
-    family: str = "moe"
-    num_experts: int = 8  # routed experts E per MoE layer
-    top_k: int = 2  # experts per token
-    moe_hidden_dim: int = 256  # SwiGLU hidden size F of one routed expert
-    moe_layer_freq: int = 1  # layer i >= first_k_dense is MoE when i % moe_layer_freq == 0
-    first_k_dense: int = 0  # the first k layers keep the dense FFN (hidden ffn_hidden_dim)
-    num_shared_experts: int = 0  # always-on experts, fused into one SwiGLU of hidden num_shared * F
-    score_func: str = "softmax"  # softmax | sigmoid (router scores, in fp32)
-    route_norm: bool = True  # renormalise the top-k scores to sum 1
-    route_scale: float = 1.0  # multiply the routing weights (DeepSeek-V3's routed_scaling_factor)
-    n_group: int = 1  # experts form n_group equal groups; a token picks experts only inside ...
-    topk_group: int = 1  # ... its topk_group best groups (group score: sum of its top-2 biased scores)
-    bias_update_coeff: float = 0.0  # aux-loss-free balancing step (DeepSeek-V3: 1e-3); 0 = off
-    aux_loss_coeff: float = 0.0  # auxiliary load-balancing loss weight; 0 = off
-    aux_loss_type: str = "global"  # global (over a forward's tokens) | sequence (per sequence, averaged)
-    capacity_factor: float = (
-        0.0  # > 0: each expert takes at most ceil(cf * T * k / E) tokens, the rest are dropped
-    )
-    grouped_mm: str = "auto"  # auto (torch._grouped_mm on CUDA sm90+ in bf16) | on | off (padded bmm)
-
-    def validate(self) -> None:
-        """Raise ``ConfigError`` naming the bad value and the fix; return None when consistent."""
-        if self.mup.enable:
-            raise ConfigError(
-                f"model.mup.enable=true with model.family={self.family}: µP (models/mup.py) is "
-                "implemented for the dense Llama-style families (llama, qwen3) only; the experts, router and "
-                "(DeepSeek-V3) latent attention have no µP rules here. Set model.mup.enable=false."
-            )
-        super().validate()
-        for name in ("num_experts", "top_k", "moe_hidden_dim", "moe_layer_freq"):
-            _positive_int(getattr(self, name), f"model.{name}")
-        for name in ("first_k_dense", "num_shared_experts"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"model.{name}={value!r} must be an integer >= 0.")
-        for name in ("n_group", "topk_group"):
-            _positive_int(getattr(self, name), f"model.{name}")
-        if self.num_experts % self.n_group != 0 or self.topk_group > self.n_group:
-            raise ConfigError(
-                f"model.n_group={self.n_group} must divide model.num_experts={self.num_experts} and be >= "
-                f"model.topk_group={self.topk_group}; n_group=1 turns group-limited routing off."
-            )
-        if self.n_group > 1 and self.top_k > self.topk_group * (self.num_experts // self.n_group):
-            raise ConfigError(
-                f"model.top_k={self.top_k} exceeds the "
-                f"{self.topk_group * (self.num_experts // self.n_group)} experts "
-                f"of the topk_group={self.topk_group} groups a token may use; raise topk_group or lower "
-                "top_k."
-            )
-        if self.top_k > self.num_experts:
-            raise ConfigError(
-                f"model.top_k={self.top_k} exceeds model.num_experts={self.num_experts}: a token cannot pick "
-                "more "
-                f"experts than exist; use top_k <= {self.num_experts}."
-            )
-        for value, allowed, key in (
-            (self.score_func, SCORE_FUNCS, "model.score_func"),
-            (self.aux_loss_type, AUX_LOSS_TYPES, "model.aux_loss_type"),
-            (self.grouped_mm, GROUPED_MM, "model.grouped_mm"),
-        ):
-            check_choice(value, allowed, key)
-        for name in ("bias_update_coeff", "aux_loss_coeff", "capacity_factor"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ConfigError(f"model.{name}={value!r} must be a finite number >= 0 (0 turns it off).")
-        if not (isinstance(self.route_scale, (int, float)) and self.route_scale > 0):
-            raise ConfigError(f"model.route_scale={self.route_scale!r} must be a positive number.")
-        if not self.moe_layer_ids:
-            raise ConfigError(
-                f"no layer is an MoE layer (model.n_layers={self.n_layers}, "
-                f"first_k_dense={self.first_k_dense}, "
-                f"moe_layer_freq={self.moe_layer_freq}); lower first_k_dense or use the llama family."
-            )
-
-    def is_moe_layer(self, layer_id: int) -> bool:
-        """Whether block ``layer_id`` has an MoE feed-forward (else Llama's dense one)."""
-        return layer_id >= self.first_k_dense and layer_id % self.moe_layer_freq == 0
-
-    @property
-    def moe_layer_ids(self) -> list[int]:
-        return [i for i in range(self.n_layers) if self.is_moe_layer(i)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -250,143 +147,6 @@ class TopKRouter(nn.Module):
         if self.route_scale != 1.0:
             weights = weights * self.route_scale
         return weights, indices, scores
-
-
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; gradient times ``factor`` (expert parallel's extra 1/ep, see GroupedExperts)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, factor: float) -> Tensor:
-        ctx.factor = factor
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return grad * ctx.factor, None
-
-
-def padded_group_rows(rows: int, groups: int, multiple: int) -> int:
-    """The rows ``GroupedExperts._grouped_padded`` runs its grouped GEMMs over: ``rows`` token copies
-    in ``groups`` expert groups, each padded to a multiple of ``multiple``, as a static bound (no host
-    sync): rows + groups * (multiple - 1), rounded up to ``multiple``. The planner's count too
-    (``ffn_saved``, ``expert_padding_flops``)."""
-    return -(-(rows + groups * (multiple - 1)) // multiple) * multiple
-
-
-def _local(t: Tensor) -> Tensor:
-    """The local block of an expert-parallel DTensor (duck-typed: models/ never imports distributed)."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-class GroupedExperts(StackedExperts):
-    """E SwiGLU experts stored stacked: ``w1/w3`` (E, F, H), ``w2`` (E, H, F) (each expert in
-    ``nn.Linear`` layout), run on rows already grouped by expert.
-
-    ``forward(x, counts)``: rows ``x`` (N, H) sorted by expert, ``counts`` (E_local,) rows per
-    expert. Under expert parallelism the parameters are DTensors sharded on dim 0 and this module
-    sees only its E_local experts (``_local``). ``grad_scale`` multiplies the weights' gradients
-    (expert parallel sets 1/ep: the experts' data-parallel group is ep times smaller than the
-    dense parameters', yet each expert's gradient holds the whole ep group's tokens).
-    """
-
-    def __init__(self, num_experts: int, dim: int, hidden_dim: int, grouped_mm: str = "auto") -> None:
-        super().__init__()
-        self.num_experts = num_experts
-        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
-        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
-        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
-        self.grouped_mm = grouped_mm
-        self.grad_scale = 1.0
-        self.group_multiple = 1  # > 1: grouped GEMMs over token groups padded to it (pad_token_groups)
-
-    def init_weights(self, init: ParamInit, prefix: str, std: float, out_std: float) -> None:
-        """Like ``FeedForward``: w1 truncated normal (std); w2/w3 depth-scaled ``out_std``."""
-        init.trunc_normal(f"{prefix}.w1", self.w1, std, 2.0)
-        init.trunc_normal(f"{prefix}.w2", self.w2, out_std, 2.0)
-        init.trunc_normal(f"{prefix}.w3", self.w3, out_std, 2.0)
-
-    def pad_token_groups(self, multiple: int) -> None:
-        """Low-precision experts (parallelisms/float8.py): always ``torch._grouped_mm``, each
-        expert's token group padded with zero rows to a multiple of ``multiple``."""
-        self.grouped_mm = "on"
-        self.group_multiple = multiple
-
-    def use_grouped_mm(self, x: Tensor) -> bool:
-        """``on``; ``off``; ``auto`` = CUDA with compute capability >= 9.0 and bf16 activations."""
-        if self.grouped_mm != "auto":
-            return self.grouped_mm == "on"
-        return (
-            x.is_cuda
-            and x.dtype == torch.bfloat16
-            and hasattr(torch, "_grouped_mm")
-            and torch.cuda.get_device_capability(x.device) >= (9, 0)
-        )
-
-    def forward(self, x: Tensor, counts: Tensor, host_counts: Optional[list[int]] = None) -> Tensor:
-        """``host_counts``: the same ``counts`` already on the host (a balanced routing knows them), so
-        that the padded path needs no host sync; None reads them from ``counts`` when needed."""
-        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))  # (E_l, F, H), (E_l, H, F), (E_l, F, H)
-        if self.grad_scale != 1.0:
-            w1, w2, w3 = (_ScaleGrad.apply(w, self.grad_scale) for w in (w1, w2, w3))
-        if self.group_multiple > 1:
-            return self._grouped_padded(x, counts, w1, w2, w3, self.group_multiple)
-        if self.use_grouped_mm(x):
-            return self._grouped(x, torch.cumsum(counts, dim=0, dtype=torch.int32), w1, w2, w3)
-        largest = max(host_counts, default=0) if host_counts is not None else None
-        return self._padded(x, counts, w1, w2, w3, largest)
-
-    @staticmethod
-    def _grouped(x: Tensor, offs: Tensor, w1: Tensor, w2: Tensor, w3: Tensor) -> Tensor:
-        """``offs`` (E_l,) int32: the end row of each expert's group."""
-        w1t, w2t, w3t = (w.transpose(-2, -1) for w in (w1, w2, w3))  # (E_l, H, F), (E_l, F, H)
-        h = F.silu(torch._grouped_mm(x, w1t, offs=offs)) * torch._grouped_mm(x, w3t, offs=offs)  # (N, F)
-        return torch._grouped_mm(h.contiguous(), w2t, offs=offs)  # (N, H)
-
-    @staticmethod
-    def _grouped_padded(
-        x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, multiple: int
-    ) -> Tensor:
-        """``_grouped`` over groups padded with zero rows to a multiple of ``multiple`` rows (what
-        torchao's float8 / MXFP8 grouped GEMMs require). The padded length is a static bound
-        (:func:`padded_group_rows`, no host sync); the slack joins the last group. Zero rows give
-        zero outputs (silu(0) * 0 = 0) and add nothing to the weight gradients; only the real rows
-        are gathered back."""
-        n, dim = x.shape
-        num_local = counts.numel()
-        total = padded_group_rows(n, num_local, multiple)
-        padded = (counts + (multiple - 1)) // multiple * multiple  # (E_l,)
-        ends = torch.cumsum(padded, 0)  # (E_l,) end row of each padded group
-        starts = torch.cumsum(counts, 0) - counts  # (E_l,) start row of each group in x
-        offs = torch.cat([ends[:-1], ends.new_full((1,), total)]).to(torch.int32)
-        expert = torch.repeat_interleave(
-            torch.arange(num_local, device=x.device), counts, output_size=n
-        )  # (N,)
-        dest = torch.arange(n, device=x.device) - starts[expert] + (ends - padded)[expert]  # (N,) padded row
-        batch = x.new_zeros(total, dim).index_put((dest,), x)  # (total, H)
-        return GroupedExperts._grouped(batch, offs, w1, w2, w3)[dest]  # (N, H)
-
-    @staticmethod
-    def _padded(
-        x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, largest: Optional[int] = None
-    ) -> Tensor:
-        """Batched fallback: scatter the groups into a zero-padded (E_l, C, H) batch (C = largest
-        group, ``largest`` when the caller knows it), three ``bmm``, gather the rows back. Padding
-        rows stay zero (silu(0) * 0 = 0)."""
-        n, dim = x.shape
-        num_local = counts.numel()
-        if largest is not None:
-            capacity = largest
-        else:
-            capacity = int(counts.max()) if n > 0 else 0  # one host sync per layer
-        starts = torch.cumsum(counts, 0) - counts  # (E_l,)
-        expert = torch.repeat_interleave(
-            torch.arange(num_local, device=x.device), counts, output_size=n
-        )  # (N,): n = counts.sum(), given so that no host sync is needed
-        pos = torch.arange(n, device=x.device) - starts[expert]  # (N,) row within its group
-        batch = x.new_zeros(num_local, capacity, dim).index_put((expert, pos), x)  # (E_l, C, H)
-        h = F.silu(torch.bmm(batch, w1.transpose(1, 2))) * torch.bmm(batch, w3.transpose(1, 2))  # (E_l, C, F)
-        y = torch.bmm(h, w2.transpose(1, 2))  # (E_l, C, H)
-        return y[expert, pos]  # (N, H)
 
 
 class AddAuxGrad(torch.autograd.Function):

@@ -10,7 +10,7 @@ from typing import Optional
 from models.attention import validate_attention_mask
 from models.errors import ConfigError
 from models.llama.model import LlamaArgs, _positive_int
-from models.moe.model import MoEArgs
+from models.moe.args import MoEArgs
 from models.qwen3_5.kernels import LINEAR_KERNELS
 
 __all__ = ["Qwen3NextArgs", "Qwen3_5Args", "Qwen3_5MoeArgs"]

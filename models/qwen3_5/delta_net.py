@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from models.attention import RecurrentCore, validate_attention_mask
 from models.common import ParamInit, RMSNorm
-from models.moe.model import _local
+from models.moe.experts import _local
 from models.qwen3_5.args import Qwen3_5Args
 from models.qwen3_5.delta_rule import (
     chunk_gated_delta_rule,

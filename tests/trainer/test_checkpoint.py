@@ -77,7 +77,7 @@ def test_marker_layout_names_ddp_options_exactly_when_ddp_runs(degrees: dict) ->
     """The marker's layout reads whether DDP runs from ``ParallelDims.ddp_enabled``, no copy of the rule."""
     from parallelisms.config import ParallelismConfig
     from parallelisms.parallel_dims import ParallelDims
-    from trainer.checkpoint.checkpointer import describe_layout
+    from trainer.checkpoint.contents import describe_layout
 
     dims = ParallelDims(**degrees, world_size=math.prod(degrees.values()))
     layout = describe_layout(dims, ParallelismConfig(**degrees))
@@ -121,7 +121,7 @@ def _train_runs(rank: int, world_size: int, tmp: str) -> None:
 def _full_model(trainer) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
-    from trainer.checkpoint.checkpointer import ModelState
+    from trainer.checkpoint.contents import ModelState
 
     sd = ModelState(trainer.model_parts).state_dict()
     return {

@@ -56,7 +56,7 @@ COMMON = ["checkpoint.interval=4", NO_CLIP]
 
 def _full_state(trainer) -> dict[str, torch.Tensor]:
     """Model + optimizer tensors of any layout, gathered to full form on every rank (collective)."""
-    from trainer.checkpoint.checkpointer import ModelState, OptimizerState
+    from trainer.checkpoint.contents import ModelState, OptimizerState
 
     parts = trainer.model_parts
     flat = {f"model.{k}": v for k, v in ModelState(parts).state_dict().items()}

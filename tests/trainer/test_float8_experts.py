@@ -22,7 +22,7 @@ import os
 import pytest
 import torch
 
-from models.moe.model import GroupedExperts
+from models.moe.experts import GroupedExperts
 from tests.configs import NO_CLIP, tiny_config
 from tests.parity import Case, GroupedRuns, assert_parity
 from tests.trainer.test_float8 import _plan

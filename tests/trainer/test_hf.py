@@ -241,7 +241,7 @@ def _load_38m(rank: int, world_size: int, tmp: str, hf_dir: str) -> dict:
     from torch.distributed.tensor import DTensor
 
     import trainer.checkpoint.hf
-    from trainer.checkpoint.checkpointer import ModelState
+    from trainer.checkpoint.contents import ModelState
     from trainer.train import Trainer
 
     out: dict = {}

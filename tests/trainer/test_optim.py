@@ -140,7 +140,7 @@ def test_muon_one_process_is_torch_muon_plus_adamw_bitwise(adjust_lr_fn: str) ->
 
 
 def test_owners_balance_newton_schulz_flops_within_candidates() -> None:
-    from trainer.optim.muon import assign_owners
+    from trainer.optim.muon_plan import assign_owners
 
     costs = [8, 7, 6, 5, 4, 3, 2, 1]
     owners = assign_owners(costs, [[0, 1, 2]] * 6 + [[1], [1]], 3)

@@ -35,7 +35,7 @@ RUN = ("checkpoint.enable=true", "training.steps=1", "model.n_layers=2", "traini
 
 def _save_and_size(rank: int, world_size: int, tmp: str) -> dict[str, dict[str, int]]:
     """In each rank: a real run ending with a checkpoint, then the footprint of that save's state."""
-    from trainer.checkpoint.checkpointer import completed_marker, peer_path
+    from trainer.checkpoint.contents import completed_marker, peer_path
     from trainer.checkpoint.footprint import save_footprint
     from trainer.checkpoint.storage import CheckpointWriter, step_dir
     from trainer.train import Trainer
@@ -116,7 +116,7 @@ def _rehearsed_save(cfg, world: int, rank: int):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from trainer.checkpoint.checkpointer import completed_marker, every_stage, peer_path
+    from trainer.checkpoint.contents import completed_marker, every_stage, peer_path
     from trainer.checkpoint.footprint import save_footprint
     from trainer.checkpoint.storage import CheckpointWriter, step_dir
     from trainer.rehearse import RehearsalTrainer

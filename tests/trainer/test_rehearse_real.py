@@ -119,7 +119,7 @@ def observe_plans(trainer: Any) -> dict[str, Any]:
     """Case setup, in every real rank before training: MoE layers set to route balanced
     (``_route_balanced``), the owner plans, and Muon's plan from the exchange of every rank's pieces
     (a collective: every rank builds it here)."""
-    from trainer.optim.muon import _Plan
+    from trainer.optim.muon_plan import _Plan
 
     _route_balanced(trainer)
     out = _owner_plans(trainer.optimizer)

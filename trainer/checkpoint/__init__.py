@@ -1,6 +1,8 @@
 """Checkpoints: everything that reads or writes the run's weights on disk.
 
 * :mod:`~trainer.checkpoint.checkpointer`: ``Checkpointer`` (DCP save/resume/reshard, async, purge);
+* :mod:`~trainer.checkpoint.contents`: what a save holds (the Stateful adapters, per-rank paths, the
+  marker's fields);
 * :mod:`~trainer.checkpoint.storage`: the on-disk layout (folders, marker, CRCs, atomic commit);
 * :mod:`~trainer.checkpoint.reader`: safe loading (allow-list unpickler for DCP metadata);
 * :mod:`~trainer.checkpoint.space`: disk-room checks and the disk-full error;

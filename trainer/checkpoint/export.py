@@ -77,7 +77,7 @@ def hf_sidecar(
     """(``meshwright.json`` contents, bos id, eos id, the run's tokenizer -- ``"byte"``, the
     tokenizer.json to ship, or None when that file is gone -- for ``write_tokenizer_files``) of a HF
     folder written from a run whose marker fields are ``info``
-    (``trainer.checkpoint.checkpointer.model_info``)."""
+    (``trainer.checkpoint.contents.model_info``)."""
     tokenizer = info.get("tokenizer", "byte")
     extra: dict[str, Any] = {"tokenizer": "byte", "model": info["model"], "step": step, "source": source}
     try:

@@ -2,7 +2,8 @@
 
 * :mod:`~trainer.data.documents` reads raw corpora in canonical order and splits them;
 * :mod:`~trainer.data.prepared` tokenizes a corpus once into flat token shards
-  (``python -m trainer.prepare_data``) and opens them;
+  (``python -m trainer.prepare_data``) and opens them; :mod:`~trainer.data.prepare_tasks` holds the
+  preparation's tasks and the workers that tokenize them;
 * :mod:`~trainer.data.windows` cuts a token store into windows and maps global sample
   indices to windows (epoch permutations, weighted mixtures);
 * :mod:`~trainer.data.loader` is the per-rank loader (state: global samples seen);

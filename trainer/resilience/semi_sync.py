@@ -470,7 +470,7 @@ class SemiSyncState:
     and the sync count."""
 
     def __init__(self, semi: SemiSync) -> None:
-        from trainer.checkpoint.checkpointer import OptimizerState
+        from trainer.checkpoint.contents import OptimizerState
 
         self.semi = semi
         self.outer = [OptimizerState([f], o) for f, o in zip(semi.fragments, semi.outer)]
