@@ -67,11 +67,6 @@ from trainer.optim.adamw import LRScale, impl_kwargs
 from trainer.optim.config import DEFAULT_NS_COEFFICIENTS
 from trainer.optim.muon_plan import _count, _local, _Plan, ns_flops
 
-# Read by the planner (trainer/planner/owners.py), which replays Muon's plan without a process group.
-from trainer.optim.muon_plan import _Unit as _Unit
-from trainer.optim.muon_plan import exchange_elements as exchange_elements
-from trainer.optim.muon_plan import plan_units as plan_units
-
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from torch.distributed.tensor import Placement
 
     from parallelisms.utils import Piece
-    from trainer.optim.muon import _Unit
+    from trainer.optim.muon_plan import _Unit
     from trainer.planner.context import PlanContext
 
 __all__ = ["MuonRank", "muon_ns_flops", "muon_rank", "zero1_optimizer_bytes", "zero1_segments"]
@@ -166,7 +166,7 @@ def _muon_units(c: PlanContext) -> list[_Unit]:
     from models.common import unwrapped_name
     from parallelisms.tensor_parallel import tp_kinds
     from parallelisms.utils import shard_piece
-    from trainer.optim.muon import plan_units
+    from trainer.optim.muon_plan import plan_units
 
     model = c.table.model
     assert model is not None
@@ -200,7 +200,7 @@ def _muon_units(c: PlanContext) -> list[_Unit]:
 def muon_rank(c: PlanContext, rank: int) -> MuonRank:
     """Muon's per-rank figures for global ``rank`` (every rank of the world group holds the pieces
     the layout gives it)."""
-    from trainer.optim.muon import exchange_elements
+    from trainer.optim.muon_plan import exchange_elements
 
     to_owners, to_holders = exchange_elements(_muon_units(c), rank)
     return MuonRank(momentum=to_owners, to_owners=to_owners, to_holders=to_holders)
