@@ -211,7 +211,7 @@ def main() -> None:
     if torchrun:
         import torch.distributed as dist
 
-        from trainer.train import resolve_device
+        from trainer.train_build import resolve_device
 
         device = resolve_device(args.device, int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")  # shared by every layout

@@ -9,7 +9,6 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -17,24 +16,17 @@ import torch.distributed as dist
 from torch import nn
 
 from models import get_spec
-from models.common import OutputHead
-from models.cpu_gemm import resolve_cpu_gemm, use_onednn_linears
-from models.errors import ConfigError
+from models.cpu_gemm import resolve_cpu_gemm
 from parallelisms.float8 import Float8Plan, plan_float8
-from parallelisms.parallel_dims import MESH_DIM_NAMES
-from parallelisms.parallelize import PartOptions, model_parts, parallelize, parallelize_pipeline
 from parallelisms.utils import clip_grad_norm_, complete_partial_grads, copy_full_into
 from parallelisms.validate import validated_dims
 from trainer.checkpoint.checkpointer import Checkpointer, describe_layout, model_info
 from trainer.checkpoint.seed import seed_parallelism, validate_checkpoint_config
 from trainer.config import CheckpointConfig, TrainConfig, to_yaml
-from trainer.data import DataLoader, build_dataloader
+from trainer.data import DataLoader
 from trainer.data.step_shape import StepShape
-from trainer.data.tokenizer import build_tokenizer, check_vocab_size
-from trainer.eval.config import validation_sources
-from trainer.eval.evaluator import TaskEvaluator, TaskResult
+from trainer.eval.evaluator import TaskResult
 from trainer.eval.scoring import ROW_STATS, row_stats
-from trainer.eval.validation import build_validation_loaders
 from trainer.hooks import HookContext, build_step_hooks
 from trainer.observe.metrics import MetricsLogger, setup_logging
 from trainer.observe.profiling import StepProfiler
@@ -47,15 +39,22 @@ from trainer.resilience.fault_tolerance import (
 )
 from trainer.resilience.guards import install_test_nan_hook, non_finite_message
 from trainer.resilience.preemption import PreemptionHandler
-from trainer.resilience.watchdog import CommMonitor, configure_flight_recorder
+from trainer.resilience.watchdog import CommMonitor
 from trainer.stability import SpikeWindow
 from trainer.step import (
     StepBatch,
-    StepContext,
     StepState,
-    TokenLoss,
     count_targets,
     document_positions,
+)
+from trainer.train_build import (
+    build_model,
+    check_memory,
+    defer_heads,
+    init_process_group,
+    load_data,
+    log_summary,
+    resolve_device,
 )
 
 if TYPE_CHECKING:  # imported when pp > 1 (torch.distributed.pipelining costs ~1 s to import)
@@ -82,16 +81,6 @@ class TrainState:
 
 def _env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
-
-
-def resolve_device(kind: str, local_rank: int) -> torch.device:
-    """The device this rank computes on."""
-    if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise ConfigError("training.device=cuda but no CUDA device is visible; use training.device=cpu.")
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 class Trainer:
@@ -167,89 +156,20 @@ class Trainer:
         )
         self.step_shape = StepShape(t, self.batch_size, self.dims.dp, divisor)
         if not cfg.checkpoint.create_seed:  # metrics.memory_check: will this layout fit on this host?
-            self._check_memory()
+            check_memory(cfg, self.parallelism, self.dims, self.device)
         self._load_data()
 
     def _load_data(self) -> None:
         """The tokenizer and the loaders: training, validation, named validation sets and tasks
-        (a rehearsal, ``trainer/rehearse.py``, replaces them with synthetic batches of the same shapes)."""
-        cfg, t = self.cfg, self.cfg.training
-        self.tokenizer = build_tokenizer(cfg.data.tokenizer)
-        check_vocab_size(self.tokenizer, cfg.model.vocab_size)
-        dp_rank = self.dims.dp_rank_of(self.rank)  # the mesh confirms it once built
-        self.train_loader = build_dataloader(
-            cfg.data,
-            self.tokenizer,
-            split="train",
-            seq_len=t.seq_len,
-            global_batch_size=self.batch_size,
-            dp_rank=dp_rank,
-            dp_size=self.dims.dp,
-            seed=t.seed,
-            ramp=self.step_shape.ramp,
-        )
-        self.val_loader: Optional[DataLoader] = None
-        if t.eval_freq > 0:
-            self.val_loader = build_dataloader(
-                cfg.data,
-                self.tokenizer,
-                split="validation",
-                seq_len=t.seq_len,
-                global_batch_size=t.micro_batch_size * self.dims.dp,
-                dp_rank=dp_rank,
-                dp_size=self.dims.dp,
-                seed=t.seed,
-            )
-        # Named validation sets (eval.validation), each its own loss, at the same steps.
-        self.named_val_loaders = (
-            build_validation_loaders(
-                validation_sources(cfg.eval),
-                cfg.data,
-                self.tokenizer,
-                seq_len=t.seq_len,
-                batch_size=t.micro_batch_size * self.dims.dp,
-                dp_rank=dp_rank,
-                dp_size=self.dims.dp,
-                seed=t.seed,
-                default_steps=t.eval_steps,
-            )
-            if t.eval_freq > 0
-            else {}
-        )
-        # Downstream tasks (eval.tasks): read and tokenized here, so a bad file fails on every rank.
-        # Rows are padded to a multiple of what context / sequence parallelism split.
-        align = self.dims.seq_len_divisor(cfg.parallelism.cp_load_balance, cfg.parallelism.sequence_parallel)
-        self.task_evaluator = TaskEvaluator.build(
-            cfg.eval, self.tokenizer, max_seq_len=cfg.model.max_seq_len, align=align, default_freq=t.eval_freq
-        )
-
-    def _check_memory(self) -> None:
-        """Plan this layout in-process (trainer/planner/fit.py) and stop (exit 2), or warn, before any
-        collective when a rank needs more than its GPU or its share of the host RAM."""
-        import dataclasses
-
-        from trainer.planner.fit import run_check
-
-        resolved = dataclasses.replace(self.parallelism, dp_shard=self.dims.dp_shard)  # dp_shard=-1 resolved
-        cfg = dataclasses.replace(self.cfg, parallelism=resolved)
-        result = run_check(cfg, self.device, logger.warning, dims=self.dims)  # the layout validated once
-        if result is not None and result.fits:
-            logger.info(f"memory check: the plan needs {result.need_bytes / 2**30:.2f} GiB per rank (fits)")
+        (``trainer/train_build.py``; a rehearsal, ``trainer/rehearse_trainer.py``, replaces them with
+        synthetic batches of the same shapes)."""
+        data = load_data(self.cfg, self.dims, self.rank, self.batch_size, self.step_shape.ramp)
+        self.tokenizer, self.train_loader = data.tokenizer, data.train_loader
+        self.val_loader: Optional[DataLoader] = data.val_loader
+        self.named_val_loaders, self.task_evaluator = data.named_val_loaders, data.task_evaluator
 
     def _init_process_group(self) -> None:
-        cfg = self.cfg
-        if cfg.training.deterministic:
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.use_deterministic_algorithms(True)
-        self._owns_process_group = not dist.is_initialized()
-        if self._owns_process_group:
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
-            # before any group exists: the flight recorder reads its settings at group creation
-            configure_flight_recorder(cfg.job.dump_folder, cfg.comm.trace_buffer_size)
-            if "MASTER_ADDR" in os.environ:
-                dist.init_process_group(backend, timeout=timedelta(seconds=cfg.comm.init_timeout_s))
-            else:  # plain `python trainer/main.py`: a one-process group, no network
-                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        self._owns_process_group = init_process_group(self.cfg, self.device)  # trainer/train_build.py
         self.dims.build_mesh(self.device.type)
         torch.manual_seed(self.cfg.training.seed)
 
@@ -317,84 +237,24 @@ class Trainer:
         )
 
     def _build_model(self) -> dict[str, torch.Size]:
-        """Returns the full (unsharded) shapes of the model's state, for the checkpointer."""
-        cfg, t, p = self.cfg, self.cfg.training, self.parallelism
-        with torch.device("meta"):
-            model = self.spec.build(cfg.model)
-        if resolve_cpu_gemm(
-            t.cpu_gemm, self.device.type
-        ):  # before the wrappers: float8 / TP / FSDP see ordinary nn.Linear subclasses
-            logger.info("training.cpu_gemm: %d linears run oneDNN's fp32 GEMMs", use_onednn_linears(model))
-        full_shapes = {k: v.shape for k, v in model.state_dict().items()}  # before any wrapper renames
-        options = PartOptions(
-            device=self.device,
+        """This rank's parallelised model (``trainer/train_build.py``); returns the full (unsharded)
+        shapes of the model's state, for the checkpointer."""
+        built = build_model(
+            self.cfg,
+            self.spec,
+            self.dims,
+            self.parallelism,
+            self.device,
             init_weights=self._init_weights,
-            activation_checkpoint=t.activation_checkpoint,
-            ac_selective=t.ac_selective,
-            ac_layer_interval=t.ac_layer_interval,
-            compile=t.compile,
-            attention_mask=self.attention_mask,
-            replica_reducer=self.ft.replica_reducer if self.ft is not None else None,
             float8=self.float8,
+            replica_reducer=self.ft.replica_reducer if self.ft is not None else None,
+            attention_mask=self.attention_mask,
+            local_batch_size=self.local_batch_size,
         )
-        self.step_context = StepContext(
-            device_type=self.device.type,
-            autocast_dtype=torch.bfloat16 if t.mixed_precision == "bf16" else None,
-            loss_parallel=self.dims.tp > 1 and p.loss_parallel,
-            loss=TokenLoss(t.z_loss_weight),
-        )
-        if self.dims.cp > 1:
-            # Context parallel: every batch is cut to this rank's (head-tail) share of each
-            # sequence, and ring attention (cp_impl=ring) enters with the step.
-            from parallelisms.context_parallel import cp_batch_sharder, cp_contexts
-
-            cp_mesh = self.dims.cp_mesh
-            self.step_context.batch_sharder = cp_batch_sharder(cp_mesh, p.cp_load_balance)
-            self.step_context.extra.extend(
-                cp_contexts(cp_mesh, impl=p.cp_impl, load_balance=p.cp_load_balance)
-            )
-        # ``model`` runs the step: the module (DDP-wrapped when replicated) or, under PP, this
-        # rank's Pipeline (its stages + the schedule). ``model_parts``: the unwrapped modules (one
-        # without PP, this rank's stages with PP) that everything else takes: train/eval mode,
-        # the optimizer, gradient clipping, the load balancer and the checkpointer.
-        self.pipeline: Optional[Pipeline] = None
-        if self.dims.pp > 1:
-            self.pipeline = parallelize_pipeline(
-                model,
-                self.spec,
-                self.dims,
-                p,
-                options,
-                micro_batch_size=t.micro_batch_size,
-                local_batch_size=self.local_batch_size,
-                seq_len=t.seq_len,
-                autocast_dtype=self.step_context.autocast_dtype,
-                loss_fn=self.step_context.loss,
-                step_context=self.step_context,
-            )
-            self.model = self.pipeline
-        else:
-            self.model = parallelize(model, self.spec, self.dims, p, options)
-        self.model_parts = model_parts(self.model)
-        if t.loss_chunk_size > 0:  # the loss runs the (deferred) head chunk by chunk: no (B, S, V) logits
-            # one head per rank (DeepSeek-V3's MTP shares it); None: a pipeline stage without the head
-            head = next(
-                (m for part in self.model_parts for m in part.modules() if isinstance(m, OutputHead)), None
-            )
-            self.step_context.loss.chunk_size = t.loss_chunk_size
-            self.step_context.loss.head = head
-            self._defer_heads(True)
-        self._train_mode(True)
-        # Every parameter of this rank's parts, each once: what the optimizer, clipping and the ledger see.
-        self.parameters = list(dict.fromkeys(p for part in self.model_parts for p in part.parameters()))
-        return full_shapes
-
-    def _defer_heads(self, deferred: bool) -> None:
-        """``training.loss_chunk_size``: the models return hidden states for the chunked loss (True) or
-        logits (False: task evaluation scores the logits themselves)."""
-        head = self.step_context.loss.head
-        if isinstance(head, OutputHead):
-            head.deferred = deferred
+        self.step_context, self.model = built.step_context, built.model
+        self.pipeline: Optional[Pipeline] = built.pipeline
+        self.model_parts, self.parameters = built.model_parts, built.parameters
+        return built.full_shapes
 
     def _init_weights(self, model: nn.Module) -> None:
         """The deterministic initialisation of a materialised part (the same weights under any layout)."""
@@ -433,7 +293,7 @@ class Trainer:
 
     def _make_checkpointer(self, ckpt: CheckpointConfig, full_shapes: dict[str, torch.Size]) -> Checkpointer:
         """The run's ``Checkpointer`` under the checkpoint options ``ckpt`` (a rehearsal builds it with
-        the options that need peers off, ``trainer/rehearse.py``)."""
+        the options that need peers off, ``trainer/rehearse_trainer.py``)."""
         cfg = self.cfg
         extra: dict[str, Stateful] = {"spike": self.state.spike} if self.state.spike is not None else {}
         own_root = self.ft.checkpoint_root if self.ft is not None else None  # semi_sync: per group
@@ -499,32 +359,15 @@ class Trainer:
         )
 
     def _log_summary(self) -> None:
-        cfg, t, d = self.cfg, self.cfg.training, self.dims
         accumulation = (
             f"{self.pipeline.n_microbatches} pipeline microbatches ({self.parallelism.pp_schedule})"
             if self.pipeline is not None
             else f"grad accumulation {self.grad_accum_steps}"
         )
-        counts = self.spec.param_counts(cfg.model)
-        active = f" ({counts.active / 1e6:.2f}M active)" if counts.active != counts.total else ""
-        degrees = " x ".join(f"{name} {getattr(d, name)}" for name in MESH_DIM_NAMES)  # the mesh's order
-        logger.info(
-            f"model {cfg.model.name} ({self.spec.family}): {counts.total / 1e6:.2f}M params{active} | world "
-            f"{self.world_size} = {degrees} | global batch "
-            f"{t.global_batch_size} x {t.seq_len} tokens, micro batch "
-            f"{t.micro_batch_size}, {accumulation} | device {self.device}"
+        f8 = log_summary(
+            self.cfg, self.spec, self.dims, self.world_size, self.device, accumulation, self.float8
         )
-        if (
-            self.float8 is not None
-        ):  # training.float8: which linears run in float8 (also metrics.jsonl's header)
-            f8 = self.float8.summary()
-            logger.info(
-                f"float8 {f8['recipe']} (emulate={f8['emulate']}, fsdp_float8_all_gather="
-                f"{f8['fsdp_float8_all_gather']}): {f8['converted']} linears converted: "
-                + ", ".join(self.float8.linears)
-                + (f"; {f8['experts_converted']} stacked experts: " + ", ".join(self.float8.experts))
-                * bool(self.float8.experts)
-            )
+        if f8 is not None:  # training.float8: which linears run in float8, also metrics.jsonl's header
             self.metrics.write_header(self.state.step, {"float8": f8})
 
     # -- helpers --------------------------------------------------------------------
@@ -671,11 +514,12 @@ class Trainer:
         """Per-row task statistics (``trainer.eval.scoring.ROW_STATS``) of one (B, S) batch: this
         rank's share (its context-parallel shard), on every pp rank."""
         batch = self.step_context.shard_batch(StepBatch(inputs, labels))
-        self._defer_heads(False)  # row statistics read the logits (no backward: memory as evaluation's)
+        # row statistics read the logits (no backward: memory as evaluation's)
+        defer_heads(self.step_context.loss, False)
         try:
             return self._row_stats_of(batch)
         finally:
-            self._defer_heads(self.cfg.training.loss_chunk_size > 0)
+            defer_heads(self.step_context.loss, self.cfg.training.loss_chunk_size > 0)
 
     def _row_stats_of(self, batch: StepBatch) -> torch.Tensor:
         if self.pipeline is not None:

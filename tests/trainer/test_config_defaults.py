@@ -1,8 +1,8 @@
-"""Config defaults are stated twice, in the dataclass schemas (trainer/config.py, parallelisms/config.py,
-trainer/eval/config.py) and in the YAML group files (configs/): what a user gets is the YAML, what code
-that builds a config without Hydra gets is the dataclass. Every key a group file sets must agree with
-the dataclass default, except the settings that are the point of a non-default option (listed below,
-short and explicit).
+"""Config defaults are stated twice, in the dataclass schemas (trainer/config_schema.py,
+parallelisms/config.py, trainer/eval/config.py) and in the YAML group files (configs/): what a user gets
+is the YAML, what code that builds a config without Hydra gets is the dataclass. Every key a group file
+sets must agree with the dataclass default, except the settings that are the point of a non-default
+option (listed below, short and explicit).
 
 Not checked here: model presets and experiments (they choose their values on purpose; each family's
 args dataclass is only a schema for them), and the cluster group's machine presets other than the

@@ -119,8 +119,8 @@ def _rehearsed_save(cfg, world: int, rank: int):
     from trainer.checkpoint.contents import completed_marker, every_stage, peer_path
     from trainer.checkpoint.footprint import save_footprint
     from trainer.checkpoint.storage import CheckpointWriter, step_dir
-    from trainer.rehearse import RehearsalTrainer
     from trainer.rehearse_trace import forget_meshes
+    from trainer.rehearse_trainer import RehearsalTrainer
 
     saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0")
