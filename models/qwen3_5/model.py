@@ -346,13 +346,23 @@ def delta_net_saved(args: Qwen3_5Args, layout: BlockLayout) -> dict[str, float]:
       (twice), k * beta, the chunks' q * read decay (not the first: its state is a constant zero) and
       k * write decay; padded (``F.pad`` makes them contiguous), the chunk slices are views and two
       copies remain (measured: one per intra-chunk product);
+    - under bf16 autocast over an fp32 stream (``layout.cast_each``) the rule's batched matmuls run in
+      bf16 and save a bf16 cast of each operand whose partner needs a gradient, padded or not, instead
+      of the fp32 copies: k * beta, k^T, q, k^T (intra-chunk), and per chunk q * read decay and W (not
+      the first chunk's: its state is a constant zero), k * write decay^T, U twice (the output and the
+      state update cast it anew), the masked scores (C x C) and the state twice (dk x dv); K_beta K^T
+      and Q K^T come out in bf16; the fp32 state itself is still saved (the decay's product), while the
+      fp32 U and masked scores are not; the elementwise terms and the solve stay fp32;
     - the gated head norm and output: the rule's output in fp32 (its storage itself when fp32), the
       rsqrt per value head, the normalised heads (compute dtype), the norm's output and z in fp32,
       silu(z), and the output projection's input (compute dtype).
 
     Heads split by tp (column-parallel projections). Under CP (``layout.cp``: each rank a contiguous
-    slice of S / cp tokens) the two-pass form adds ``delta_cp_handoff`` (below). Document restarts
-    (``block_causal``) add per-chunk masks not counted."""
+    slice of S / cp tokens) the two-pass form adds ``delta_cp_handoff`` (``_delta_cp_handoff``).
+    Document restarts (``block_causal``) add per-chunk masks not counted. Not yet right: autocast over
+    bf16 FSDP parameters (``cast_each`` false) is planned with the fp32 matmul terms, though the rule's
+    matmuls run in bf16 there as well (``BlockLayout`` does not say whether autocast is on; rehearsed
+    saved activations 0.912 of the plan on qwen3_5_debug)."""
     cb, tp = layout.compute, layout.tp
     nk, nv = args.linear_num_key_heads / tp, args.linear_num_value_heads / tp
     dk, dv, C, K = (
@@ -367,8 +377,6 @@ def delta_net_saved(args: Qwen3_5Args, layout: BlockLayout) -> dict[str, float]:
     r = n * C / S
     padded = n * C != S
     fp32_views = cb == 4 and not padded  # the rule's v / beta are the projections' own tensors
-    # strided operands copied by the batched matmuls, and the scan's q * read decay, k * write decay
-    copies = 4 * nv * dk * r * 2 if padded else 4 * nv * dk * (4 + (n - 1) / n + 1)
     terms = {
         "delta_conv_inputs": cb * (2 * kd + vd) * (S + K - 1) / S,
         "delta_conv_outputs": cb * (2 * kd + vd),
@@ -376,25 +384,56 @@ def delta_net_saved(args: Qwen3_5Args, layout: BlockLayout) -> dict[str, float]:
         "delta_qk_l2norm": 4 * 2 * kd + 4 * 2 * nk,
         "delta_values": 4 * vd * r,
         "delta_qk_heads": 3 * 4 * nv * dk * r,
-        "delta_matmul_copies": copies,
-        "delta_chunk_matrices": 6 * 4 * nv * C * r,
+        **_delta_rule_matmuls(nv, dk, dv, C, n, S, layout.cast_each),
         "delta_decays": 2 * 4 * nv * r + 4 * nv * r / C,
         "delta_solved": 4 * nv * (dk + dv) * r,
-        "delta_scan": 4 * nv * r * (dk * dv / C + dv),
         "delta_out": 4 * vd * (r if cb == 4 else 1) + 4 * nv + cb * vd + 3 * 4 * vd + cb * vd,
     }
-    cp = layout.cp
-    if cp > 1:  # the two-pass hand-off (DeltaRuleCore with a StateHandoff), per sequence, over S tokens
-        # state_transition: per chunk the contiguous copies of k * write decay for its two products
-        # (dk x C each), the state part S entering it (dk x dv), and after the first chunk the
-        # transition A and the product M so far (dk x dk each); the scan's first chunk now reads a
-        # state with a gradient: its q * read decay copy (C x dk)
-        transition = 2 * n * dk * C + n * dk * dv + 2 * (n - 1) * dk * dk + C * dk
-        # the hand-off: rank j > 0 folds the gathered (M, S) of the ranks before it (keeping the
-        # gathered tensor and j states): planned as the mean over the cp ranks
-        gathered = (cp - 1) / 2 * dk * dv + (cp - 1) * dk * (dk + dv)
-        terms["delta_cp_handoff"] = 4 * nv * (transition + gathered) / S
+    if layout.cp > 1:
+        terms["delta_cp_handoff"] = _delta_cp_handoff(nv, dk, dv, C, n, S, layout.cp, layout.cast_each)
     return terms
+
+
+def _delta_rule_matmuls(nv: float, dk: int, dv: int, C: int, n: int, S: int, lp: bool) -> dict[str, float]:
+    """``delta_net_saved``'s terms of the rule's batched matmuls per local token (``nv`` local value
+    heads, ``n`` chunks of ``C`` over ``S`` tokens; ``lp``: under bf16 autocast, ``layout.cast_each``)."""
+    r, padded = n * C / S, n * C != S
+    later = (n - 1) / n  # the chunks after the first (whose incoming state is a constant zero)
+    if lp:  # bf16 casts (per token: 2 nv d r for a C x d operand): 4 intra-chunk, q * read decay and W
+        # after the first chunk, k * write decay
+        copies = 2 * nv * dk * r * (4 + 2 * later + 1)
+    else:  # fp32 contiguous copies of strided operands, and the scan's q * read decay, k * write decay
+        copies = 4 * nv * dk * r * 2 if padded else 4 * nv * dk * (4 + later + 1)
+    # per chunk the fp32 state entering it (dk x dv) and U (C x dv); under autocast U's two bf16 casts
+    # and the state's two bf16 casts instead of the fp32 U
+    scan = nv * r * ((4 + 2 * 2) * dk * dv / C + 2 * 2 * dv) if lp else 4 * nv * r * (dk * dv / C + dv)
+    return {
+        "delta_matmul_copies": copies,
+        # fp32 decay masks and I + A; K_beta K^T, Q K^T and the masked scores (the scan's per-chunk
+        # casts) in bf16 under autocast
+        "delta_chunk_matrices": (3 * 4 + 3 * 2 if lp else 6 * 4) * nv * C * r,
+        "delta_scan": scan,
+    }
+
+
+def _delta_cp_handoff(nv: float, dk: int, dv: int, C: int, n: int, S: int, cp: int, lp: bool) -> float:
+    """``delta_net_saved``'s two-pass hand-off term under CP (DeltaRuleCore with a StateHandoff) per local
+    token, arguments as ``_delta_rule_matmuls``; per sequence over its S local tokens."""
+    if lp:  # under autocast, in bf16 casts (bytes, per sequence and value head): per chunk k * write
+        # decay^T twice, W, U0 (C x dk or dv), the state part S (dk x dv) and the product M so far
+        # (dk x dk), after the first chunk A twice; the scan's first chunk casts q * read decay and W;
+        # the fold casts each M and state it multiplies (not the gathered tensor), the mean over ranks
+        transition = 2 * (n * C * (3 * dk + dv) + n * dk * (dk + dv) + 2 * (n - 1) * dk * dk + 2 * C * dk)
+        return nv * (transition + (cp - 1) / 2 * 2 * dk * (dk + dv)) / S
+    # state_transition: per chunk the contiguous copies of k * write decay for its two products
+    # (dk x C each), the state part S entering it (dk x dv), and after the first chunk the
+    # transition A and the product M so far (dk x dk each); the scan's first chunk now reads a
+    # state with a gradient: its q * read decay copy (C x dk)
+    transition_elements = 2 * n * dk * C + n * dk * dv + 2 * (n - 1) * dk * dk + C * dk
+    # the hand-off: rank j > 0 folds the gathered (M, S) of the ranks before it (keeping the
+    # gathered tensor and j states): planned as the mean over the cp ranks
+    gathered = (cp - 1) / 2 * dk * dv + (cp - 1) * dk * (dk + dv)
+    return 4 * nv * (transition_elements + gathered) / S
 
 
 def delta_net_handoff(args: Qwen3_5Args, compute: int) -> list[tuple[str, float]]:

@@ -2,14 +2,18 @@
 ``delta_net_handoff``) against what runs: the memory ledger's bytes saved by each block of a real
 training (Gated DeltaNet blocks and the gated full-attention block: fp32 DDP, bf16 FSDP parameters
 with a padded last chunk, TP + SP, CP) and the communication ledger's context-parallel hand-off (one
-all-gather per conv tail and one of the state transition per DeltaNet layer), each within 5%."""
+all-gather per conv tail and one of the state transition per DeltaNet layer), each within 5%; and the
+rehearsal (``python -m trainer.rehearse``) under bf16 autocast over fp32 weights."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
 from tests.configs import tiny_config
 from tests.parity import Case, GroupedRuns
+from trainer import rehearse
 from trainer.planner.cluster import compose_cluster
 from trainer.planner.compare import compare_with_ledger
 from trainer.planner.context import build_context
@@ -110,3 +114,19 @@ def test_collectives_match_plan(layout: str, runs: dict) -> None:
             assert abs(r["ratio"] - 1) <= TOLERANCE, r
         else:
             assert abs(r["measured"] - r["planned"]) < 1e-3 * total[r["rank"]], r
+
+
+@pytest.mark.parametrize("model", ["qwen3_5_debug", "qwen3_5_moe_debug"])
+def test_rehearsal_under_bf16_autocast_matches_plan(model: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """bf16 autocast over fp32 weights (``layout.cast_each``): the chunked delta rule's batched matmuls
+    run in bf16 and save bf16 casts of their operands (``delta_net_saved``). Saved activations
+    rehearsed / planned before the fix 0.923 (qwen3_5_debug) and 0.937 (qwen3_5_moe_debug), after
+    0.996 and 0.997: every checked row within 5% (``rehearse.main`` returns 0), saved activations
+    within 2%."""
+    args = ["+experiment=debug", f"model={model}", "training.mixed_precision=bf16", "--ranks=0", "--json"]
+    rc = rehearse.main(args)
+    report = json.loads(capsys.readouterr().out)
+    rows = {r["what"]: r for r in report["ranks"][0]["rows"]}
+    assert rc == 0, [r for r in rows.values() if r["checked"] and abs(r["ratio"] - 1) > rehearse.TOLERANCE]
+    saved = rows["activations saved (end of forward)"]
+    assert abs(saved["ratio"] - 1) <= 0.02, saved
