@@ -46,12 +46,22 @@ def test_interleaved_order_comes_from_torchs_schedule() -> None:
 
 
 def test_the_walk_holds_unsharded_gradients_from_a_stages_first_backward_to_its_last() -> None:
-    stage = StageBytes(micro=10.0, unsharded_grads=100.0, grad_transient=1.0, sharded_grads=5.0, gathered=0.0)
+    stage = StageBytes(
+        micro=10.0,
+        unsharded_grads=100.0,
+        grad_transient=1.0,
+        sharded_grads=5.0,
+        gathered=0.0,
+        plain_transient=3.0,
+    )
     actions = schedule_actions(_context("1F1B", 4, 6), 0)  # 4 in flight on the first stage
     walk = walk_schedule(actions, [stage], recompute=2.0, fsdp=True)
     assert walk.flight == [4] and walk.saved_peak == 40.0
     # a steady-state backward: 4 microbatches saved, the accumulated unsharded gradients, one block
     # recomputed with its unit's gradient
     assert walk.peak == pytest.approx(40.0 + 100.0 + 1.0 + 2.0)
-    # without FSDP the stage's own gradients are held from its first backward instead
-    assert walk_schedule(actions, [stage], recompute=2.0, fsdp=False).peak == pytest.approx(40.0 + 5.0 + 2.0)
+    # without FSDP the stage's own gradients are held from its first backward instead, and the blocks'
+    # backward holds its own temporaries (the feed-forward's activation gradients) beyond them
+    assert walk_schedule(actions, [stage], recompute=2.0, fsdp=False).peak == pytest.approx(
+        40.0 + 5.0 + 3.0 + 2.0
+    )

@@ -402,6 +402,22 @@ def _casts_transient(c: PlanContext, block: int) -> float:
     return converted_backward_transient(c, block, ffn)
 
 
+def _plain_backward_transient(c: PlanContext, block: int) -> float:
+    """Without FSDP, what block ``block``'s backward holds beyond its saved bytes and the held
+    gradients at its worst instant, in its dense SwiGLU feed-forward (the rehearsed peak of a pipeline
+    stage without FSDP; ``debug`` pp=2 rank 0: 1.109 of the plan without it): the output projection's
+    backward makes its input's gradient (tokens x hidden/tp, compute dtype) and its weight's (fp32,
+    then accumulated), beside the float8 casts (``_casts_transient``); the gate product's backward
+    then makes both factors' gradients while the product's is live and the product itself (w2's saved
+    input) is freed: two (tokens x hidden/tp) tensors. An MoE block's: its casts only."""
+    casts = _casts_transient(c, block)
+    if block in c.table.moe_layers:
+        return casts
+    hidden = c.terms.ffn_hidden_dim / c.dims.tp
+    act = c.micro_tokens * hidden * dtype_policy(c).compute
+    return max(2 * act, act + 4.0 * hidden * c.cfg.model.dim + casts)
+
+
 def _stage_bytes(c: PlanContext, pp_rank: int, st: PlannedStage) -> StageBytes:
     dims = c.dims
     units = _stage_units(c, st)
@@ -414,7 +430,8 @@ def _stage_bytes(c: PlanContext, pp_rank: int, st: PlannedStage) -> StageBytes:
     return StageBytes(
         micro=sum(saved.values()) - saved["weight_copies"] + output,
         once=saved["weight_copies"],
-        head=saved["head"] + saved["loss"] + saved.get("mtp", 0.0) + output if st.last else 0.0,
+        # the stage's output (the logits) is not: torch's stage holds it until the backward returns
+        head=saved["head"] + saved["loss"] + saved.get("mtp", 0.0) if st.last else 0.0,
         loss_transient=loss_backward_bytes(c, pp_rank) if st.last else 0.0,
         unsharded_grads=sum(g for _, g in units) * c.sync_bytes if fsdp else 0.0,
         grad_transient=max((g for _, g in units[: len(st.blocks)]), default=0.0) * c.param_gather_bytes,
@@ -422,6 +439,10 @@ def _stage_bytes(c: PlanContext, pp_rank: int, st: PlannedStage) -> StageBytes:
         sharded_grads=grads_b,
         gathered=local * c.param_gather_bytes if fsdp and not c.reshard_after_forward else 0.0,
         matmul_transient=_casts_transient(c, st.blocks[-1]) if st.blocks else 0.0,
+        # on the last stage the blocks' output gradient is the head's backward's, not a receive buffer
+        plain_transient=_plain_backward_transient(c, st.blocks[-1]) + (_boundary_bytes(c) if st.last else 0.0)
+        if st.blocks
+        else 0.0,
     )
 
 

@@ -13,12 +13,19 @@ then live are summed, so the peak is an instant of the schedule, not a sum of ea
   vocab-sharded embedding's comes back replicated over tp (torch's embedding backward), so its
   accumulated gradient is the whole table's. Each backward also makes one unit's gradient in the
   parameter dtype before it is accumulated (the largest unit's is counted);
+- without FSDP a stage's gradients are held from its first backward on, and the last block's backward
+  holds its feed-forward's activation gradients beyond its saved bytes (the gate product's backward:
+  two tokens x hidden tensors; the output projection's: its input's and weight's gradients and the
+  float8 casts), and on the last stage the blocks' output gradient, made by the head's backward;
 - a backward under full activation checkpointing recomputes one block; on the last stage it starts
-  with the loss's backward (two fp32 tokens x vocab gradients) while everything saved is still live.
+  with the loss's backward (two fp32 tokens x vocab gradients) while everything saved is still live;
+  the stage's output (the logits) is held until the backward returns (torch's stage keeps it).
 
 Measured against the rehearsal's ``MemTracker`` (``python -m trainer.rehearse``): 405b_4d (32 blocks,
 16 microbatches) rank 0 peaked in its first stage's backward at 19.7 GB, 8.4 GB of it the
-embedding's accumulated fp32 gradient (the plan without this walk: 11.9 GB).
+embedding's accumulated fp32 gradient (the plan without this walk: 11.9 GB). Without FSDP (``debug``,
+2 blocks, pp=2) rank 0 peaked in its block's gate-product backward, 1.109 of the plan without the
+activation gradients, 1.004 with them.
 """
 
 from __future__ import annotations
@@ -77,6 +84,9 @@ class StageBytes:
     root_transient: float = 0.0  # FSDP: the embedding's or the head's gradient in the parameter dtype,
     # made outside the blocks' backward (no block is recomputed then)
     matmul_transient: float = 0.0  # a float8 linear's casts in its backward (planner/low_precision.py)
+    # without FSDP: the last block's backward beyond its saved bytes (its feed-forward's activation
+    # gradients, a weight's gradient before it is accumulated, the casts: memory.py)
+    plain_transient: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -114,13 +124,14 @@ def walk_schedule(
         if backwards[s] == 0:
             grads += stages[s].unsharded_grads if fsdp else stages[s].sharded_grads
         st = stages[s]
-        transient = st.grad_transient if fsdp else 0.0
+        transient = st.grad_transient + st.matmul_transient if fsdp else st.plain_transient
         # two instants of a backward: the loss's (everything saved still live), then the blocks' (the
-        # head's and the loss's bytes freed; one block recomputed, one unit's gradient made)
+        # head's and the loss's bytes freed; one block recomputed; under FSDP one unit's gradient made,
+        # without it the feed-forward's activation gradients)
         peak = max(
             peak,
             saved + grads + max(st.loss_transient, st.root_transient if fsdp else 0.0),
-            saved - st.head + grads + transient + recompute + st.matmul_transient,
+            saved - st.head + grads + transient + recompute,
         )
         flight[s] -= 1
         backwards[s] += 1
