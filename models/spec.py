@@ -300,6 +300,7 @@ class BlockLayout:
     # (FlexAttention, which the GPU runs for masked attention: block-causal documents, context parallel)
     grouped_kv: bool = False
     experts: Optional[ExpertGroups] = None  # the stacked experts in low precision (None: high precision)
+    autocast: bool = False  # bf16 autocast is on (over any stream, bf16 FSDP parameters too): matmuls in bf16
 
 
 @dataclass(frozen=True)

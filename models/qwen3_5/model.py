@@ -346,23 +346,23 @@ def delta_net_saved(args: Qwen3_5Args, layout: BlockLayout) -> dict[str, float]:
       (twice), k * beta, the chunks' q * read decay (not the first: its state is a constant zero) and
       k * write decay; padded (``F.pad`` makes them contiguous), the chunk slices are views and two
       copies remain (measured: one per intra-chunk product);
-    - under bf16 autocast over an fp32 stream (``layout.cast_each``) the rule's batched matmuls run in
-      bf16 and save a bf16 cast of each operand whose partner needs a gradient, padded or not, instead
-      of the fp32 copies: k * beta, k^T, q, k^T (intra-chunk), and per chunk q * read decay and W (not
-      the first chunk's: its state is a constant zero), k * write decay^T, U twice (the output and the
-      state update cast it anew), the masked scores (C x C) and the state twice (dk x dv); K_beta K^T
-      and Q K^T come out in bf16; the fp32 state itself is still saved (the decay's product), while the
-      fp32 U and masked scores are not; the elementwise terms and the solve stay fp32;
+    - under bf16 autocast (``layout.autocast``, over an fp32 stream or bf16 FSDP parameters alike) the
+      rule's batched matmuls run in bf16 and save a bf16 cast of each operand whose partner needs a
+      gradient, padded or not, instead of the fp32 copies: k * beta, k^T, q, k^T (intra-chunk), and per
+      chunk q * read decay and W (not the first chunk's: its state is a constant zero), k * write decay^T,
+      U twice (the output and the state update cast it anew), the masked scores (C x C) and the state
+      twice (dk x dv); K_beta K^T and Q K^T come out in bf16; the fp32 state itself is still saved (the
+      decay's product), while the fp32 U and masked scores are not; the elementwise terms and the solve
+      stay fp32;
     - the gated head norm and output: the rule's output in fp32 (its storage itself when fp32), the
       rsqrt per value head, the normalised heads (compute dtype), the norm's output and z in fp32,
       silu(z), and the output projection's input (compute dtype).
 
     Heads split by tp (column-parallel projections). Under CP (``layout.cp``: each rank a contiguous
     slice of S / cp tokens) the two-pass form adds ``delta_cp_handoff`` (``_delta_cp_handoff``).
-    Document restarts (``block_causal``) add per-chunk masks not counted. Not yet right: autocast over
-    bf16 FSDP parameters (``cast_each`` false) is planned with the fp32 matmul terms, though the rule's
-    matmuls run in bf16 there as well (``BlockLayout`` does not say whether autocast is on; rehearsed
-    saved activations 0.912 of the plan on qwen3_5_debug)."""
+    Document restarts (``block_causal``) add per-chunk masks not counted. Measured (rehearsal, saved
+    activations): under autocast over bf16 FSDP parameters 0.912 of the plan with the fp32 matmul
+    terms, before ``BlockLayout.autocast`` told the two apart."""
     cb, tp = layout.compute, layout.tp
     nk, nv = args.linear_num_key_heads / tp, args.linear_num_value_heads / tp
     dk, dv, C, K = (
@@ -384,19 +384,19 @@ def delta_net_saved(args: Qwen3_5Args, layout: BlockLayout) -> dict[str, float]:
         "delta_qk_l2norm": 4 * 2 * kd + 4 * 2 * nk,
         "delta_values": 4 * vd * r,
         "delta_qk_heads": 3 * 4 * nv * dk * r,
-        **_delta_rule_matmuls(nv, dk, dv, C, n, S, layout.cast_each),
+        **_delta_rule_matmuls(nv, dk, dv, C, n, S, layout.autocast),
         "delta_decays": 2 * 4 * nv * r + 4 * nv * r / C,
         "delta_solved": 4 * nv * (dk + dv) * r,
         "delta_out": 4 * vd * (r if cb == 4 else 1) + 4 * nv + cb * vd + 3 * 4 * vd + cb * vd,
     }
     if layout.cp > 1:
-        terms["delta_cp_handoff"] = _delta_cp_handoff(nv, dk, dv, C, n, S, layout.cp, layout.cast_each)
+        terms["delta_cp_handoff"] = _delta_cp_handoff(nv, dk, dv, C, n, S, layout.cp, layout.autocast)
     return terms
 
 
 def _delta_rule_matmuls(nv: float, dk: int, dv: int, C: int, n: int, S: int, lp: bool) -> dict[str, float]:
     """``delta_net_saved``'s terms of the rule's batched matmuls per local token (``nv`` local value
-    heads, ``n`` chunks of ``C`` over ``S`` tokens; ``lp``: under bf16 autocast, ``layout.cast_each``)."""
+    heads, ``n`` chunks of ``C`` over ``S`` tokens; ``lp``: under bf16 autocast, ``layout.autocast``)."""
     r, padded = n * C / S, n * C != S
     later = (n - 1) / n  # the chunks after the first (whose incoming state is a constant zero)
     if lp:  # bf16 casts (per token: 2 nv d r for a C x d operand): 4 intra-chunk, q * read decay and W

@@ -116,14 +116,26 @@ def test_collectives_match_plan(layout: str, runs: dict) -> None:
             assert abs(r["measured"] - r["planned"]) < 1e-3 * total[r["rank"]], r
 
 
-@pytest.mark.parametrize("model", ["qwen3_5_debug", "qwen3_5_moe_debug"])
-def test_rehearsal_under_bf16_autocast_matches_plan(model: str, capsys: pytest.CaptureFixture[str]) -> None:
-    """bf16 autocast over fp32 weights (``layout.cast_each``): the chunked delta rule's batched matmuls
-    run in bf16 and save bf16 casts of their operands (``delta_net_saved``). Saved activations
-    rehearsed / planned before the fix 0.923 (qwen3_5_debug) and 0.937 (qwen3_5_moe_debug), after
-    0.996 and 0.997: every checked row within 5% (``rehearse.main`` returns 0), saved activations
-    within 2%."""
-    args = ["+experiment=debug", f"model={model}", "training.mixed_precision=bf16", "--ranks=0", "--json"]
+@pytest.mark.parametrize(
+    ("model", "param_dtype"),
+    [("qwen3_5_debug", "float32"), ("qwen3_5_debug", "bfloat16"), ("qwen3_5_moe_debug", "float32")],
+)
+def test_rehearsal_under_bf16_autocast_matches_plan(
+    model: str, param_dtype: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """bf16 autocast (``layout.autocast``), over fp32 weights or FSDP's bf16 parameters: the chunked
+    delta rule's batched matmuls run in bf16 and save bf16 casts of their operands
+    (``delta_net_saved``). Saved activations rehearsed / planned before the fix 0.923 (qwen3_5_debug),
+    0.912 (over bf16 parameters) and 0.937 (qwen3_5_moe_debug), after 0.996, 0.994 and 0.997: every
+    checked row within 5% (``rehearse.main`` returns 0), saved activations within 2%."""
+    args = [
+        "+experiment=debug",
+        f"model={model}",
+        "training.mixed_precision=bf16",
+        f"parallelism.fsdp.param_dtype={param_dtype}",
+        "--ranks=0",
+        "--json",
+    ]
     rc = rehearse.main(args)
     report = json.loads(capsys.readouterr().out)
     rows = {r["what"]: r for r in report["ranks"][0]["rows"]}

@@ -154,6 +154,7 @@ def block_layout(c: PlanContext, pol: DtypePolicy, keys: Optional[int] = None) -
         fused_attention=c.cluster.backend != "gloo",  # CPU: SDPA's math path for unlike head sizes
         grouped_kv=c.cluster.backend != "gloo" and masked_attention(c),
         experts=expert_groups(c, pol.stream),  # low-precision experts: padded rows, bf16 outputs
+        autocast=c.cfg.training.mixed_precision == "bf16",
     )
 
 
