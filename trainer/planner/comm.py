@@ -256,17 +256,17 @@ def _tp_counts(c: PlanContext, pp_rank: int) -> dict[tuple[str, str], float]:
     def add(op: str, carries: str, calls: float) -> None:
         counts[(op, carries)] = counts.get((op, carries), 0.0) + calls
 
-    entry_bwd = "reduce_scatter" if sp else "all_reduce"  # a region entry's gradient, complete
-    exit_fwd = "reduce_scatter" if sp else "all_reduce"
+    # a region entry's gradient (bwd) and a region exit's output (fwd) are completed by one op
+    scatter = "reduce_scatter" if sp else "all_reduce"
 
     def count(kinds: list[str], repeat: int) -> None:
         for kind in kinds:
             if kind in ("gather_input", "head"):
                 add("all_gather", "stream", repeat if sp else 0)
-                add(entry_bwd, "stream", 1)
+                add(scatter, "stream", 1)
             elif kind in ("rowwise", "embedding"):
                 carries = "compute" if kind == "rowwise" else "stream"
-                add(exit_fwd, carries, repeat)
+                add(scatter, carries, repeat)
                 add("all_gather", carries, 1 if sp else 0)
             elif kind == "moe_io" and sp:  # gather fwd, gather the output's gradient bwd; the
                 add("all_gather", "stream", repeat + 1)  # input's gradient is complete: a slice
@@ -281,9 +281,9 @@ def _tp_counts(c: PlanContext, pp_rank: int) -> dict[tuple[str, str], float]:
                 # torch's checkpoint stops recomputing once the tensors backward reads are back
                 # (early stop): the dense block's last forward collective, on the feed-forward's
                 # row-wise output, is not issued again (measured by the rehearsal at 70B shapes)
-                add(exit_fwd, "compute", -1)
+                add(scatter, "compute", -1)
             if not attn.tp_entry_partial:  # the attention's gather_input gets its gradient back complete
-                add(entry_bwd, "stream", -1)
+                add(scatter, "stream", -1)
         count(c.table.first_kinds if st.first else [], 1)
         count(c.table.last_kinds if st.last else [], 1)  # MTP modules (their blocks) included
         # the chunked loss (training.loss_chunk_size) recomputes the heads' forwards in backward: their
@@ -293,7 +293,7 @@ def _tp_counts(c: PlanContext, pp_rank: int) -> dict[tuple[str, str], float]:
         if st.last and mtp:  # MTP: the embedding looks up D shifted windows too, the head runs D more times
             count(["embedding", "head"] * mtp, 1)
             if not attn.tp_entry_partial:  # the MTP blocks' attention entries, as the blocks'
-                add(entry_bwd, "stream", -mtp)
+                add(scatter, "stream", -mtp)
     return counts
 
 
