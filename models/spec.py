@@ -253,13 +253,15 @@ class AttentionComm:
     n_kv_heads x head_dim; MLA: the latent, kv_lora_rank + qk_rope_head_dim). ``tp_entry_partial``:
     whether the gradient of the attention input comes back as partial sums over tp (a column-wise
     projection reads it directly: reduce-scatter under SP, all-reduce without), or complete (only
-    replicated modules read it: a local slice). ``tp_backward_all_reduce_dim``: numbers per token
-    all-reduced over tp in backward inside the attention (MLA: the latents fed to the column-wise
-    up-projections and the shared RoPE key)."""
+    replicated modules read it: a local slice). ``tp_backward_all_reduces``: the all-reduces over tp
+    in backward inside the attention, one per entry: (numbers per token, what the reduced gradient's
+    tensor is: ``"norm"``, a norm's output, in the residual stream's dtype; ``"matmul"``, a matmul's
+    output, in the compute dtype) (MLA: the query and KV latents fed to the column-wise
+    up-projections after their norms, and the shared RoPE key off ``wkv_a``)."""
 
     cp_gather_dim: int
     tp_entry_partial: bool = True
-    tp_backward_all_reduce_dim: int = 0
+    tp_backward_all_reduces: tuple[tuple[int, str], ...] = ()
     # Saved-activation numbers per token of the attention's projections, when they differ from
     # Llama's (q, k, v and the output projection's input, H each): (split by tp: per-head tensors,
     # not split: latents computed on the whole sequence by replicated modules); None = Llama's. Read by the

@@ -534,12 +534,14 @@ def mtp_depth(args: DeepSeekV3Args) -> int:
 def attention_comm(args: DeepSeekV3Args) -> AttentionComm:
     """MLA's traffic: CP gathers the latent; under TP the input gradient is complete when only the
     replicated down-projections read it (q_lora_rank set), and backward all-reduces the inputs of the
-    column-wise up-projections (query latent, KV latent) and the shared RoPE key."""
+    column-wise up-projections (query latent, KV latent: their norms' outputs) and the shared RoPE key
+    (a slice of ``wkv_a``'s output), one all-reduce each."""
     q_latent = args.q_lora_rank or 0
+    latents = ((q_latent,) if q_latent else ()) + (args.kv_lora_rank,)
     return AttentionComm(
         cp_gather_dim=args.kv_lora_rank + args.qk_rope_head_dim,
         tp_entry_partial=args.q_lora_rank is None,
-        tp_backward_all_reduce_dim=q_latent + args.kv_lora_rank + args.qk_rope_head_dim,
+        tp_backward_all_reduces=(*((n, "norm") for n in latents), (args.qk_rope_head_dim, "matmul")),
         # per head: q and k (Dqk), v and the output projection's input (Dv); latents: the query latent
         # before and after its norm, [c | k_rope] from wkv_a and c after kv_norm
         saved=(

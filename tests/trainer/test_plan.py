@@ -178,15 +178,19 @@ def test_tp_example_b8_s4096_h4096() -> None:
         "training.global_batch_size=8",
         "training.activation_checkpoint=none",
     )
-    ar = _by_name(plan, "TP all_reduce (block")
+    # bf16 autocast over fp32 weights (no FSDP): the row-wise outputs are bf16, the norms' outputs
+    # (whose gradients the entries all-reduce) and the embedding's fp32, like the stream
+    ar = _by_name(plan, "TP all_reduce (row-wise outputs: bf16)")
+    fp32 = _by_name(plan, "TP all_reduce (norms, embedding: fp32)")
     assert round(ar.size_bytes / MB) == 268  # article: "每次 all_reduce 268 MB"
+    assert fp32.size_bytes == 2 * ar.size_bytes
     # forward 2 + backward 2 per layer (the article's count), plus the embedding's output (fwd)
     # and the head's input gradient (bwd), which the article leaves out
-    assert ar.calls == 4 * 32 + 2
-    assert ar.logical_bytes / GB == pytest.approx(
-        34, rel=0.03
-    )  # article: "32 × 4 × 268 MB ≈ 34 GB"; ours 34.9
-    assert not ar.hidden and ar.link == "intra"  # on the critical path
+    assert ar.calls == 2 * 32 and fp32.calls == 2 * 32 + 2
+    # article: "32 × 4 × 268 MB ≈ 34 GB" (every call in bf16; ours 34.9); in fp32 half of them: 52.6
+    assert (ar.calls + fp32.calls) * ar.size_bytes / GB == pytest.approx(34, rel=0.03)
+    assert (ar.logical_bytes + fp32.logical_bytes) / GB == pytest.approx(52.6, rel=0.01)
+    assert not ar.hidden and not fp32.hidden and ar.link == "intra"  # on the critical path
 
 
 def test_70b_tp_all_reduce() -> None:

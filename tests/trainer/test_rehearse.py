@@ -51,3 +51,34 @@ def test_a_bad_argument_exits_2_naming_it(arg: str, named: str, capsys: pytest.C
 def test_an_unknown_preset_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert rehearse.main(["+experiment=no_such_preset"]) == 2
     assert "no_such_preset" in capsys.readouterr().err
+
+
+# TP x2 + SP on the debug Llama (2 blocks): bf16 autocast over fp32 weights, and FSDP's bf16
+# parameters in fp32 training under TP x FSDP (4 ranks)
+TP_DTYPES = {
+    "bf16 autocast": ["parallelism.dp_shard=1", "training.mixed_precision=bf16"],
+    "bf16 FSDP params": ["parallelism.dp_shard=2", "--world=4", "parallelism.fsdp.param_dtype=bfloat16"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(TP_DTYPES))
+def test_tp_collectives_are_planned_in_the_dtype_they_carry(
+    case: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The planner's TP activation bytes follow the dtype of each tensor crossing the region boundary
+    (``trainer/planner/comm.py``, ``_tp_counts``): under bf16 autocast over fp32 weights the norms'
+    outputs (SP's all-gather before the column-wise linears, its gradient's reduce-scatter) and the
+    embedding's travel in fp32, the row-wise outputs in bf16; with bf16 FSDP parameters all in bf16.
+    Before, every TP collective was planned in ``training.mixed_precision``'s width: rehearsed /
+    planned all_gather and reduce_scatter tp bytes were 1.600 under autocast (20,971,520 planned,
+    33,554,432 rehearsed) and 0.500 with bf16 FSDP parameters in fp32 training; now 1.000 in both
+    (also without SP and with float8 linears). The rehearsal exits 0 only when every checked term
+    (memory, FLOPs, comm, checkpoint) is within 5%."""
+    rc, report = _run(
+        ["+experiment=debug", "model.n_layers=2", "parallelism.tp=2", "--ranks=0", *TP_DTYPES[case]], capsys
+    )
+    rows = {r["what"]: r for r in report["ranks"][0]["rows"]}
+    for op in ("all_gather", "reduce_scatter"):
+        row = rows[f"{op} tp bytes"]
+        assert row["checked"] and abs(row["ratio"] - 1) <= 0.05, row
+    assert rc == 0, [r for r in rows.values() if r["checked"] and abs(r["ratio"] - 1) > 0.05]

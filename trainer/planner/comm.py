@@ -9,6 +9,7 @@ import math
 from parallelisms.parallel_dims import DP_REPLICATE_CP, FLAT_VIEWS, MESH_DIM_NAMES, OPTIONAL_VIEWS
 from trainer.planner.context import Collective, PlanContext, link_kind, make_collective
 from trainer.planner.low_precision import AMAX_BYTES, float8_gathered, float8_tp_amax, float8_weights
+from trainer.planner.memory import dtype_policy
 
 __all__ = ["rank_collectives", "semi_sync_bytes_per_sync"]
 
@@ -231,27 +232,44 @@ def _ddp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
             )
 
 
-def _tp_counts(c: PlanContext, pp_rank: int) -> dict[str, float]:
-    """Activation-sized TP collectives per microbatch of ``pp_rank``, by op, from the TP-plan kinds of
-    its modules (``parallelisms/tensor_parallel.py``): a region entry (``gather_input``, the head's
-    input) is all-gather fwd / reduce-scatter bwd under SP, all-reduce bwd without; a region exit
-    (``rowwise``, ``embedding``) reduce-scatter fwd / all-gather bwd, or all-reduce fwd; the MoE's
-    ``moe_io`` gathers on entry and slices on exit (SP only). Recomputed blocks repeat forwards, but
-    for a dense block's exit projection."""
+# What an activation-sized TP collective carries, and so its dtype (``dtype_policy``): "stream", the
+# residual stream's dtype -- the norms' outputs entering a TP region (an RMSNorm's output is promoted
+# to its weight's dtype: fp32 under autocast over fp32 weights, as the stream), the embedding's output
+# leaving one, and their gradients; "compute", a matmul's output (bf16 under autocast or bf16
+# parameters): the row-wise exits and their gradients
+_CARRIES = {"stream": "norms, embedding", "compute": "row-wise outputs"}
+
+
+def _tp_counts(c: PlanContext, pp_rank: int) -> dict[tuple[str, str], float]:
+    """Activation-sized TP collectives per microbatch of ``pp_rank``, by (op, what they carry:
+    ``_CARRIES``), from the TP-plan kinds of its modules (``parallelisms/tensor_parallel.py``): a
+    region entry (``gather_input``, the head's input: a norm's output) is all-gather fwd /
+    reduce-scatter bwd under SP, all-reduce bwd without; a region exit reduce-scatter fwd / all-gather
+    bwd, or all-reduce fwd: a row-wise projection's output (``rowwise``), the embedding's
+    (``embedding``: the stream); the MoE's ``moe_io`` gathers on entry and slices on exit (SP only;
+    its output is in its input's dtype). Recomputed blocks repeat forwards, but for a dense block's
+    exit projection."""
     sp = c.tp_sp[1]
-    counts = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0}
+    counts: dict[tuple[str, str], float] = {}
     fwd_repeat = 2 if c.recompute else 1
+
+    def add(op: str, carries: str, calls: float) -> None:
+        counts[(op, carries)] = counts.get((op, carries), 0.0) + calls
+
+    # a region entry's gradient (bwd) and a region exit's output (fwd) are completed by one op
+    scatter = "reduce_scatter" if sp else "all_reduce"
 
     def count(kinds: list[str], repeat: int) -> None:
         for kind in kinds:
             if kind in ("gather_input", "head"):
-                counts["all_gather" if sp else "all_reduce"] += repeat if sp else 0
-                counts["reduce_scatter" if sp else "all_reduce"] += 1
+                add("all_gather", "stream", repeat if sp else 0)
+                add(scatter, "stream", 1)
             elif kind in ("rowwise", "embedding"):
-                counts["reduce_scatter" if sp else "all_reduce"] += repeat
-                counts["all_gather"] += 1 if sp else 0
+                carries = "compute" if kind == "rowwise" else "stream"
+                add(scatter, carries, repeat)
+                add("all_gather", carries, 1 if sp else 0)
             elif kind == "moe_io" and sp:  # gather fwd, gather the output's gradient bwd; the
-                counts["all_gather"] += repeat + 1  # input's gradient is complete: a slice
+                add("all_gather", "stream", repeat + 1)  # input's gradient is complete: a slice
 
     attn = c.terms.comm
     mtp = c.spec.mtp_depth(c.cfg.model)
@@ -263,40 +281,66 @@ def _tp_counts(c: PlanContext, pp_rank: int) -> dict[str, float]:
                 # torch's checkpoint stops recomputing once the tensors backward reads are back
                 # (early stop): the dense block's last forward collective, on the feed-forward's
                 # row-wise output, is not issued again (measured by the rehearsal at 70B shapes)
-                counts["reduce_scatter" if sp else "all_reduce"] -= 1
+                add(scatter, "compute", -1)
             if not attn.tp_entry_partial:  # the attention's gather_input gets its gradient back complete
-                counts["reduce_scatter" if sp else "all_reduce"] -= 1
+                add(scatter, "stream", -1)
         count(c.table.first_kinds if st.first else [], 1)
         count(c.table.last_kinds if st.last else [], 1)  # MTP modules (their blocks) included
         # the chunked loss (training.loss_chunk_size) recomputes the heads' forwards in backward: their
         # input's all-gather again, chunk by chunk (the main head and the D MTP head calls)
         recomputed_heads = (1 + mtp) if st.last and c.cfg.training.loss_chunk_size > 0 else 0
-        counts["all_gather"] += recomputed_heads if sp else 0
+        add("all_gather", "stream", recomputed_heads if sp else 0)
         if st.last and mtp:  # MTP: the embedding looks up D shifted windows too, the head runs D more times
             count(["embedding", "head"] * mtp, 1)
             if not attn.tp_entry_partial:  # the MTP blocks' attention entries, as the blocks'
-                counts["reduce_scatter" if sp else "all_reduce"] -= mtp
+                add(scatter, "stream", -mtp)
     return counts
 
 
 def _tp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
+    """TP's activation-sized collectives, (b, S/cp, H) each (the full sequence of the region), in the
+    dtype of what they carry (``_tp_counts``): under bf16 autocast over fp32 weights the norms' outputs
+    and the embedding's (and their gradients) travel in fp32, the row-wise outputs in bf16; with FSDP's
+    bf16 parameters all in bf16, in fp32 training all in fp32. Then the logits (a matmul's output),
+    MLA's latents and RoPE key, the loss-parallel scalars and float8 scales."""
     p, args = c.cfg.parallelism, c.cfg.model
-    size = c.micro_tokens * args.dim * c.act_bytes  # (b, S/cp, H), the full sequence of the region
+    policy = dtype_policy(c)
+    width = {
+        "stream": policy.stream,
+        "compute": policy.compute,
+        "norm": policy.stream,
+        "matmul": policy.compute,
+    }
     overlap = ("matmuls (async TP)", "compute_s") if p.async_tp else ("none: critical path", "")
-    for op, calls in _tp_counts(c, pp_rank).items():
-        rows.add(f"TP {op} (block activations)", op, "tp", ("tp",), calls * c.accum, size, *overlap)
-    extra = c.terms.comm.tp_backward_all_reduce_dim
+    mixed = policy.stream != policy.compute  # else one row per op, as every tensor is in one dtype
+    merged: dict[tuple[str, str], float] = {}
+    for (op, carries), calls in _tp_counts(c, pp_rank).items():
+        merged[(op, carries if mixed else "")] = merged.get((op, carries if mixed else ""), 0.0) + calls
+    for (op, carries), calls in sorted(merged.items()):
+        nbytes = width[carries] if carries else policy.compute
+        rows.add(
+            f"TP {op} ({_CARRIES[carries]}: {'fp32' if nbytes == 4 else 'bf16'})"
+            if carries
+            else f"TP {op} (block activations)",
+            op,
+            "tp",
+            ("tp",),
+            calls * c.accum,
+            c.micro_tokens * args.dim * nbytes,
+            *overlap,
+        )
     last = any(st.last for st in c.ranks[pp_rank])
     mtp = c.spec.mtp_depth(args) if last else 0  # MTP modules: D more blocks and head calls (last stage)
     blocks = sum(len(st.blocks) for st in c.ranks[pp_rank]) + mtp
-    if extra and blocks:  # MLA: latents into the column-wise up-projections, the shared RoPE key
+    # MLA: latents into the column-wise up-projections (their norms' outputs), the shared RoPE key
+    for numbers, what in c.terms.comm.tp_backward_all_reduces if blocks else ():
         rows.add(
-            "TP all_reduce (attention latents, bwd)",
+            f"TP all_reduce (attention {'latent' if what == 'norm' else 'RoPE key'}, bwd)",
             "all_reduce",
             "tp",
             ("tp",),
             blocks * c.accum,
-            c.micro_tokens * extra * c.act_bytes,
+            c.micro_tokens * numbers * width[what],
             "none: critical path",
             "",
         )
@@ -307,7 +351,7 @@ def _tp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
             "tp",
             ("tp",),
             (1 + mtp) * c.accum,
-            c.micro_tokens * args.vocab_size * c.act_bytes,
+            c.micro_tokens * args.vocab_size * policy.compute,
             "none: critical path",
             "",
         )
@@ -455,19 +499,22 @@ def _cp_ep_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
         )
     moe = [b for st in c.ranks[pp_rank] for b in st.blocks if b in c.table.moe_layers]
     if dims.ep > 1 and moe:
-        # this rank's token copies (mean)
-        routed = c.micro_tokens * c.terms.experts_per_token * args.dim * c.act_bytes
+        # this rank's token copies (mean): dispatched as the MoE's input (a norm's output: the stream's
+        # dtype), combined as the experts' output (the compute dtype); each gradient as its tensor
+        routed = c.micro_tokens * c.terms.experts_per_token * args.dim
         calls = len(moe) * c.accum
-        rows.add(
-            "EP all_to_all (dispatch + combine, fwd + bwd)",
-            "all_to_all",
-            "ep",
-            ("ep",),
-            (2 * fwd_repeat + 2) * calls,
-            routed,
-            "none: critical path",
-            "",
-        )
+        policy = dtype_policy(c)
+        for what, width in (("dispatch", policy.stream), ("combine", policy.compute)):
+            rows.add(
+                f"EP all_to_all ({what}, fwd + bwd, {width} B)",
+                "all_to_all",
+                "ep",
+                ("ep",),
+                (fwd_repeat + 1) * calls,
+                routed * width,
+                "none: critical path",
+                "",
+            )
         rows.add(
             "EP all_to_all (tokens per expert)",
             "all_to_all",
@@ -484,8 +531,6 @@ def _pp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
     """Stage boundaries: per microbatch, activations forward and their gradients backward, to and
     from each neighbouring stage held by another rank. They are the residual stream, in its dtype:
     FSDP's param_dtype, else fp32 also under bf16 autocast (``pipeline_parallel.StageShapes``)."""
-    from trainer.planner.memory import dtype_policy
-
     dims = c.dims
     size = c.micro_tokens * c.cfg.model.dim * dtype_policy(c).stream / (dims.tp if c.tp_sp[1] else 1)
     n_stages = dims.pp * c.stages_per_rank
