@@ -265,7 +265,7 @@ class AttentionComm:
     # Saved-activation numbers per token of the attention's projections, when they differ from
     # Llama's (q, k, v and the output projection's input, H each): (split by tp: per-head tensors,
     # not split: latents computed on the whole sequence by replicated modules); None = Llama's. Read by the
-    # seed article's per-layer rule (``trainer/planner/memory.py``'s ``layer_activation_bytes``).
+    # seed article's per-layer rule (``trainer/planner/activations.py``'s ``layer_activation_bytes``).
     saved: Optional[tuple[int, int]] = None
 
 
@@ -308,7 +308,7 @@ class BlockLayout:
 @dataclass(frozen=True)
 class AttentionShape:
     """The attention's heads as Llama's rules count them: the seed article's per-layer rule and the
-    op-level selective-checkpointing cache (``trainer/planner/memory.py``). ``head_dim``: the q/k/v
+    op-level selective-checkpointing cache (``trainer/planner/activations.py``). ``head_dim``: the q/k/v
     projections' head size (MLA, which has none: dim / n_heads)."""
 
     n_heads: int

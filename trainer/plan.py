@@ -15,9 +15,10 @@ The model, in units of bytes (decimal GB = 1e9 in the formulas, GiB in the verdi
   dtype), AdamW's two fp32 moments (8 B) -- 16 B per parameter replicated (DDP); ZeRO-1
   divides the moments by the DDP degree; FSDP/HSDP divides all 16 B by dp_shard x cp;
 - activations: what each block, the head and the loss save for backward, term by term as our code
-  saves them (``trainer/planner/memory.py``; checked against ``metrics.memory_ledger``), per dtype
-  policy, activation checkpointing, TP/SP, CP, times the microbatches in flight per pipeline
-  schedule; Qwen3's explicit head size and q/k norms, MLA's latents and per-head expanded K/V
+  saves them (``trainer/planner/activations.py``, per stage and schedule ``trainer/planner/memory.py``;
+  checked against ``metrics.memory_ledger``), per dtype policy, activation checkpointing, TP/SP, CP,
+  times the microbatches in flight per pipeline schedule;
+  Qwen3's explicit head size and q/k norms, MLA's latents and per-head expanded K/V
   (DeepSeek-V3) and its MTP modules included; full checkpointing keeps the block inputs plus one
   block while it is recomputed;
 - buffers: FSDP's gathered units in ``param_dtype`` (root, head, the last block; + the backward

@@ -443,7 +443,7 @@ def test_plan_of_the_deepseek_v3_layout_and_mla_activations(capsys) -> None:
     MLA's saved latents do not shrink with tensor parallel (replicated down-projections), its per-head
     tensors do."""
     from trainer.plan import main
-    from trainer.planner.memory import layer_activation_bytes
+    from trainer.planner.activations import layer_activation_bytes
 
     assert main(["+experiment=deepseek_v3_ep_pp", "cluster=h200_node"]) == 0
     out = capsys.readouterr().out

@@ -17,8 +17,8 @@ import pytest
 
 from trainer.config import compose_config
 from trainer.plan import main
+from trainer.planner.activations import activation_bytes_per_token_layer
 from trainer.planner.cluster import GIB, ClusterConfig, compose_cluster, pp_bubble, ring_wire_bytes
-from trainer.planner.memory import activation_bytes_per_token_layer
 from trainer.planner.plan import build_plan
 
 GB, MB = 1e9, 1e6

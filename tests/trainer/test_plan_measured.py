@@ -286,8 +286,8 @@ def test_memory_matches_plan(layout: str, runs: dict) -> None:
         low, high = _BOUNDS.get((layout, r["what"]), (1 - TOLERANCE, 1 + TOLERANCE))
         assert low <= r["ratio"] <= high, f"{layout}: {r['what']} outside [{low}, {high}]:\n{table}"
     if layout in MOE_CPU:  # each dense block on its own, term for term
+        from trainer.planner.activations import block_bytes_per_token
         from trainer.planner.context import build_context
-        from trainer.planner.memory import block_bytes_per_token
 
         c = build_context(cfg, compose_cluster(["cluster=cpu"]))
         dense = [b for b in range(cfg.model.n_layers) if b not in c.table.moe_layers]

@@ -14,10 +14,10 @@ import pytest
 from tests.configs import tiny_config
 from tests.parity import Case, GroupedRuns
 from trainer import rehearse
+from trainer.planner.activations import block_bytes_per_token, block_constant
 from trainer.planner.cluster import compose_cluster
 from trainer.planner.compare import compare_with_ledger
 from trainer.planner.context import build_context
-from trainer.planner.memory import block_bytes_per_token, block_constant
 from trainer.planner.plan import build_plan
 
 pytestmark = pytest.mark.slow

@@ -67,10 +67,10 @@ def test_mxfp8_experts_rehearse_and_agree_with_the_plan(
     :func:`test_mxfp8_under_autocast_needs_bf16_weights`)."""
     from models.spec import ExpertGroups
     from trainer.config import compose_config
+    from trainer.planner.activations import block_layout, dtype_policy
     from trainer.planner.cluster import compose_cluster
     from trainer.planner.context import build_context
     from trainer.planner.low_precision import expert_padding_flops
-    from trainer.planner.memory import block_layout, dtype_policy
 
     run = (
         *MX_EXPERTS,
@@ -146,9 +146,10 @@ def test_float8_linears_peak_and_saved_agree_with_the_plan(
     input as given (one tensor for the linears reading it) and its fp32 weight, no bf16 cast of either:
     the saved activations agree (0.904 of the plan before that term)."""
     from trainer.config import compose_config
+    from trainer.planner.activations import dtype_policy, weight_copy_bytes
     from trainer.planner.cluster import compose_cluster
     from trainer.planner.context import build_context
-    from trainer.planner.memory import _casts_transient, dtype_policy, weight_copy_bytes
+    from trainer.planner.memory import _casts_transient
 
     run = (
         "+experiment=debug",

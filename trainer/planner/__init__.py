@@ -4,6 +4,7 @@
 * :mod:`~trainer.planner.cluster`: the machine (``configs/cluster/``), ring cost, schedule formulas;
 * :mod:`~trainer.planner.params`: the parameter table of a meta-device model (TP kinds per module);
 * :mod:`~trainer.planner.context`: the shared types (``Plan``, ``Collective``) and ``PlanContext``;
+* :mod:`~trainer.planner.activations`: what one block and the head save per local token (the dtype policy);
 * :mod:`~trainer.planner.memory`: activations, model states and buffers per pipeline rank;
 * :mod:`~trainer.planner.comm`: the collectives of one step on one rank;
 * :mod:`~trainer.planner.checkpoint`: one checkpoint save, bytes and files per rank;

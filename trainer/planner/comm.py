@@ -7,9 +7,9 @@ from __future__ import annotations
 import math
 
 from parallelisms.parallel_dims import DP_REPLICATE_CP, FLAT_VIEWS, MESH_DIM_NAMES, OPTIONAL_VIEWS
+from trainer.planner.activations import dtype_policy
 from trainer.planner.context import Collective, PlanContext, link_kind, make_collective
 from trainer.planner.low_precision import AMAX_BYTES, float8_gathered, float8_tp_amax, float8_weights
-from trainer.planner.memory import dtype_policy
 
 __all__ = ["rank_collectives", "semi_sync_bytes_per_sync"]
 

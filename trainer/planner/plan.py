@@ -6,11 +6,12 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any, Optional
 
+from trainer.planner.activations import ac_input_bytes, block_bytes_per_token
 from trainer.planner.cluster import GIB, ClusterConfig, pp_bubble
 from trainer.planner.comm import rank_collectives
 from trainer.planner.context import Collective, Plan, PlanContext, build_context, strategy_of
 from trainer.planner.low_precision import expert_padding_flops
-from trainer.planner.memory import ac_input_bytes, block_bytes_per_token, stage_memory_of
+from trainer.planner.memory import stage_memory_of
 
 if TYPE_CHECKING:
     from parallelisms.parallel_dims import ParallelDims
