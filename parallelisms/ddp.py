@@ -12,6 +12,9 @@
   a bucket is in, the bucket's ``all_reduce`` is launched asynchronously, overlapping with the
   rest of backward. Buckets are launched strictly in bucket order, so all ranks issue the same
   collectives in the same order and each bucket's content is fixed (bitwise reproducible).
+* **``no_sync()``** (gradient accumulation) sends nothing: the hook moves each parameter's first
+  gradient of the step into its bucket slot and points ``p.grad`` there, so the later microbatches
+  accumulate in place and the step holds one copy of the gradients (the buckets outlive the step).
 * **``finish_gradient_sync()``** launches whatever is left (buckets with parameters that got no
   gradient), waits for every handle and leaves the averaged gradient in ``p.grad``. The trainer
   calls it after the last backward of a step, before clipping and ``optimizer.step()``:
@@ -269,6 +272,34 @@ class BucketedDDP(nn.Module):
             local = _local(p)
             bucket.slots.append(buf[o : o + local.numel()].view(local.shape))
 
+    def _accumulate_in_slot(self, bucket: _Bucket, i: int) -> None:
+        """Inside ``no_sync()``: move params[i]'s fresh gradient (the step's first, made after the
+        optimizer set ``p.grad`` to None) into its bucket slot, unscaled, and point ``p.grad`` at the
+        slot, where autograd accumulates the later microbatches in place; the step's final backward
+        then finds the gradient in its slot (``_copy_into_slot``). The buckets outlive the step, so
+        without this the accumulated gradients would be fresh tensors beside them: two copies of every
+        gradient until the sync. A gradient in other placements than its parameter (``Partial`` under
+        sequence parallel) keeps accumulating where it is and is redistributed once, at the sync."""
+        p, grad = bucket.params[i], bucket.params[i].grad
+        if grad is None or (
+            isinstance(grad, DTensor) and isinstance(p, DTensor) and grad.placements != p.placements
+        ):
+            return
+        self._ensure_buffer(bucket)
+        slot, local = bucket.slots[i], _local(grad)
+        if local.data_ptr() == slot.data_ptr():
+            return  # already accumulating in the slot
+        slot.copy_(local)
+        self._point_at_slot(p, slot)
+
+    def _point_at_slot(self, p: nn.Parameter, slot: torch.Tensor) -> None:
+        if isinstance(p, DTensor):
+            p.grad = DTensor.from_local(
+                slot, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+            )
+        else:
+            p.grad = slot
+
     def _copy_into_slot(self, bucket: _Bucket, i: int) -> None:
         """Move params[i]'s gradient into its bucket slot and point ``p.grad`` at the slot.
 
@@ -296,17 +327,13 @@ class BucketedDDP(nn.Module):
             torch.mul(local, 1.0 / self.world_size, out=slot)
         else:
             slot.copy_(local)
-        if isinstance(p, DTensor):
-            p.grad = DTensor.from_local(
-                slot, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-            )
-        else:
-            p.grad = slot
+        self._point_at_slot(p, slot)
 
     def _on_grad_ready(self, bucket_index: int, i: int) -> None:
-        if not self.require_backward_grad_sync:
-            return  # gradient accumulation: p.grad keeps accumulating, nothing to send yet
         bucket = self._buckets[bucket_index]
+        if not self.require_backward_grad_sync:  # gradient accumulation: nothing to send yet
+            self._accumulate_in_slot(bucket, i)
+            return
         if bucket.launched or bucket.ready[i]:
             raise RuntimeError(
                 "BucketedDDP: a gradient became ready twice before finish_gradient_sync(); call "

@@ -148,16 +148,25 @@ def _suite_2(rank: int, world_size: int) -> bytes:
             (local_slice(xm, rank, world_size), local_slice(ym, rank, world_size))
             for xm, ym in zip(x.chunk(3), y.chunk(3))
         ]
-        with ddp.no_sync():
-            for xm, ym in micro[:2]:
-                (F.mse_loss(ddp(xm), ym) / 3).backward()
-        xm, ym = micro[2]
-        (F.mse_loss(ddp(xm), ym) / 3).backward()
-        ddp.finish_gradient_sync()
+        in_slots, rounds = [], []
+        for _ in range(2):  # the second step after zero_grad(set_to_none=True), as the trainer does
+            ddp.zero_grad(set_to_none=True)
+            with ddp.no_sync():
+                for xm, ym in micro[:2]:
+                    (F.mse_loss(ddp(xm), ym) / 3).backward()
+            # accumulated in the buckets' slots (one copy of the gradients), not in fresh tensors
+            slots = {s.data_ptr() for b in ddp._buckets for s in b.slots}
+            in_slots.append(all(p.grad.data_ptr() in slots for p in ddp.parameters()))
+            xm, ym = micro[2]
+            (F.mse_loss(ddp(xm), ym) / 3).backward()
+            ddp.finish_gradient_sync()
+            rounds.append(grads_of(ddp))
     finally:
         dist.all_reduce = real_all_reduce
     out["no_sync"] = {
-        "grads": grads_of(ddp),
+        "grads": rounds[0],
+        "second": rounds[1],
+        "in_slots": in_slots,
         "inside": calls.count("inside"),
         "outside": calls.count("outside"),
         "num_buckets": len(ddp.bucket_sizes),
@@ -316,7 +325,10 @@ def test_no_sync_accumulation_matches_big_batch(suite_2: list[dict[str, Any]]) -
     for result in suite_2:
         no_sync = result["no_sync"]
         assert no_sync["inside"] == 0
-        assert no_sync["outside"] == no_sync["num_buckets"]
+        assert no_sync["outside"] == 2 * no_sync["num_buckets"]  # two steps
+        assert no_sync["in_slots"] == [True, True]
+        for name, g in no_sync["grads"].items():  # the second step computes the same, bit for bit
+            assert torch.equal(g, no_sync["second"][name]), name
         assert_equal_dicts(no_sync["grads"], reference, rtol=1e-5, atol=1e-7)
 
 

@@ -82,3 +82,28 @@ def test_tp_collectives_are_planned_in_the_dtype_they_carry(
         row = rows[f"{op} tp bytes"]
         assert row["checked"] and abs(row["ratio"] - 1) <= 0.05, row
     assert rc == 0, [r for r in rows.values() if r["checked"] and abs(r["ratio"] - 1) > 0.05]
+
+
+def test_ddp_peak_under_accumulation_is_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    """The bucketed DDP accumulates no_sync microbatches in its bucket slots (``parallelisms/ddp.py``,
+    ``_accumulate_in_slot``): one copy of the gradients. Before, ``zero_grad(set_to_none=True)`` let
+    the next step's microbatches accumulate into fresh ``.grad`` tensors beside the kept buckets: the
+    peak (the loss's backward of step 2, debug 2 blocks, DDP x2, 2 microbatches) held twice the
+    planned gradients, 1.089 of the plan (1.059 on one step), shown unchecked; now 1.009 and checked
+    (one process and DDP: the larger of the loss's backward and the states' sum)."""
+    rc, report = _run(
+        [
+            "+experiment=debug",
+            "model.n_layers=2",
+            "parallelism.dp_shard=1",
+            "parallelism.dp_replicate=2",
+            "--steps=2",
+            "--ranks=0",
+        ],
+        capsys,
+    )
+    rows = {r["what"]: r for r in report["ranks"][0]["rows"]}
+    assert rows["peak: total"]["checked"] and abs(rows["peak: total"]["ratio"] - 1) <= 0.02, rows[
+        "peak: total"
+    ]
+    assert rc == 0, [r for r in rows.values() if r["checked"] and abs(r["ratio"] - 1) > 0.05]

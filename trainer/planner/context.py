@@ -62,7 +62,10 @@ class StageMemory:
     recompute_bytes: float = 0.0  # full AC: one block recomputed in backward (transient)
     sac_cache_bytes: float = 0.0  # op-level AC: matmul outputs cached by torch's checkpoint
     loss_backward_bytes: float = 0.0  # last stage: the loss's backward, two fp32 (tokens x vocab) gradients
-    peak_instant: bool = False  # total_bytes is the most live at one instant of the step (a schedule walk)
+    # total_bytes is the most live at one instant of the step (a schedule walk, FSDP's backward
+    # instants, or -- one process, DDP -- the larger of the loss's backward and the states' sum): the
+    # rehearsal checks it; false for zero-bubble schedules (bounded, not walked)
+    peak_instant: bool = False
 
 
 @dataclass

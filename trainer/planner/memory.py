@@ -551,5 +551,5 @@ def stage_memory_of(c: PlanContext, pp_rank: int) -> StageMemory:
         recompute_bytes=saved.recompute,
         sac_cache_bytes=saved.sac_cache,
         loss_backward_bytes=loss_backward,
-        peak_instant=walk is not None or (dims.fsdp_enabled and dims.pp == 1),
+        peak_instant=walk is not None or dims.pp == 1,
     )
