@@ -64,6 +64,12 @@ class ModuleParams:
         """Parameters one rank holds of this group under tp and ep."""
         return self.tp_sharded / tp + self.replicated + self.experts / ep
 
+    @property
+    def replicated_matrices(self) -> int:
+        """The >=2-D weights tensor parallel replicates (routers, shared experts, MLA's latent
+        down-projections): matmuls every tp rank runs whole, on all its tp group's tokens."""
+        return self.muon_replicated
+
     def dense_local(self, tp: int = 1) -> float:
         return self.tp_sharded / tp + self.replicated
 
