@@ -459,10 +459,13 @@ def ffn_saved(args: MoEArgs, layout: BlockLayout, moe: bool) -> dict[str, float]
     ids, the sorted order and source token of each copy, the received copies' expert / row /
     position indices), the rows the local experts receive, the four SwiGLU tensors per copy (w1, w3
     outputs, silu, product), the copies back at their tokens and weighted; shared experts are a
-    dense SwiGLU. Under bf16 autocast over an fp32 stream (``layout.cast_each``) each of w1 and w3
-    saves its own bf16 cast of the rows and the weighted copies stay fp32 (measured, deepseek_v3_debug
-    and moe_debug: 1.134 and 1.062 of the plan's saved activations before these terms). A dense block
-    (``moe`` false) saves Llama's."""
+    dense SwiGLU, replicated inside the tp group like the whole layer (``TP_PLAN``: every tp rank runs
+    the router and all the experts on all its local tokens, so no term divides by ``layout.tp``;
+    rehearsed qwen3_5_moe_debug tp=2: 1.085 of the plan while the shared experts were split). Under
+    bf16 autocast over an fp32 stream (``layout.cast_each``) each of w1 and w3 saves its own bf16 cast
+    of the rows and the weighted copies stay fp32 (measured, deepseek_v3_debug and moe_debug: 1.134
+    and 1.062 of the plan's saved activations before these terms). A dense block (``moe`` false)
+    saves Llama's."""
     if not moe:
         return llama_ffn_saved(args, layout)
     H, k, E, Fe, cb = args.dim, args.top_k, args.num_experts, args.moe_hidden_dim, layout.compute
@@ -479,7 +482,7 @@ def ffn_saved(args: MoEArgs, layout: BlockLayout, moe: bool) -> dict[str, float]
     if layout.experts is not None:
         terms.update(_padded_experts_saved(args, layout.experts))
     if args.num_shared_experts:
-        terms["shared_experts"] = 4 * cb * args.num_shared_experts * Fe / layout.tp
+        terms["shared_experts"] = 4 * cb * args.num_shared_experts * Fe
     return terms
 
 

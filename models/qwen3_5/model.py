@@ -455,11 +455,12 @@ def delta_net_handoff(args: Qwen3_5Args, compute: int) -> list[tuple[str, float]
 def moe_ffn_saved(args: Qwen3_5MoeArgs, layout: BlockLayout, moe: bool) -> dict[str, float]:
     """Qwen3.5-MoE's feed-forward per local token: ``models/moe``'s routed experts, and the gated shared
     expert (``GatedFeedForward``): its SwiGLU (as ``models/moe`` counts shared experts), the gate's
-    sigmoid (one per token) and the SwiGLU's output kept by the gating product (compute dtype)."""
+    sigmoid (one per token) and the SwiGLU's output kept by the gating product (compute dtype); the
+    shared expert is replicated inside the tp group (``TP_PLAN``), whole on every tp rank."""
     terms = moe_ffn_saved_routed(args, layout, moe)
     if moe and args.shared_expert_hidden_dim:
         cb = layout.compute
-        terms["shared_expert"] = 4 * cb * args.shared_expert_hidden_dim / layout.tp + cb * (args.dim + 1)
+        terms["shared_expert"] = 4 * cb * args.shared_expert_hidden_dim + cb * (args.dim + 1)
     return terms
 
 

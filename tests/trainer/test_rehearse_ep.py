@@ -105,6 +105,30 @@ def test_deepseek_v3_expert_parallel_part_agrees(capsys: pytest.CaptureFixture[s
     assert rows["activations saved (end of forward)"]["ratio"] == pytest.approx(1.0, abs=1e-3)
 
 
+@pytest.mark.parametrize(
+    "model",
+    [
+        ["model=moe_debug", "model.n_layers=2"],
+        ["model=qwen3_5_moe_debug"],  # a gated shared expert in each of its 4 blocks
+        ["model=deepseek_v3_debug", "model.n_layers=2"],  # a dense MLA block, then an MoE one
+    ],
+    ids=["moe_debug", "qwen3_5_moe_debug", "deepseek_v3_debug"],
+)
+def test_moe_under_tensor_parallel_agrees(model: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """The MoE layer runs replicated inside the tp group (``models/moe/model.py``'s ``TP_PLAN``): every
+    tp rank runs the router, the shared experts and the routed experts on all the gathered tokens, and
+    MLA's replicated down-projections on all its tokens, and saves their whole tensors. Rehearsed /
+    planned at tp=2 (rank 0) before the planner counted them so, FLOPs executed: 1.487, 1.553, 1.225;
+    saved activations 0.999, 1.085, 1.025; after: FLOPs 0.999, 0.991, 1.004, saved 0.999, 0.998, 0.999."""
+    args = ["+experiment=debug", *model, "parallelism.tp=2", "parallelism.dp_shard=1", "--ranks=0"]
+    rc, report = _run(args, capsys)
+    assert rc == 0, _failing(report)
+    rows = _rows(report)
+    for what in ("FLOPs executed", "activations saved (end of forward)"):
+        assert rows[what]["checked"], what
+        assert rows[what]["ratio"] == pytest.approx(1.0, abs=rehearse.TOLERANCE), what
+
+
 def test_the_balanced_routing_is_reported(capsys: pytest.CaptureFixture[str]) -> None:
     rc, report = _run(["+experiment=moe_debug_ep", "model.n_layers=1", "--ranks=0"], capsys)
     assert rc == 0

@@ -55,6 +55,9 @@ class ModuleParams:
     muon_replicated: int = 0
     muon_experts: int = 0
     muon_shapes: list[tuple[int, int, int]] = field(default_factory=list)  # (stack, rows, cols) per weight
+    # the >=2-D weights tensor parallel replicates (routers, shared experts, MLA's latent
+    # down-projections, in the MTP modules too): matmuls every tp rank runs whole, on all its tokens
+    replicated_matrices: int = 0
 
     def muon_local(self, tp: int = 1, ep: int = 1) -> float:
         """Muon-stepped parameters one rank holds of this group under tp and ep."""
@@ -79,6 +82,7 @@ class ModuleParams:
             self.muon_replicated + other.muon_replicated,
             self.muon_experts + other.muon_experts,
             self.muon_shapes + other.muon_shapes,
+            self.replicated_matrices + other.replicated_matrices,
         )
 
 
@@ -150,6 +154,7 @@ def param_table(spec: ModelSpec, args: Any) -> ParamTable:
         else:
             group.muon_replicated += p.numel() if muon else 0
             group.replicated += p.numel()
+            group.replicated_matrices += p.numel() if p.ndim >= 2 else 0
             if kind == "norm":
                 group.norms.append(p.numel())
             elif kind == "head_norm":

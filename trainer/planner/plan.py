@@ -72,7 +72,30 @@ def executed_flops(c: PlanContext) -> float:
         out += (matmul - mtp_matmul) / 3 - 2.0 * head - skipped + (attention - mtp_attention) / 3
     if t.loss_chunk_size > 0:
         out += 2.0 * args.vocab_size * args.dim * (1 + c.spec.mtp_depth(args))
+    out += tp_replicated_flops_per_token(c)
     return out * tokens + expert_padding_flops(c)
+
+
+def tp_replicated_flops_per_token(c: PlanContext) -> float:
+    """The matmul FLOPs per token (of ``flops_per_token``'s 6 N share, divided over all ranks) that the
+    other tp ranks run again: every tp rank runs its blocks' replicated matrices (an MoE layer's
+    router and shared experts, MLA's latent down-projections: the parameter table's
+    ``replicated_matrices`` of the blocks) and the routed experts (top_k / num_experts of ``experts``
+    active per token; expert-parallel over the data axes only) on all the tokens of its tp group --
+    the MoE layer runs replicated inside the tp group (``models/moe/model.py``'s ``TP_PLAN``).
+    Forward, backward (x 2) and full checkpointing's forward again. Measured (rehearsal, tp=2):
+    moe_debug 1.507, qwen3_5_moe_debug 1.553, deepseek_v3_debug 1.352 of the plan's executed FLOPs
+    without this term. Not counted: the MTP modules' replicated matrices (their block's MLA
+    down-projections run on all tokens, ``proj`` on the sequence-parallel share; deepseek_v3_debug
+    with mtp_depth=1: 1.013)."""
+    tp = c.dims.tp
+    if tp == 1:
+        return 0.0
+    n_experts = c.spec.num_experts(c.cfg.model)
+    active = c.terms.experts_per_token / n_experts if n_experts else 0.0
+    per_token = sum(g.replicated_matrices + g.experts * active for g in c.table.blocks)
+    passes = 3 + (1 if c.recompute else 0)
+    return 2.0 * passes * (tp - 1) * per_token
 
 
 def _muon_ns_flops(c: PlanContext) -> float:
