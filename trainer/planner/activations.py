@@ -23,7 +23,12 @@ from typing import Optional
 
 from models.spec import BlockLayout, ModelArgs, ModelSpec
 from trainer.planner.context import PlanContext, planner_terms_of
-from trainer.planner.low_precision import autocast_casts_each, converted_weight_copies, expert_groups
+from trainer.planner.low_precision import (
+    attention_inputs_as_given,
+    autocast_casts_each,
+    converted_weight_copies,
+    expert_groups,
+)
 
 
 @dataclass(frozen=True)
@@ -166,6 +171,8 @@ def attention_terms(
     passed (CP, packed documents). A hybrid family's recurrent block (``PlannerTerms.recurrent_blocks``)
     saves its mixer's terms instead (``RecurrentMixerTerms``: no rotary rows)."""
     t = c.terms
+    if pol.block_cast_each and block >= 0 and attention_inputs_as_given(c, block):
+        pol = dataclasses.replace(pol, as_given=True)  # an MoE block's converted attention
     if t.recurrent is not None and block in t.recurrent_blocks:
         terms = _norm_terms(c, pol, "attention_norm", t.recurrent.norm_consumers)
         terms.update(t.recurrent.saved(block_layout(c, pol, keys)))
