@@ -127,6 +127,18 @@ def test_moe_under_tensor_parallel_agrees(model: list[str], capsys: pytest.Captu
     for what in ("FLOPs executed", "activations saved (end of forward)"):
         assert rows[what]["checked"], what
         assert rows[what]["ratio"] == pytest.approx(1.0, abs=rehearse.TOLERANCE), what
+    # the predicted compute time counts the repeated work too (the MFU-convention FLOPs do not)
+    from trainer.config import compose_config
+    from trainer.planner.cluster import compose_cluster
+    from trainer.planner.context import build_context
+    from trainer.planner.plan import compute_seconds
+
+    cfg = compose_config(*args[:-1], *rehearse.REHEARSAL_OVERRIDES)
+    c = build_context(cfg, compose_cluster([]), rehearse._dims_at(cfg, rehearse.intended_world_size("debug")))
+    comp = compute_seconds(c)
+    timed = comp["compute_s"] * c.cluster.peak_tflops * 1e12 * c.cluster.mfu
+    assert timed == pytest.approx(rows["FLOPs executed"]["rehearsed"], rel=0.1), (timed, comp)
+    assert comp["flops_per_rank"] < 0.9 * timed  # the useful work: the convention's
 
 
 def test_the_balanced_routing_is_reported(capsys: pytest.CaptureFixture[str]) -> None:

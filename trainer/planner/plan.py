@@ -19,12 +19,16 @@ if TYPE_CHECKING:
 
 
 def compute_seconds(c: PlanContext) -> dict[str, float]:
-    """FLOPs and time of one step on one rank; full checkpointing recomputes the forward (+1/3)."""
+    """FLOPs and time of one step on one rank; full checkpointing recomputes the forward (+1/3).
+    ``flops_per_rank`` is the useful work (the MFU convention); the time also counts the work every
+    tp rank repeats (:func:`tp_replicated_flops_per_token`: an MoE layer and MLA's down-projections
+    run replicated in the tp group), without which an MoE run at tp=2 was predicted ~1.5x too fast."""
     t, dims = c.cfg.training, c.dims
     tokens = t.global_batch_size * t.seq_len
     flops = c.spec.flops_per_token(c.cfg.model, t.seq_len) * tokens / dims.world_size
     recompute = 4 / 3 if c.recompute else 1.0
-    seconds = flops * recompute / (c.cluster.peak_tflops * 1e12 * c.cluster.mfu)
+    repeated = tp_replicated_flops_per_token(c) * tokens / dims.world_size
+    seconds = (flops * recompute + repeated) / (c.cluster.peak_tflops * 1e12 * c.cluster.mfu)
     bubble = pp_bubble(c.schedule, dims.pp, c.accum, c.stages_per_rank)
     out = {
         "tokens_per_step": float(tokens),
