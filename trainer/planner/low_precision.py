@@ -317,10 +317,7 @@ def converted_backward_transient(c: PlanContext, block: int, ffn_saved: float) -
     if not f8.enable or model is None:
         return 0.0
     tp, kinds, modules = c.dims.tp, tp_kinds(model, spec), dict(model.named_modules())
-    key = spec.block_items(model)[block][0]
-    prefix = f"{spec.blocks}.{key}."
-    moe = [name for name, _ in spec.moe_layers(model)] if spec.moe_layers is not None else []
-    moe = [name for name in moe if name.startswith(prefix)]
+    prefix, moe = _block_scope(c, block)
     fsdp_bf16 = c.dims.fsdp_enabled and c.param_gather_bytes == 2
     autocast = c.cfg.training.mixed_precision == "bf16"
     # the rehearsal and a CPU run emulate; torchao's real MX matmul needs Triton (absent): MXFP8 is
@@ -340,7 +337,7 @@ def converted_backward_transient(c: PlanContext, block: int, ffn_saved: float) -
         extra = _backward_extra(
             f8.recipe, emulate, spec.family, c.micro_tokens, in_f, out_f, fsdp_bf16, autocast
         )
-        after_moe = bool(moe) and not any(module.startswith(f"{m}.") for m in moe)
+        after_moe = bool(moe) and not _inside(module, moe)
         out = max(out, extra - (ffn_saved if after_moe else 0.0))
     return out
 
@@ -396,18 +393,27 @@ def attention_inputs_as_given(c: PlanContext, block: int) -> bool:
     saves, model, spec = autocast_saves(c), c.table.model, c.spec
     if saves is None or not saves.input_as_given or model is None:
         return False
-    key = spec.block_items(model)[block][0]
-    prefix = f"{spec.blocks}.{key}."
-    moe = [name for name, _ in spec.moe_layers(model)] if spec.moe_layers is not None else []
+    prefix, moe = _block_scope(c, block)
     converted = {name[: -len(".weight")] for name in float8_weight_names(model, c.cfg.training.float8, spec)}
     linears = [
         name
         for name, m in model.named_modules()
-        if isinstance(m, nn.Linear)
-        and name.startswith(prefix)
-        and not any(name.startswith(f"{layer}.") for layer in moe)
+        if isinstance(m, nn.Linear) and name.startswith(prefix) and not _inside(name, moe)
     ]
     return bool(linears) and all(name in converted for name in linears)
+
+
+def _block_scope(c: PlanContext, block: int) -> tuple[str, list[str]]:
+    """Block ``block``'s module-name prefix (``<blocks>.<key>.``) and its MoE layers' names."""
+    model, spec = c.table.model, c.spec
+    assert model is not None
+    prefix = f"{spec.blocks}.{spec.block_items(model)[block][0]}."
+    moe = [name for name, _ in spec.moe_layers(model)] if spec.moe_layers is not None else []
+    return prefix, [name for name in moe if name.startswith(prefix)]
+
+
+def _inside(module: str, layers: list[str]) -> bool:
+    return any(module.startswith(f"{layer}.") for layer in layers)
 
 
 def converted_weight_copies(c: PlanContext) -> list[float]:

@@ -171,15 +171,14 @@ def _casts_transient(c: PlanContext, block: int) -> float:
     return converted_backward_transient(c, block, ffn)
 
 
-def _plain_backward_transient(c: PlanContext, block: int) -> float:
+def _plain_backward_transient(c: PlanContext, block: int, casts: float) -> float:
     """Without FSDP, what block ``block``'s backward holds beyond its saved bytes and the held
     gradients at its worst instant, in its dense SwiGLU feed-forward (the rehearsed peak of a pipeline
     stage without FSDP; ``debug`` pp=2 rank 0: 1.109 of the plan without it): the output projection's
     backward makes its input's gradient (tokens x hidden/tp, compute dtype) and its weight's (fp32,
-    then accumulated), beside the float8 casts (``_casts_transient``); the gate product's backward
+    then accumulated), beside the float8 casts (``casts``: ``_casts_transient``); the gate product's backward
     then makes both factors' gradients while the product's is live and the product itself (w2's saved
     input) is freed: two (tokens x hidden/tp) tensors. An MoE block's: its casts only."""
-    casts = _casts_transient(c, block)
     if block in c.table.moe_layers:
         return casts
     hidden = c.terms.ffn_hidden_dim / c.dims.tp
@@ -196,6 +195,7 @@ def _stage_bytes(c: PlanContext, pp_rank: int, st: PlannedStage) -> StageBytes:
     fsdp = dims.fsdp_enabled
     saved = stage_saved(c, st, receives=st.index > 0)
     output = _stage_output_bytes(c, st)
+    casts = _casts_transient(c, st.blocks[-1]) if st.blocks else 0.0
     return StageBytes(
         micro=sum(saved.values()) - saved["weight_copies"] + output,
         once=saved["weight_copies"],
@@ -207,9 +207,10 @@ def _stage_bytes(c: PlanContext, pp_rank: int, st: PlannedStage) -> StageBytes:
         root_transient=max((g for _, g in units[len(st.blocks) :]), default=0.0) * c.param_gather_bytes,
         sharded_grads=grads_b,
         gathered=local * c.param_gather_bytes if fsdp and not c.reshard_after_forward else 0.0,
-        matmul_transient=_casts_transient(c, st.blocks[-1]) if st.blocks else 0.0,
+        matmul_transient=casts,
         # on the last stage the blocks' output gradient is the head's backward's, not a receive buffer
-        plain_transient=_plain_backward_transient(c, st.blocks[-1]) + (_boundary_bytes(c) if st.last else 0.0)
+        plain_transient=_plain_backward_transient(c, st.blocks[-1], casts)
+        + (_boundary_bytes(c) if st.last else 0.0)
         if st.blocks
         else 0.0,
     )
