@@ -21,6 +21,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import pickle
+import re
 import signal
 import socket
 import time
@@ -181,8 +182,31 @@ def run_distributed(
             outcomes.setdefault(r, "finished")
         header = f"distributed run of {getattr(fn, '__name__', fn)} on {world_size} rank(s) failed"
         lines = [f"rank {r}: {outcomes[r]}" for r in outcomes]
-        raise DistributedError(header + "\n" + "\n".join(lines), outcomes)
+        # Each rank's account again in one line, last: a log cut to its head and tail (a CI excerpt)
+        # still shows the root cause, not only the peer's lost connection that a long traceback ends on.
+        summary = [f"rank {r}: {_last_line(outcomes[r])}" for r in outcomes]
+        message = "\n".join([header, *lines, "in short:", *summary])
+        raise DistributedError(message, outcomes)
     return [results[r] for r in range(world_size)]
+
+
+_CHAINED = re.compile(
+    r"^(The above exception was the direct cause of the following exception:|"
+    r"During handling of the above exception, another exception occurred:)$",
+    re.M,
+)
+
+
+def _last_line(account: str) -> str:
+    """A rank's account in one line: the exception line of each traceback in a chain (the cause
+    first), or the account itself when it is no traceback; each shortened."""
+    ends = []
+    for part in _CHAINED.split(account):
+        lines = [line.strip() for line in part.splitlines() if line.strip()]
+        if lines and not _CHAINED.match(lines[-1]):
+            last = lines[-1]
+            ends.append(last if len(last) <= 240 else last[:237] + "...")
+    return " -> ".join(ends) if ends else account
 
 
 def _collect(

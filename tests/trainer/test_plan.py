@@ -210,12 +210,15 @@ def test_cluster_presets_and_overrides() -> None:
 
 @pytest.mark.parametrize("name", ["7b_hsdp", "405b_4d"])
 def test_cli_prints_quickly(name: str, capsys: pytest.CaptureFixture[str]) -> None:
-    start = time.perf_counter()
+    """The planner CLI answers in seconds. Timed in this process's CPU seconds, not wall seconds: other
+    processes on a loaded 2-core machine stretch the wall clock (the assertion flaked there), not the
+    work the planner does."""
+    start = time.process_time()
     assert main([f"+experiment={name}"]) == 0
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     out = capsys.readouterr().out
     assert "verdict: fits with" in out and "communication per step" in out
-    assert elapsed < 5, f"planner took {elapsed:.1f} s"
+    assert elapsed < 5, f"planner took {elapsed:.1f} CPU s"
     assert main([f"+experiment={name}", "--json"]) == 0
     assert '"verdict"' in capsys.readouterr().out
 
