@@ -1,6 +1,7 @@
 """``training.float8`` under ``python -m trainer.rehearse``: FSDP's float8 all-gather is rehearsed (the
 host read of torchao's precomputed scale answered, ``REPLACED``) and its payload agrees with the plan
-byte for byte, below the same run's bf16 all-gather (``7b_fsdp`` cut to 2 blocks, one rank). MoE
+byte for byte, below the same run's bf16 all-gather (``7b_fsdp`` cut to 2 blocks, one rank), also
+with linears the TP plan replicates (deepseek_v3_debug at TP x2 x FSDP x2). MoE
 experts in MXFP8 (``training.float8.experts``) rehearse in agreement with the plan's precision term
 (``trainer/planner/low_precision.py``: padded token groups, bf16 grouped-GEMM outputs), with fp32 and
 bf16 FSDP parameters, the latter also under bf16 autocast. Float8 linears under bf16 autocast over fp32
@@ -41,6 +42,46 @@ def test_float8_all_gather_rehearses_and_agrees_with_the_plan(capsys: pytest.Cap
     )
     assert gathered["rehearsed"] == gathered["planned"], gathered
     assert gathered["planned"] < 0.75 * bf16, (gathered, bf16)  # the blocks' weights at 1 byte, not 2
+
+
+def test_float8_all_gather_of_tp_replicated_linears_agrees_with_the_plan(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """At tp=2 x dp_shard=2 some converted linears are replicated over tp (deepseek_v3_debug: MLA's
+    ``wq_a`` / ``wkv_a`` in both blocks, the MoE block's shared experts): FSDP all-gathers them whole in
+    float8, and the plan's float8 elements (``converted_weights``) count them whole, as the parameter
+    table does. Rehearsed / planned all-gather bytes over dp_shard: 0.934 when every converted linear
+    was divided by tp, now byte for byte (qwen3_5_moe_debug, 1 layer: 0.931 -> 1.000)."""
+    from parallelisms.float8 import float8_weight_names
+    from trainer.config import compose_config
+    from trainer.planner.cluster import compose_cluster
+    from trainer.planner.context import build_context
+    from trainer.planner.low_precision import converted_weights
+
+    run = (
+        "+experiment=debug",
+        "model=deepseek_v3_debug",
+        "model.n_layers=2",
+        "parallelism.tp=2",
+        "parallelism.dp_shard=2",
+        "training.float8.enable=true",
+        "training.float8.fsdp_float8_all_gather=true",
+    )
+    # --report-only: the peak (0.911 of the plan) is not this test's term (the README's float8 + tp)
+    rehearse.main([*run, "--world=4", "--ranks=0", "--json", "--report-only"])
+    (rank,) = json.loads(capsys.readouterr().out)["ranks"]
+    gathered = {r["what"]: r for r in rank["rows"]}["all_gather dp_shard_cp bytes"]
+    assert gathered["checked"] and gathered["rehearsed"] == gathered["planned"], gathered
+    # the case holds tp-replicated converted linears, each counted whole on a tp rank
+    cfg = compose_config(*run, *rehearse.REHEARSAL_OVERRIDES)
+    c = build_context(cfg, compose_cluster([]), rehearse._dims_at(cfg, 4))
+    assert c.table.model is not None
+    names = float8_weight_names(c.table.model, cfg.training.float8, c.spec)
+    local = dict(zip(names, (elements for _, elements in converted_weights(c)), strict=True))
+    params = dict(c.table.model.named_parameters())
+    replicated = [n for n in names if any(k in n for k in (".wq_a.", ".wkv_a.", ".shared_experts."))]
+    assert len(replicated) == 2 * 2 + 3, replicated
+    assert all(local[n] == params[n].numel() for n in replicated), local
 
 
 # MoE experts in MXFP8 (moe_debug cut to 1 layer, FSDP x2 at the debug preset's world size): every

@@ -81,6 +81,7 @@ from parallelisms.float8 import (
 )
 from parallelisms.tensor_parallel import tp_kinds
 from trainer.planner.context import PlanContext
+from trainer.planner.params import tp_sharded
 
 __all__ = [
     "AMAX_BYTES",
@@ -128,16 +129,18 @@ def _all_gathers_float8(c: PlanContext) -> bool:
 
 def converted_weights(c: PlanContext) -> list[tuple[int, float]]:
     """Per weight of a converted (float8 / MXFP8) linear: (its block's index in ``c.table.blocks``, its
-    elements on one tp rank, unsharded by FSDP). Empty without float8."""
+    elements on one tp rank, unsharded by FSDP). A linear the TP plan shards is divided by tp; one it
+    replicates (an MoE layer's shared experts, MLA's ``wq_a`` / ``wkv_a``) is whole on every tp rank,
+    as the parameter table counts it (``params.tp_sharded``). Empty without float8."""
     model, spec, f8 = c.table.model, c.spec, c.cfg.training.float8
     if not f8.enable or model is None:
         return []
     index = {key: i for i, (key, _) in enumerate(spec.block_items(model))}
-    params = dict(model.named_parameters())
+    params, kinds = dict(model.named_parameters()), tp_kinds(model, spec)
     out = []
     for name in float8_weight_names(model, f8, spec):
-        key = name[len(spec.blocks) + 1 :].split(".")[0]  # "<blocks>.<key>.<...>.weight"
-        out.append((index[key], params[name].numel() / c.dims.tp))  # every block linear is TP-sharded
+        tp = c.dims.tp if tp_sharded(kinds.get(name[: -len(".weight")])) else 1
+        out.append((index[_block_key(spec.blocks, name)], params[name].numel() / tp))
     return out
 
 

@@ -5,7 +5,8 @@ The model is built on the meta device with the weight-init functions switched of
 no storage, ~0.1-1 s even for 405B), and every parameter is classified by the family's own
 ``ModelSpec``: its block (``spec.block_items``), whether tensor parallel shards it (the TP plan's
 kind of the module that owns it: ``embedding``, ``colwise``, ``rowwise``, ``head`` shard; ``norm``,
-``replicate``, ``head_norm`` and modules without a kind replicate), and whether it is an expert
+``replicate``, ``head_norm`` and modules without a kind replicate: :func:`tp_sharded`, which the float8
+terms read too), and whether it is an expert
 (``spec.expert_modules``, sharded by expert parallel). A new family gets a correct plan
 from its spec alone.
 """
@@ -23,9 +24,17 @@ from torch import nn
 from models.spec import ModelSpec
 from parallelisms.tensor_parallel import tp_kinds
 
-__all__ = ["ModuleParams", "ParamTable", "param_table"]
+__all__ = ["ModuleParams", "ParamTable", "param_table", "tp_sharded"]
 
 TP_SHARDED_KINDS = ("embedding", "colwise", "rowwise", "head", "shard_params")
+
+
+def tp_sharded(kind: Optional[str]) -> bool:
+    """Whether tensor parallel shards the parameters of a module of TP-plan kind ``kind``
+    (``tp_kinds``' value; None: the plan leaves the module out, so it is replicated over tp)."""
+    return kind in TP_SHARDED_KINDS
+
+
 _INIT_FUNCTIONS = (
     "normal_",
     "trunc_normal_",
@@ -148,7 +157,7 @@ def param_table(spec: ModelSpec, args: Any) -> ParamTable:
         if id(p) in expert_ids:
             group.experts += p.numel()
             group.muon_experts += p.numel() if muon else 0
-        elif kind in TP_SHARDED_KINDS:
+        elif tp_sharded(kind):
             group.tp_sharded += p.numel()
             group.muon_sharded += p.numel() if muon else 0
         else:
