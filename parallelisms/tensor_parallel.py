@@ -43,7 +43,7 @@ from __future__ import annotations
 import os
 import re
 import warnings
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -79,6 +79,7 @@ __all__ = [
     "keep_gradients_sharded",
     "tp_kinds",
     "tp_plan",
+    "tp_shard_dim",
 ]
 
 
@@ -208,6 +209,27 @@ def _style(kind: str, *, sequence_parallel: bool, loss_parallel: bool) -> Parall
             use_local_output=True,
         )
     raise ValueError(f"unknown tensor-parallel style {kind!r} in the model's TP plan")
+
+
+def tp_shard_dim(kind: Optional[str], module: nn.Module, param: str) -> Optional[int]:
+    """The dim on which the style of ``kind`` (``_style``) shards ``module``'s own parameter ``param`` over
+    tp (its ``Shard(dim)``); None where it replicates it or leaves it a plain tensor. What reads the
+    plan's placements without applying it (the planner) reads them here. Torch's ``ColwiseParallel``
+    (``colwise``, ``head``) shards a Linear's output features (weight and bias dim 0) and an Embedding's
+    features (dim 1); ``RowwiseParallel`` (``rowwise``, ``embedding``) a Linear's input features (weight
+    dim 1; its bias is replicated) and an Embedding's vocabulary (dim 0); ``ShardParamsParallel``
+    (``shard_params``) every parameter on dim 0. The other kinds replicate a module's parameters or
+    leave them as they are."""
+    if kind == "shard_params":
+        return 0
+    colwise = kind in ("colwise", "head")
+    if not colwise and kind not in ("rowwise", "embedding"):
+        return None
+    if isinstance(module, nn.Embedding):
+        return 1 if colwise else 0
+    if param == "bias":
+        return 0 if colwise else None
+    return 0 if colwise else 1
 
 
 def tp_kinds(model: nn.Module, spec: ModelSpec) -> dict[str, str]:

@@ -6,7 +6,9 @@ A real 2-rank gloo save of the tiny model (FSDP, with and without tied embedding
 replicated tensors DCP de-duplicates) is measured file by file against both (ZeRO-1, whose owners save
 their own optimizer state, against the plan); rehearsed 7b_hsdp and
 70b_tp_fsdp ranks check that DCP's global plan over the derived local plans gives every one of the 32
-ranks the data file the planner gives it, a rehearsed debug_pp rank (pipeline stages) its stage's.
+ranks the data file the planner gives it, as a rehearsed qwen3_5_moe_debug rank at tp=2 does for its 2
+ranks (a Gated DeltaNet's convolutions and decay vectors sharded over tp with its heads), a rehearsed
+debug_pp rank (pipeline stages) its stage's.
 """
 
 from __future__ import annotations
@@ -152,23 +154,41 @@ def _rehearsed_save(cfg, world: int, rank: int):
                 os.environ[k] = v
 
 
-@pytest.mark.parametrize(("experiment", "layers"), [("7b_hsdp", 2), ("70b_tp_fsdp", 1)])
-def test_every_rank_writes_the_file_the_plan_gives_it(experiment: str, layers: int) -> None:
+QWEN3_5_MOE_TP = ("model=qwen3_5_moe_debug", "parallelism.tp=2", "parallelism.dp_shard=1")
+
+
+@pytest.mark.parametrize(
+    ("experiment", "overrides", "world"),
+    [
+        ("7b_hsdp", ("model.n_layers=2",), None),
+        ("70b_tp_fsdp", ("model.n_layers=1",), None),
+        ("debug", QWEN3_5_MOE_TP, 2),
+    ],
+    ids=["7b_hsdp", "70b_tp_fsdp", "qwen3_5_moe_debug_tp2"],
+)
+def test_every_rank_writes_the_file_the_plan_gives_it(
+    experiment: str, overrides: tuple[str, ...], world: int | None
+) -> None:
     """7b_hsdp: each shard's chunks are held by its 4 replicas (dp_replicate), which DCP's coordinator
     spreads over them; 70b_tp_fsdp: the norms replicated over tp; in both the scalar optimizer steps and
-    every object are held by all 32 ranks. DCP's global plan over the 32 local plans derived from rank
-    0's and the planner's walk of the same rule give every rank the same data file, byte for byte; rank
-    0's DCP .metadata and marker agree within 0.1%."""
+    every object are held by all 32 ranks. qwen3_5_moe_debug at tp=2: the DeltaNet's convolution kernels
+    and decay vectors are ``Shard(0)`` over tp (``shard_params``), the MoE layers replicated; every
+    object is held by both ranks, so one misplaced tensor moves hundreds of them (planned 1,254 entries
+    on rank 0 where DCP gave it 705 while the planner held those tensors replicated). DCP's global plan
+    over the local plans derived from rank 0's and the planner's walk of the same rule give every rank
+    the same data file, byte for byte, and rank 0 the same entries; rank 0's DCP .metadata and marker
+    agree within 0.1%."""
     from trainer.config import compose_config
     from trainer.planner.cluster import compose_cluster
     from trainer.planner.plan import build_plan
-    from trainer.rehearse import REHEARSAL_OVERRIDES, intended_world_size
+    from trainer.rehearse import REHEARSAL_OVERRIDES, _dims_at, intended_world_size
 
-    world = intended_world_size(experiment)
-    cfg = compose_config(f"+experiment={experiment}", f"model.n_layers={layers}", *REHEARSAL_OVERRIDES)
-    plan = build_plan(cfg, compose_cluster([]), experiment).checkpoint
+    world = world or intended_world_size(experiment)
+    cfg = compose_config(f"+experiment={experiment}", *overrides, *REHEARSAL_OVERRIDES)
+    plan = build_plan(cfg, compose_cluster([]), experiment, dims=_dims_at(cfg, world)).checkpoint
     assert plan is not None and len(plan.rank_bytes) == world
     got = _rehearsed_save(cfg, world, 0)
+    assert got.entries == plan.rank_entries[0]
     data = {int(n[2:].split("_")[0]): size for n, size in got.checkpoint.items() if n.endswith(".distcp")}
     assert sorted(data) == list(range(world))
     rank0_data = plan.rank_bytes[0] - plan.metadata_bytes - plan.marker_bytes

@@ -8,8 +8,10 @@ the train state and each rank's RNG (``trainer/checkpoint/checkpointer.py``), fl
 them. The layout then decides who holds what, in closed form:
 
 * a parameter-shaped entry (the weight and its per-parameter optimizer tensors) is split by tensor
-  parallel on the dim of its module's TP kind (``colwise``: the output dim, ``rowwise``: the input dim;
-  vocab-sharded ``embedding`` and ``head``: the vocabulary), then by FSDP on dim 0 over dp_shard x cp
+  parallel on the dim its module's TP style shards it on (``parallelisms.tensor_parallel.tp_shard_dim``:
+  ``colwise`` the output dim, ``rowwise`` the input dim, vocab-sharded ``embedding`` and ``head`` the
+  vocabulary, ``shard_params`` dim 0, e.g. a Gated DeltaNet's convolutions and decay vectors), then by
+  FSDP on dim 0 over dp_shard x cp
   (torch.chunk sizes; stacked experts under expert parallel: over ep, then the rest of dp_shard x cp),
   and is replicated over dp_replicate (HSDP, DDP) and over every axis that does not split it;
 * other tensors (AdamW's scalar ``step``) and objects (``param_groups``) are whole on every rank of a
@@ -216,29 +218,11 @@ def saved_entries(cfg: TrainConfig, model: Optional[nn.Module] = None) -> SavedS
 
 # -- who holds what ---------------------------------------------------------------------------------
 
-# Tensor-parallel kinds that shard a weight, and its dim: torch's ColwiseParallel shards a Linear's
-# output features (weight and bias dim 0), RowwiseParallel its input features (weight dim 1, bias
-# replicated); on an Embedding, RowwiseParallel shards the vocabulary (dim 0), ColwiseParallel the
-# features (dim 1). The family's TP plan names the kinds (``parallelisms/tensor_parallel.py``).
-_COLWISE = ("colwise", "head")
-_ROWWISE = ("rowwise", "embedding")
-
-
-def _tp_dim(module: nn.Module, kind: Optional[str], param: str, ndim: int) -> Optional[int]:
-    if kind not in _COLWISE + _ROWWISE:
-        return None
-    colwise = kind in _COLWISE
-    if isinstance(module, nn.Embedding):
-        return 1 if colwise else 0
-    if param == "bias":
-        return 0 if colwise else None
-    return (ndim - 2 if colwise else ndim - 1) if ndim >= 2 else None
-
 
 def _holdings(c: PlanContext, saved: SavedState) -> dict[str, _Holding]:
     """Each parameter's holding under the layout (see the module docstring)."""
     from parallelisms.sharded_optimizer import assign_owners
-    from parallelisms.tensor_parallel import tp_kinds
+    from parallelisms.tensor_parallel import tp_kinds, tp_shard_dim
 
     dims, p, model = c.dims, c.cfg.parallelism, saved.model
     kinds = tp_kinds(model, c.spec) if dims.tp > 1 else {}
@@ -253,7 +237,7 @@ def _holdings(c: PlanContext, saved: SavedState) -> dict[str, _Holding]:
     for name, param in model.named_parameters(remove_duplicate=False):  # tied weights under each name
         module_name, _, leaf = name.rpartition(".")
         splits: list[_Split] = []
-        tp_dim = _tp_dim(model.get_submodule(module_name), kinds.get(module_name), leaf, param.dim())
+        tp_dim = tp_shard_dim(kinds.get(module_name), model.get_submodule(module_name), leaf)
         if tp_dim is not None:
             splits.append(_Split(tp_dim, ("tp",)))
         if id(param) in experts:

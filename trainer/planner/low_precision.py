@@ -79,9 +79,8 @@ from parallelisms.float8 import (
     float8_weight_names,
     torchao_linear_config,
 )
-from parallelisms.tensor_parallel import tp_kinds
+from parallelisms.tensor_parallel import tp_kinds, tp_shard_dim
 from trainer.planner.context import PlanContext
-from trainer.planner.params import tp_sharded
 
 __all__ = [
     "AMAX_BYTES",
@@ -131,7 +130,7 @@ def converted_weights(c: PlanContext) -> list[tuple[int, float]]:
     """Per weight of a converted (float8 / MXFP8) linear: (its block's index in ``c.table.blocks``, its
     elements on one tp rank, unsharded by FSDP). A linear the TP plan shards is divided by tp; one it
     replicates (an MoE layer's shared experts, MLA's ``wq_a`` / ``wkv_a``) is whole on every tp rank,
-    as the parameter table counts it (``params.tp_sharded``). Empty without float8."""
+    as the parameter table counts it (``tensor_parallel.tp_shard_dim``). Empty without float8."""
     model, spec, f8 = c.table.model, c.spec, c.cfg.training.float8
     if not f8.enable or model is None:
         return []
@@ -139,7 +138,9 @@ def converted_weights(c: PlanContext) -> list[tuple[int, float]]:
     params, kinds = dict(model.named_parameters()), tp_kinds(model, spec)
     out = []
     for name in float8_weight_names(model, f8, spec):
-        tp = c.dims.tp if tp_sharded(kinds.get(name[: -len(".weight")])) else 1
+        module = name[: -len(".weight")]
+        sharded = tp_shard_dim(kinds.get(module), model.get_submodule(module), "weight") is not None
+        tp = c.dims.tp if sharded else 1
         out.append((index[_block_key(spec.blocks, name)], params[name].numel() / tp))
     return out
 

@@ -11,7 +11,8 @@ owners, computed for one global rank with the optimizers' own assignment functio
 
 The parameters come from the model built on meta (``ParamTable.model``), grouped by the optimizer's
 own group builders; the piece of each Muon matrix a rank holds follows from the layout's placements
-(FSDP ``Shard(0)`` over ``dp_shard x cp``, TP ``Shard(0)`` colwise / ``Shard(1)`` rowwise over ``tp``,
+(FSDP ``Shard(0)`` over ``dp_shard x cp``, TP ``Shard`` on the dim its module's style shards over ``tp``
+(``parallelisms.tensor_parallel.tp_shard_dim``: ``Shard(0)`` colwise, ``Shard(1)`` rowwise),
 experts ``Shard(0)`` over ``ep`` and their FSDP over ``dp_shard x cp / ep``), evaluated by
 ``parallelisms.utils.shard_piece`` at each rank's mesh coordinate: the same function the optimizer's
 own derivation uses on the real DTensors.
@@ -20,7 +21,7 @@ own derivation uses on the real DTensors.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, Union
 
 import torch
 
@@ -33,7 +34,9 @@ if TYPE_CHECKING:
 
 __all__ = ["MuonRank", "muon_ns_flops", "muon_rank", "zero1_optimizer_bytes", "zero1_segments"]
 
-_TP_DIM = {"colwise": 0, "rowwise": 1}  # the TP plan kinds that shard a Linear weight, and along which dim
+# How the layout splits a Muon matrix: "expert" (a stacked experts' weight) or the dim tensor parallel
+# shards it on (``tp_shard_dim``; None: replicated over tp)
+_Split = Union[Literal["expert"], int, None]
 
 
 def _stage_names(c: PlanContext, pp_rank: int) -> set[str]:
@@ -119,9 +122,9 @@ def _coordinates(c: PlanContext, rank: int) -> tuple[int, int, int, int, int]:
     return pp, replicate, shard, cp, tp
 
 
-def _placements(c: PlanContext, rank: int, kind: str) -> tuple[list[int], list[int], list[Placement]]:
-    """(mesh shape, the rank's coordinate, placements) of a Muon matrix of ``kind`` (a TP plan kind,
-    or ``expert``); replicated mesh dims are left out (they do not change the piece)."""
+def _placements(c: PlanContext, rank: int, split: _Split) -> tuple[list[int], list[int], list[Placement]]:
+    """(mesh shape, the rank's coordinate, placements) of a Muon matrix split as ``split``; replicated
+    mesh dims are left out (they do not change the piece)."""
     from torch.distributed.tensor import Replicate, Shard
 
     d = c.dims
@@ -130,7 +133,7 @@ def _placements(c: PlanContext, rank: int, kind: str) -> tuple[list[int], list[i
     shape: list[int] = []
     at: list[int] = []
     placements: list[Placement] = []
-    if kind == "expert":
+    if split == "expert":
         if d.fsdp_enabled and d.dp_shard * d.cp // d.ep > 1:  # FSDP over dp_shard_mod_ep
             shape.append(d.dp_shard * d.cp // d.ep)
             at.append(fsdp // d.ep)
@@ -147,7 +150,7 @@ def _placements(c: PlanContext, rank: int, kind: str) -> tuple[list[int], list[i
     if d.tp > 1:
         shape.append(d.tp)
         at.append(tp)
-        placements.append(Shard(_TP_DIM[kind]) if kind in _TP_DIM else Replicate())
+        placements.append(Replicate() if split is None else Shard(split))
     return shape, at, placements
 
 
@@ -164,7 +167,7 @@ def _muon_units(c: PlanContext) -> list[_Unit]:
     """Muon's units over the world group, with their owners and primaries (Muon's own
     ``plan_units``), from the pieces the layout gives every rank."""
     from models.common import unwrapped_name
-    from parallelisms.tensor_parallel import tp_kinds
+    from parallelisms.tensor_parallel import tp_kinds, tp_shard_dim
     from parallelisms.utils import shard_piece
     from trainer.optim.muon_plan import plan_units
 
@@ -179,16 +182,19 @@ def _muon_units(c: PlanContext) -> list[_Unit]:
         entries = []
         for muon, named in _optimizer_groups(c, pp_rank):
             for name, p in named if muon else []:
-                kind = "expert" if id(p) in experts else kinds.get(name.rpartition(".")[0], "")
-                entries.append((unwrapped_name(name), tuple(p.shape), kind))
+                module, _, leaf = name.rpartition(".")
+                split: _Split = "expert"
+                if id(p) not in experts:
+                    split = tp_shard_dim(kinds.get(module), model.get_submodule(module), leaf)
+                entries.append((unwrapped_name(name), tuple(p.shape), split))
         per_stage.append(entries)
     cache: dict[tuple[object, ...], Piece] = {}
     layouts = []
     for r in range(c.dims.world_size):
         layout = []
-        for name, shape, kind in per_stage[_coordinates(c, r)[0]]:
-            mesh_shape, at, placements = _placements(c, r, kind)
-            key = (shape, kind, tuple(at))
+        for name, shape, split in per_stage[_coordinates(c, r)[0]]:
+            mesh_shape, at, placements = _placements(c, r, split)
+            key = (shape, split, tuple(at))
             if key not in cache:
                 cache[key] = shard_piece(shape, mesh_shape, at, placements)
             layout.append((name, shape, cache[key]))

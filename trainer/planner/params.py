@@ -3,10 +3,10 @@ itself: the planner's parameter table (``trainer/plan.py``).
 
 The model is built on the meta device with the weight-init functions switched off (shapes only:
 no storage, ~0.1-1 s even for 405B), and every parameter is classified by the family's own
-``ModelSpec``: its block (``spec.block_items``), whether tensor parallel shards it (the TP plan's
-kind of the module that owns it: ``embedding``, ``colwise``, ``rowwise``, ``head`` shard; ``norm``,
-``replicate``, ``head_norm`` and modules without a kind replicate: :func:`tp_sharded`, which the float8
-terms read too), and whether it is an expert
+``ModelSpec``: its block (``spec.block_items``), whether tensor parallel shards it (the style of the TP
+plan's kind of the module that owns it, ``parallelisms.tensor_parallel.tp_shard_dim``: ``embedding``,
+``colwise``, ``rowwise``, ``head`` and ``shard_params`` shard; ``norm``, ``replicate``, ``head_norm``
+and modules without a kind replicate), and whether it is an expert
 (``spec.expert_modules``, sharded by expert parallel). A new family gets a correct plan
 from its spec alone.
 """
@@ -22,18 +22,9 @@ import torch
 from torch import nn
 
 from models.spec import ModelSpec
-from parallelisms.tensor_parallel import tp_kinds
+from parallelisms.tensor_parallel import tp_kinds, tp_shard_dim
 
-__all__ = ["ModuleParams", "ParamTable", "param_table", "tp_sharded"]
-
-TP_SHARDED_KINDS = ("embedding", "colwise", "rowwise", "head", "shard_params")
-
-
-def tp_sharded(kind: Optional[str]) -> bool:
-    """Whether tensor parallel shards the parameters of a module of TP-plan kind ``kind``
-    (``tp_kinds``' value; None: the plan leaves the module out, so it is replicated over tp)."""
-    return kind in TP_SHARDED_KINDS
-
+__all__ = ["ModuleParams", "ParamTable", "param_table"]
 
 _INIT_FUNCTIONS = (
     "normal_",
@@ -146,7 +137,7 @@ def param_table(spec: ModelSpec, args: Any) -> ParamTable:
     first_ids = {id(p) for m in present(spec.first_modules) for p in m.parameters()}
     tied = any(id(p) in first_ids for m in present(spec.last_modules) for p in m.parameters())
     for name, p in model.named_parameters():  # tied weights once, under the first module
-        module_name = name.rpartition(".")[0]
+        module_name, _, leaf = name.rpartition(".")
         block = next((i for pre, i in prefix_of.items() if name.startswith(pre)), None)
         group = groups[block] if block is not None else (first if id(p) in first_ids else last)
         kind = kinds.get(module_name)
@@ -157,7 +148,7 @@ def param_table(spec: ModelSpec, args: Any) -> ParamTable:
         if id(p) in expert_ids:
             group.experts += p.numel()
             group.muon_experts += p.numel() if muon else 0
-        elif tp_sharded(kind):
+        elif tp_shard_dim(kind, model.get_submodule(module_name), leaf) is not None:
             group.tp_sharded += p.numel()
             group.muon_sharded += p.numel() if muon else 0
         else:
