@@ -9,7 +9,13 @@ import math
 from parallelisms.parallel_dims import DP_REPLICATE_CP, FLAT_VIEWS, MESH_DIM_NAMES, OPTIONAL_VIEWS
 from trainer.planner.activations import dtype_policy
 from trainer.planner.context import Collective, PlanContext, link_kind, make_collective
-from trainer.planner.low_precision import AMAX_BYTES, float8_gathered, float8_tp_amax, float8_weights
+from trainer.planner.low_precision import (
+    AMAX_BYTES,
+    float8_gathered,
+    float8_tp_amax,
+    float8_weights,
+    gathered_bytes,
+)
 
 __all__ = ["rank_collectives", "semi_sync_bytes_per_sync"]
 
@@ -78,7 +84,7 @@ def _fsdp_rows(rows: _Rows, c: PlanContext, pp_rank: int) -> None:
     dense, experts, head, root, f8 = _fsdp_units(c, pp_rank)
     g = c.param_gather_bytes
     # bytes of one gather of each unit: float8 weights (fsdp_float8_all_gather) travel as 1 byte
-    dense_bytes = [n * g - f * (g - 1) for n, f in zip(dense, f8, strict=True)]
+    dense_bytes = [gathered_bytes(c, n, f) for n, f in zip(dense, f8, strict=True)]
     per_step = dims.pp > 1 and not c.reshard_after_forward
     m = 1 if per_step else c.accum
     syncs = 1 if dims.pp > 1 else c.accum

@@ -28,7 +28,7 @@ from trainer.planner.activations import (
 )
 from trainer.planner.cluster import ADAM_BYTES, DTYPE_BYTES
 from trainer.planner.context import PlanContext, PlannedStage, StageMemory
-from trainer.planner.low_precision import converted_backward_transient, float8_gathered
+from trainer.planner.low_precision import converted_backward_transient, float8_gathered, gathered_bytes
 from trainer.planner.pipeline_memory import ScheduleWalk, StageBytes, schedule_actions, walk_schedule
 
 INT64 = 8
@@ -163,12 +163,20 @@ def _stage_units(c: PlanContext, st: PlannedStage) -> list[tuple[float, float]]:
     return units
 
 
-def _casts_transient(c: PlanContext, block: int) -> float:
+def _gathered_blocks(c: PlanContext, blocks: list[int]) -> list[float]:
+    """Each of ``blocks``' (``c.table.blocks``' indices) bytes while FSDP holds it gathered: its
+    float8 weights (``fsdp_float8_all_gather``) one byte an element (``low_precision.gathered_bytes``)."""
+    f8, tp, ep = float8_gathered(c), c.dims.tp, c.dims.ep
+    return [gathered_bytes(c, c.table.blocks[b].local(tp, ep), f8[b]) for b in blocks]
+
+
+def _casts_transient(c: PlanContext, block: int, experts_grad: float = 0.0) -> float:
     """Block ``block``'s float8 linears' cast temporaries in its backward, at the blocks' instant
     (``low_precision.converted_backward_transient``); its feed-forward's saved bytes are freed before
-    an MoE block's attention runs its backward."""
+    an MoE block's attention runs its backward, and its experts' gradients (``experts_grad`` bytes,
+    where the instant holds them) are made after its shared experts ran theirs."""
     ffn = sum(mlp_terms(c, dtype_policy(c), block).values()) * c.micro_tokens
-    return converted_backward_transient(c, block, ffn)
+    return converted_backward_transient(c, block, ffn, experts_grad)
 
 
 def _plain_backward_transient(c: PlanContext, block: int, casts: float) -> float:
@@ -196,6 +204,8 @@ def _stage_bytes(c: PlanContext, pp_rank: int, st: PlannedStage) -> StageBytes:
     saved = stage_saved(c, st, receives=st.index > 0)
     output = _stage_output_bytes(c, st)
     casts = _casts_transient(c, st.blocks[-1]) if st.blocks else 0.0
+    others = sum(n for n, _ in units[len(st.blocks) :])  # the root and head units
+    gathered = sum(_gathered_blocks(c, st.blocks)) + others * c.param_gather_bytes
     return StageBytes(
         micro=sum(saved.values()) - saved["weight_copies"] + output,
         once=saved["weight_copies"],
@@ -206,7 +216,7 @@ def _stage_bytes(c: PlanContext, pp_rank: int, st: PlannedStage) -> StageBytes:
         grad_transient=max((g for _, g in units[: len(st.blocks)]), default=0.0) * c.param_gather_bytes,
         root_transient=max((g for _, g in units[len(st.blocks) :]), default=0.0) * c.param_gather_bytes,
         sharded_grads=grads_b,
-        gathered=local * c.param_gather_bytes if fsdp and not c.reshard_after_forward else 0.0,
+        gathered=gathered if fsdp and not c.reshard_after_forward else 0.0,
         matmul_transient=casts,
         # on the last stage the blocks' output gradient is the head's backward's, not a receive buffer
         plain_transient=_plain_backward_transient(c, st.blocks[-1], casts)
@@ -317,12 +327,9 @@ def buffer_bytes(c: PlanContext, pp_rank: int) -> dict[str, float]:
         local = c.group(pp_rank).local(dims.tp, dims.ep)
         out["ddp_wire_cast"] = min(local, p.ddp.bucket_mb * 1e6 / 4) * DTYPE_BYTES[p.ddp.grad_dtype]
     if dims.fsdp_enabled:
-        root, blocks, head = _unit_params(c, pp_rank)
+        root, _, head = _unit_params(c, pp_rank)
         g = c.param_gather_bytes
-        # a block's gathered bytes: its float8 weights (fsdp_float8_all_gather) are gathered as 1 byte
-        f8 = float8_gathered(c)
-        owned = [b for st in c.ranks[pp_rank] for b in st.blocks]
-        blocks = [n * g - f8[b] * (g - 1) for n, b in zip(blocks, owned, strict=True)]
+        blocks = _gathered_blocks(c, [b for st in c.ranks[pp_rank] for b in st.blocks])
         if not c.reshard_after_forward:  # nothing is freed before backward: every unit stays gathered
             gathered = (root + head) * g + sum(blocks)
         else:  # the root, the head and the last block at the end of forward (measured on gloo); on CUDA
@@ -452,8 +459,10 @@ def _fsdp_backward_peak(
     (the head and the last block: ``parallelisms/fsdp.py`` reshards neither; the root is). The
     blocks' (at the last block's): the blocks' saved bytes (the head's and the loss's are freed), one
     block recomputed (full AC) or torch's cache (op-level), that block and, on CUDA, the next one
-    prefetched gathered, the block's unsharded gradient in the parameter dtype and its reduce-scatter
-    input; then the first block's (its own saved bytes, every later unit's sharded gradient). The
+    prefetched gathered (their float8 weights at one byte: ``_gathered_blocks``), the block's unsharded
+    gradient in the parameter dtype and its reduce-scatter input, and its float8 linears' casts
+    (``_casts_transient``: an MoE layer's shared experts' before its experts' gradients); then the
+    first block's (its own saved bytes, every later unit's sharded gradient). The
     root's (the embedding's, last): every sharded gradient, the root gathered, the
     embedding's unsharded gradient -- the whole table's under tp: torch's embedding backward returns
     it replicated -- and its tp shard's copy, beside the first block's reduce-scatter input (FSDP2
@@ -467,7 +476,7 @@ def _fsdp_backward_peak(
     units = _stage_units(c, st)
     blocks, (root, *head_unit) = units[: len(st.blocks)], units[len(st.blocks) :]
     pb, sb = c.param_gather_bytes, c.sync_bytes
-    sizes = sorted((n * pb for n, _ in blocks), reverse=True) + [0.0, 0.0]
+    sizes = sorted(_gathered_blocks(c, st.blocks), reverse=True) + [0.0, 0.0]
     prefetch = sizes[1] if c.cluster.backend == "nccl" else 0.0
     gathered = {  # per instant: loss, blocks, root
         "loss": sum(n * pb for n, _ in head_unit) + sizes[0],
@@ -490,7 +499,11 @@ def _fsdp_backward_peak(
     # unit's gradient made): its two ends
     first = blocks_saved / max(1, len(blocks)) + grads_b
     block = gathered["block"] + max(grads_then + blocks_saved, first) + saved.recompute + saved.sac_cache
-    block += block_grad + (_casts_transient(c, st.blocks[-1]) if st.blocks else 0.0)
+    block += block_grad
+    # the last block's float8 casts; its experts' gradients (in block_grad) come after its shared experts'
+    if st.blocks:
+        last = st.blocks[-1]
+        block += _casts_transient(c, last, min(c.table.blocks[last].experts / ep, largest) * pb)
     # the embedding's gradient, its tp shard's copy (Replicate -> Shard), the first block's reduce input
     root_grad = root[1] * pb + (root[0] * pb if tp > 1 else 0.0) + (blocks[0][0] * sb if blocks else 0.0)
     return base + max(loss, block, gathered["root"] + grads_b + root_grad)
