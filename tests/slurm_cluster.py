@@ -76,7 +76,8 @@ class SlurmCluster:
         return "\n".join(parts)
 
     def stop(self) -> None:
-        """SIGTERM every daemon this cluster started (by pid), SIGKILL what is left after 15 s."""
+        """SIGTERM every daemon this cluster started (by pid), SIGKILL what is left after 15 s; then
+        SIGKILL what its jobs left behind (:meth:`strays`)."""
         for proc in reversed(list(self.procs.values())):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -87,6 +88,28 @@ class SlurmCluster:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=5)
+        for pid in self.strays():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def strays(self) -> list[int]:
+        """Processes of this cluster's jobs still alive: a job running when its slurmd stops leaves
+        its ``slurmstepd`` (and any task) waiting for a controller that is gone, for good. They carry
+        this cluster's ``SLURM_CONF`` in their environment, which nothing else on the machine does."""
+        mark = f"SLURM_CONF={self.env['SLURM_CONF']}".encode()
+        found = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == os.getpid():
+                continue
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if mark in f.read().split(b"\0"):
+                        found.append(int(entry))
+            except OSError:  # gone, or not ours to read
+                continue
+        return found
 
 
 def _conf(root: str, ctld_port: int, node_ports: tuple[int, int]) -> str:
