@@ -184,7 +184,7 @@ def run_distributed(
         lines = [f"rank {r}: {outcomes[r]}" for r in outcomes]
         # Each rank's account again in one line, last: a log cut to its head and tail (a CI excerpt)
         # still shows the root cause, not only the peer's lost connection that a long traceback ends on.
-        summary = [f"rank {r}: {_last_line(outcomes[r])}" for r in outcomes]
+        summary = [f"rank {r}: {_in_one_line(outcomes[r])}" for r in outcomes]
         message = "\n".join([header, *lines, "in short:", *summary])
         raise DistributedError(message, outcomes)
     return [results[r] for r in range(world_size)]
@@ -197,7 +197,7 @@ _CHAINED = re.compile(
 )
 
 
-def _last_line(account: str) -> str:
+def _in_one_line(account: str) -> str:
     """A rank's account in one line: the exception line of each traceback in a chain (the cause
     first), or the account itself when it is no traceback; each shortened."""
     ends = []

@@ -288,14 +288,13 @@ def _recompute_bytes(c: PlanContext, pp_rank: int) -> float:
 # -- buffers -----------------------------------------------------------------------------------
 
 
-def _unit_params(c: PlanContext, pp_rank: int) -> tuple[float, list[float], float]:
-    """Local parameter counts (after TP/EP) of the rank's FSDP units, unsharded: root (first
-    modules, or the tied head), each block (with its experts, a unit of their own), the head unit
-    (the last modules unless tied)."""
+def _unit_params(c: PlanContext, pp_rank: int) -> tuple[float, float]:
+    """Local parameter counts (after TP/EP) of the rank's root FSDP unit (first modules, or the tied
+    head) and head unit (the last modules unless tied), unsharded; the blocks' are
+    :func:`_gathered_blocks`'."""
     tp, ep = c.dims.tp, c.dims.ep
-    root, blocks, head = 0.0, [], 0.0
+    root, head = 0.0, 0.0
     for st in c.ranks[pp_rank]:
-        blocks += [c.table.blocks[b].local(tp, ep) for b in st.blocks]
         if st.first:
             root += c.table.first.local(tp, ep)
         if st.last:
@@ -303,14 +302,14 @@ def _unit_params(c: PlanContext, pp_rank: int) -> tuple[float, list[float], floa
                 root += c.table.last.local(tp, ep)
             else:
                 head += c.table.last.local(tp, ep)
-    return root, blocks, head
+    return root, head
 
 
 def _largest_unit(c: PlanContext, pp_rank: int) -> float:
     """The largest FSDP unit's local parameter count: the root, the head, a block's dense part or
     its experts (the reduce-scatter input is one unit's unsharded gradients)."""
     tp, ep = c.dims.tp, c.dims.ep
-    root, _, head = _unit_params(c, pp_rank)
+    root, head = _unit_params(c, pp_rank)
     parts = [root, head]
     for st in c.ranks[pp_rank]:
         for b in st.blocks:
@@ -327,7 +326,7 @@ def buffer_bytes(c: PlanContext, pp_rank: int) -> dict[str, float]:
         local = c.group(pp_rank).local(dims.tp, dims.ep)
         out["ddp_wire_cast"] = min(local, p.ddp.bucket_mb * 1e6 / 4) * DTYPE_BYTES[p.ddp.grad_dtype]
     if dims.fsdp_enabled:
-        root, _, head = _unit_params(c, pp_rank)
+        root, head = _unit_params(c, pp_rank)
         g = c.param_gather_bytes
         blocks = _gathered_blocks(c, [b for st in c.ranks[pp_rank] for b in st.blocks])
         if not c.reshard_after_forward:  # nothing is freed before backward: every unit stays gathered
